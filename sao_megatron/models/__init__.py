@@ -1,0 +1,1 @@
+"""Megatron-Core models: actor (GPT MoE), critic (value head), logprobs, HF name mapping."""

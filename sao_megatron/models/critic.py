@@ -1,0 +1,96 @@
+"""The critic: the actor's Megatron model with a scalar value head and frozen parameters.
+
+The paper trains a separate value network initialised from the same SFT checkpoint as the
+policy, with its attention frozen and its MoE projections (experts, router) trained. Here the
+critic is built from exactly the actor's spec (``builder.build_gpt``); only the LM head is
+replaced by :class:`ValueHead`, and :func:`freeze` applies regexes over parameter names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from sao_megatron.config import CriticConfig, ModelConfig, ParallelConfig
+from sao_megatron.models.builder import build_gpt
+
+
+class ValueHead(torch.nn.Module):
+    """Drop-in for ``GPTModel.output_layer`` mapping hidden states ``[s, b, h]`` to values ``[s, b, 1]``.
+
+    The weight is replicated on every TP rank. With sequence parallelism the incoming hidden
+    states are split along the sequence, so they are gathered first (its backward is a
+    reduce-scatter), which makes the value head's gradient identical on all TP ranks.
+    """
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool, init: str = "zero", dtype=torch.float32):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        if init == "normal":
+            torch.nn.init.normal_(self.weight, std=hidden_size**-0.5)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None, **kwargs):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=True
+            )
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(keep_vars=True), prefix, {}, sharded_offsets
+        )
+
+
+def build_critic(m: ModelConfig, p: ParallelConfig, c: CriticConfig, pre_process: bool | None = None,
+                 post_process: bool | None = None):  # fmt: skip
+    """The actor's model with ``output_layer`` replaced by a value head, then frozen per ``c``."""
+    model = build_gpt(m, p, bf16=c.bf16, pre_process=pre_process, post_process=post_process)
+    if model.post_process:
+        dtype = torch.bfloat16 if c.bf16 else torch.float32
+        model.output_layer = ValueHead(m.hidden_size, p.effective_sequence_parallel, c.value_head_init, dtype)
+    freeze(model, c.freeze_patterns, c.train_patterns)
+    return model
+
+
+def freeze(
+    model: torch.nn.Module, freeze_patterns: Iterable[str], train_patterns: Iterable[str] = ()
+) -> list[str]:
+    """Set ``requires_grad=False`` on parameters matching any ``freeze_patterns`` regex (``re.search``)
+    unless they also match a ``train_patterns`` regex. Returns the frozen names."""
+    frozen_re = [re.compile(p) for p in freeze_patterns]
+    train_re = [re.compile(p) for p in train_patterns]
+    frozen = []
+    for name, param in model.named_parameters():
+        if any(r.search(name) for r in frozen_re) and not any(r.search(name) for r in train_re):
+            param.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+def init_critic_from_actor(critic: torch.nn.Module, actor_state: dict[str, torch.Tensor]) -> list[str]:
+    """Copy the trunk of an actor's full-layout state (``layout.gather_full``) into a critic of any layout.
+
+    The LM head (``output_layer.*``) is skipped: the value head keeps its own initialisation.
+    Returns the local names copied. Raises ``ValueError`` when a trunk tensor is missing.
+    """
+    from sao_megatron.models import layout
+
+    trunk = {k: v for k, v in actor_state.items() if not k.startswith("output_layer.")}
+    loaded = layout.load_full(critic, trunk, strict=False)
+    missing = [
+        n for n, _ in critic.named_parameters() if n not in loaded and not n.startswith("output_layer.")
+    ]
+    if missing:
+        raise ValueError(
+            f"actor state lacks critic trunk tensors {missing[:3]}...; build both from one model config"
+        )
+    return loaded

@@ -1,0 +1,84 @@
+"""Process groups and seeding for one Megatron world (one role: actor or critic).
+
+Each role is its own ``torch.distributed`` world. Callers pass what they need explicitly; the
+only global state is Megatron's own ``parallel_state``, which this module initialises.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from sao_megatron.config import ParallelConfig
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
+                     backend: str = "auto", timeout_s: float = 600.0) -> None:  # fmt: skip
+    """Join the role's world (idempotent). CUDA device = local rank when CUDA exists."""
+    if dist.is_initialized():
+        return
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def initialize_model_parallel(p: ParallelConfig) -> None:
+    """Megatron process groups for ``p``; on CPU also makes Megatron-Core usable (gloo)."""
+    from megatron.core import parallel_state
+
+    from sao_megatron import megatron_cpu
+
+    megatron_cpu.apply()
+    if dist.get_world_size() != p.world_size:
+        raise ValueError(
+            f"parallel.world_size={p.world_size} but torch.distributed has {dist.get_world_size()} ranks; "
+            "start as many processes as world_size"
+        )
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_parallel,
+        pipeline_model_parallel_size=p.pipeline_parallel,
+        context_parallel_size=p.context_parallel,
+        expert_model_parallel_size=p.expert_parallel,
+        expert_tensor_parallel_size=p.expert_tensor_parallel,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, torch and Megatron's model-parallel RNG tracker.
+
+    Without CUDA the tracker is the inference one (its ``fork`` is a no-op, so TP-sharded
+    initialisation draws from the default CPU generator); dropout is 0 in our models, so
+    the choice does not change training. With CUDA the regular tracker is used.
+    """
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    cpu = not torch.cuda.is_available()
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu, force_reset_rng=cpu)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,155 @@
+"""One role's Megatron state on one rank: model, DDP wrapper, optimizer, LR schedule, steps.
+
+Loss normalisation contract: a ``loss_fn`` returns a micro-batch loss that is already divided
+by the *global* normaliser (e.g. action tokens in the whole batch over all DP ranks), so that
+summing every micro-batch on every DP rank gives the full-batch loss. Megatron's schedule
+divides each micro-batch loss by ``num_microbatches`` and DDP averages gradients over DP; the
+engine multiplies by both, so the resulting gradient is exactly the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from sao_megatron.config import CriticConfig, ModelConfig, OptimizerConfig, ParallelConfig
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (reduced over the role's world)."""
+
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate used for the step."""
+    updated: bool
+    """False when the optimizer skipped the step (non-finite gradients)."""
+
+
+def _megatron_optimizer_config(o: OptimizerConfig, p: ParallelConfig, bf16: bool):
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+    return MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+    )
+
+
+class MegatronRole:
+    """A model chunk wrapped in Megatron DDP with its optimizer and schedule (this rank's share)."""
+
+    def __init__(self, model: torch.nn.Module, parallel: ParallelConfig, optim: OptimizerConfig,
+                 bf16: bool = False, total_steps: int = 1_000_000):  # fmt: skip
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.parallel = parallel
+        config = model.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=parallel.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config, ddp_config, model)
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            _megatron_optimizer_config(optim, parallel, bf16), [self.model]
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
+            min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
+            lr_decay_steps=max(total_steps, optim.warmup_steps + 1), lr_decay_style="constant",
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+        )  # fmt: skip
+        self.steps = 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model.module
+
+    def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn, seq_length: int,
+                         forward_only: bool = False) -> list[dict]:  # fmt: skip
+        """Run the (pipelined) schedule over ``micro_batches``; returns per-micro-batch metrics
+        on the last pipeline stage (empty elsewhere). Each micro-batch dict needs ``tokens``
+        and ``positions`` ``[b, T]``; ``loss_fn(output, micro_batch)`` sees the model output
+        (vocab-parallel logits, or values for a critic) of the same micro-batch."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        scale = len(micro_batches) * ps.get_data_parallel_world_size()
+
+        def forward_step(data_iterator: Iterable, model):
+            micro = next(data_iterator)
+            output = model(micro["tokens"], micro["positions"], attention_mask=None)
+
+            def loss_func(output_tensor):
+                loss, metrics = loss_fn(output_tensor, micro)
+                return loss * scale, metrics
+
+            return output, loss_func
+
+        if not forward_only:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        b, _ = micro_batches[0]["tokens"].shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=b,
+            forward_only=forward_only,
+        )  # fmt: skip
+
+    def step(self) -> StepResult:
+        updated, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if updated:
+            self.scheduler.step(increment=1)
+            self.steps += 1
+        return StepResult(grad_norm=float(grad_norm or 0.0), lr=float(lr), updated=bool(updated))
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[dict], fn: Callable[[torch.Tensor, dict], torch.Tensor]) -> list:
+        """Forward-only pass without the pipeline schedule (PP=1); ``fn`` post-processes outputs."""
+        self.model.eval()
+        try:
+            return [
+                fn(self.model(m["tokens"], m["positions"], attention_mask=None), m) for m in micro_batches
+            ]
+        finally:
+            self.model.train()
+
+
+def build_actor_role(m: ModelConfig, actor, total_steps: int = 1_000_000) -> MegatronRole:
+    from sao_megatron.models.builder import build_gpt
+
+    model = build_gpt(m, actor.parallel, bf16=actor.bf16)
+    return MegatronRole(model, actor.parallel, actor.optim, actor.bf16, total_steps)
+
+
+def build_critic_role(m: ModelConfig, critic: CriticConfig, actor_state: dict | None = None,
+                      total_steps: int = 1_000_000) -> MegatronRole:  # fmt: skip
+    """The critic role; ``actor_state`` (full layout) initialises the trunk when given."""
+    from sao_megatron.models.critic import build_critic, init_critic_from_actor
+
+    model = build_critic(m, critic.parallel, critic)
+    if actor_state is not None:
+        init_critic_from_actor(model, actor_state)
+    return MegatronRole(model, critic.parallel, critic.optim, critic.bf16, total_steps)

@@ -1,0 +1,49 @@
+"""TP=2, EP=2 (allgather and alltoall), PP=2 give the single-rank logits and gradients (float32).
+
+All cases run in one spawned 2-rank gloo world (start-up dominates the cost); each test then
+asserts on its case's figures. Tolerance: max abs diff <= 1e-5.
+"""
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.models import parallel_cases
+
+TOL = 1e-5
+
+
+def _all_cases(rank, world):
+    return {
+        "tp": parallel_cases.case_tp(rank, world),
+        "ep_allgather": parallel_cases.case_ep(rank, world, "allgather"),
+        "ep_alltoall": parallel_cases.case_ep(rank, world, "alltoall"),
+        "pp": parallel_cases.case_pp(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_all_cases, 2, timeout_s=600)
+
+
+def test_tensor_parallel_matches_single_rank(results):
+    for r in results:
+        tp = r["tp"]
+        assert tp["logits"] <= TOL and tp["loss"] <= TOL, tp
+        assert tp["grads"] <= TOL, tp
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_expert_parallel_matches_single_rank(results, dispatcher):
+    for r in results:
+        ep = r[f"ep_{dispatcher}"]
+        assert ep["local_experts"] == 4
+        assert ep["logits"] <= TOL, ep
+        assert ep["expert_grads"] <= TOL and ep["dense_grads"] <= TOL, ep
+
+
+def test_pipeline_parallel_matches_single_rank(results):
+    assert sorted(r["pp"]["stage"] for r in results) == [0, 1]
+    for r in results:
+        assert r["pp"]["grads"] <= TOL, r["pp"]
+    assert [r["pp"]["loss"] <= TOL for r in results if "loss" in r["pp"]] == [True]

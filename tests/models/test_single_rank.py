@@ -1,0 +1,81 @@
+"""Single-process model tests: logprobs/entropy, parameter counts, freezing, the CPU patch guard."""
+
+import pytest
+import torch
+
+from sao_megatron import megatron_cpu
+from sao_megatron.config import CriticConfig, ParallelConfig, load_config
+from sao_megatron.models.logprobs import vocab_parallel_logprobs
+
+
+def test_logprobs_and_entropy_match_log_softmax_with_gradients():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 50, dtype=torch.float32, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 7))
+    logprobs, entropy = vocab_parallel_logprobs(logits, labels, temperature=0.7)
+    ref_all = torch.log_softmax(logits / 0.7, dim=-1)
+    ref = ref_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = -(ref_all.exp() * ref_all).sum(-1)
+    assert (logprobs - ref).abs().max() < 1e-5
+    assert (entropy - ref_entropy).abs().max() < 1e-5
+    assert not entropy.requires_grad
+    weights = torch.randn(3, 7)
+    (grad,) = torch.autograd.grad((logprobs * weights).sum(), logits)
+    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
+    assert (grad - ref_grad).abs().max() < 1e-5
+
+
+def test_logprobs_reject_bad_shapes():
+    with pytest.raises(ValueError, match="disagree"):
+        vocab_parallel_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), temperature=0)
+
+
+def test_cpu_patch_refuses_other_megatron_versions(monkeypatch):
+    monkeypatch.setattr(megatron_cpu, "_applied", False)
+    monkeypatch.setattr(megatron_cpu, "megatron_version", lambda: "0.99.0")
+    monkeypatch.setattr(megatron_cpu, "needed", lambda: True)
+    with pytest.raises(RuntimeError, match="supports megatron-core 0.19.2 only, found 0.99.0"):
+        megatron_cpu.apply()
+
+
+def _one_rank_world(rank, world):
+    from sao_megatron.models.builder import build_gpt, count_parameters
+    from sao_megatron.models.counting import parameter_counts
+    from sao_megatron.models.critic import build_critic
+    from sao_megatron.parallel import initialize_model_parallel, seed_everything
+
+    cfg = load_config()
+    p = ParallelConfig()
+    initialize_model_parallel(p)
+    seed_everything(0)
+    actor = build_gpt(cfg.model, p)
+    critic = build_critic(
+        cfg.model,
+        p,
+        CriticConfig(freeze_patterns=[r"\.self_attention\.", r"\.experts\."], train_patterns=[r"linear_fc2"]),
+    )
+    trainable = [n for n, q in critic.named_parameters() if q.requires_grad]
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+    values = critic(tokens, positions, attention_mask=None)
+    return {
+        "built": count_parameters(actor)["total"],
+        "formula": parameter_counts(cfg.model)["total"],
+        "values_shape": list(values.shape),
+        "values_zero": float(values.abs().max()),
+        "attention_trainable": [n for n in trainable if ".self_attention." in n],
+        "fc1_trainable": [n for n in trainable if "experts" in n and "linear_fc1" in n],
+        "fc2_trainable": len([n for n in trainable if "experts" in n and "linear_fc2" in n]),
+    }
+
+
+def test_counts_critic_head_and_freeze_patterns():
+    from tests.distributed import run_distributed
+
+    (r,) = run_distributed(_one_rank_world, 1)
+    assert r["built"] == r["formula"]
+    assert r["values_shape"] == [2, 16, 1] and r["values_zero"] == 0.0  # zero-initialised head
+    assert r["attention_trainable"] == [] and r["fc1_trainable"] == []
+    assert r["fc2_trainable"] == 4 * 8  # train_patterns re-enable expert fc2 in 4 layers x 8 experts

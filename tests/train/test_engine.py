@@ -1,0 +1,42 @@
+"""Megatron DDP + optimizer steps, the frozen-attention critic and resharded checkpoints (2 gloo ranks)."""
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.train import train_cases
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("ckpt") / "actor")
+    return run_distributed(train_cases.case_all, 2, directory, timeout_s=600)
+
+
+@pytest.mark.parametrize("case", ["ddp_distopt", "ddp_plain"])
+def test_ddp_steps_reduce_loss_and_keep_replicas_identical(results, case):
+    for r in results:
+        losses = r[case]["losses"]
+        assert losses[-1] < 0.9 * losses[0], losses
+    checksums = results[0][case]["checksums"]
+    assert abs(checksums[0] - checksums[1]) <= 1e-9 * max(1.0, abs(checksums[0])), checksums
+
+
+def test_distributed_optimizer_is_used(results):
+    assert results[0]["ddp_distopt"]["optimizer"] == ["DistributedOptimizer"]
+    assert "DistributedOptimizer" not in results[0]["ddp_plain"]["optimizer"]
+
+
+def test_frozen_attention_critic(results):
+    for r in results:
+        c = r["critic"]
+        assert c["trunk_equal"] == 0.0, "critic trunk must start as the actor's weights"
+        assert c["attention_changed"] == [], c["attention_changed"]
+        assert c["experts_unchanged"] == [] and c["router_unchanged"] == [], c
+        assert c["head_changed"] and c["frozen_all_attention"] and c["n_frozen"] > 0
+        assert c["losses"][-1] < c["losses"][0], c["losses"]
+
+
+def test_checkpoint_saved_at_tp1_loads_into_tp2(results):
+    for r in results:
+        assert r["ckpt"]["before"] > 1e-2, "the fresh model must differ before loading"
+        assert r["ckpt"]["after"] <= 1e-5, r["ckpt"]
