@@ -1,0 +1,72 @@
+"""Pure-math layer of SAO: policy/value losses, advantage estimators, baselines, masked reductions.
+
+Tensors and scalars in, ``(tensor(s), metrics)`` out; metrics are flat ``dict[str, float]`` of python
+floats. Imports only torch and the standard library: no Megatron, Ray, SGLang or CUDA at import time.
+See docs/algo.md for every formula, default and how metrics reduce across data-parallel ranks.
+"""
+
+from sao_megatron.algo._segments import segment_ids_from_cu_seqlens
+from sao_megatron.algo.advantages import (
+    STEP_MODES,
+    gae,
+    gae_reference,
+    length_adaptive_lambda,
+    reverse_discounted_cumsum,
+    step_gae,
+    whiten_advantages,
+)
+from sao_megatron.algo.aggregation import AGG_MODES, count_sequences, loss_weights
+from sao_megatron.algo.baselines import (
+    GlobalRunningMeanBaseline,
+    PromptRunningMeanBaseline,
+    broadcast_to_tokens,
+    grpo_advantages,
+    rloo_advantages,
+)
+from sao_megatron.algo.masked import (
+    masked_mean,
+    masked_quantiles,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    metrics_to_floats,
+)
+from sao_megatron.algo.policy_loss import (
+    POLICY_LOSSES,
+    dis_loss,
+    policy_loss,
+    ppo_clip_loss,
+    vanilla_pg_loss,
+)
+from sao_megatron.algo.value_loss import value_loss
+
+__all__ = [
+    "AGG_MODES",
+    "POLICY_LOSSES",
+    "STEP_MODES",
+    "GlobalRunningMeanBaseline",
+    "PromptRunningMeanBaseline",
+    "broadcast_to_tokens",
+    "count_sequences",
+    "dis_loss",
+    "gae",
+    "gae_reference",
+    "grpo_advantages",
+    "length_adaptive_lambda",
+    "loss_weights",
+    "masked_mean",
+    "masked_quantiles",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "metrics_to_floats",
+    "policy_loss",
+    "ppo_clip_loss",
+    "reverse_discounted_cumsum",
+    "rloo_advantages",
+    "segment_ids_from_cu_seqlens",
+    "step_gae",
+    "vanilla_pg_loss",
+    "value_loss",
+    "whiten_advantages",
+]
