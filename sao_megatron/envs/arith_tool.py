@@ -1,0 +1,123 @@
+"""arith_tool: a synthetic calculator task a tiny model can learn on CPU.
+
+Question ``What is 37*12+5?``; the intended trajectory is::
+
+    <tool>37*12+5</tool><|end|>  ->  observation 449  ->  <answer>449</answer><|end|>
+
+Prompts are unlimited: ``(seed, split, index)`` seeds a generator (``random.Random`` seeded by a
+string, so identical on every machine and Python run). The split is decided by a SHA-256 of the
+expression text (``heldout_fraction`` of all expressions are held out), and each split rejects
+the other's expressions, so train and heldout never share a question. The calculator is the
+exact AST evaluator of :mod:`sao_megatron.envs.safe_eval` (no sandbox needed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from sao_megatron.envs.base import Sample, Split, Task, check_split
+from sao_megatron.envs.format import Turn, final_answer, tool_call
+from sao_megatron.envs.registry import register_env
+from sao_megatron.envs.safe_eval import calculator, evaluate, format_number
+from sao_megatron.envs.tool_env import ToolEnv
+
+
+def in_heldout(expression: str, heldout_fraction: float) -> bool:
+    """Content-based split: the same expression always lands in the same split."""
+    digest = int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "big")
+    return digest % 1_000_000 < heldout_fraction * 1_000_000
+
+
+class ArithTask(Task):
+    """Seeded arithmetic prompts with difficulty knobs.
+
+    Args:
+        min_operands / max_operands: operand count range (inclusive), >= 2.
+        min_digits / max_digits: digit count range of each operand (inclusive), >= 1.
+        ops: operator characters to draw from (subset of ``+-*``).
+        seed: generator seed; different seeds give different (equally disjoint) streams.
+        heldout_fraction: share of expressions reserved for ``heldout``, in (0, 1).
+    """
+
+    def __init__(
+        self,
+        min_operands: int = 2,
+        max_operands: int = 3,
+        min_digits: int = 1,
+        max_digits: int = 2,
+        ops: str = "+-*",
+        seed: int = 0,
+        heldout_fraction: float = 0.2,
+    ) -> None:
+        if not 2 <= min_operands <= max_operands:
+            raise ValueError(f"need 2 <= min_operands <= max_operands, got {min_operands}, {max_operands}")
+        if not 1 <= min_digits <= max_digits <= 9:
+            raise ValueError(f"need 1 <= min_digits <= max_digits <= 9, got {min_digits}, {max_digits}")
+        if not ops or set(ops) - set("+-*"):
+            raise ValueError(f"ops must be a non-empty subset of '+-*', got {ops!r}")
+        if not 0.0 < heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+        self.min_operands, self.max_operands = min_operands, max_operands
+        self.min_digits, self.max_digits = min_digits, max_digits
+        self.ops, self.seed, self.heldout_fraction = ops, seed, heldout_fraction
+
+    def _expression(self, rng: random.Random) -> str:
+        n = rng.randint(self.min_operands, self.max_operands)
+        parts = []
+        for i in range(n):
+            digits = rng.randint(self.min_digits, self.max_digits)
+            lo = 0 if digits == 1 else 10 ** (digits - 1)
+            parts.append(str(rng.randint(lo, 10**digits - 1)))
+            if i < n - 1:
+                parts.append(rng.choice(self.ops))
+        return "".join(parts)
+
+    def get(self, split: Split, index: int) -> Sample:
+        split = check_split(split)
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        rng = random.Random(f"arith_tool:{self.seed}:{split}:{index}")
+        want_heldout = split == "heldout"
+        while True:
+            expr = self._expression(rng)
+            if in_heldout(expr, self.heldout_fraction) == want_heldout:
+                break
+        answer = format_number(evaluate(expr))
+        return Sample(
+            prompt_id=f"arith_tool:{self.seed}:{split}:{index}",
+            question=f"What is {expr}?",
+            answer=answer,
+            meta={"expression": expr},
+        )
+
+
+@register_env("arith_tool")
+class ArithToolEnv(ToolEnv):
+    """Calculator tool + answer; reward 1.0 iff the answer equals the exact value.
+
+    The answer must be the integer (``449``; ``+449``/`` 449 `` are accepted, ``449.0`` is not).
+    Using the tool is not required for the reward; the demonstrations always use it.
+    """
+
+    task_class = ArithTask
+
+    def __init__(
+        self, max_turns: int = 3, format_penalty: float = 0.0, max_observation_chars: int = 64
+    ) -> None:
+        super().__init__(max_turns, format_penalty, max_observation_chars)
+
+    def run_tool(self, code: str) -> str:
+        return calculator(code.strip())
+
+    def check(self, answer: str, sample: Sample) -> bool:
+        text = answer.strip().lstrip("+")
+        return text == sample.answer
+
+    def demonstration(self, sample: Sample) -> list[Turn]:
+        expr = str(sample.meta["expression"])
+        return [
+            ("assistant", tool_call(expr)),
+            ("tool", calculator(expr)),
+            ("assistant", final_answer(sample.answer)),
+        ]

@@ -1,0 +1,130 @@
+"""The environment plugin interface: a :class:`Task` (the prompts) and an :class:`Env` (one episode).
+
+Dataflow of one episode (the rollout worker drives it)::
+
+    sample = task.get("train", index)        # deterministic: same (split, index) -> same sample
+    env = make_env(name, **env_kwargs)       # one Env instance per episode; it holds the state
+    question = env.reset(sample)             # prompt text -> format.render_prompt(question)
+    loop: action = model(...)                # text ending with <|end|>
+          step = env.step(action)            # or `await env.astep(action)` in async workers
+          if step.done: break
+          append format.render_observation(step.observation)
+    result = env.reward()                    # RewardResult(reward, correct, details)
+
+Tasks index prompts by ``(split, index)`` with ``index >= 0``: a resumable cursor is just the
+next index. ``train`` and ``heldout`` never share a question.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from sao_megatron.envs.format import Turn
+
+Split = Literal["train", "heldout"]
+SPLITS: tuple[Split, ...] = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt. ``prompt_id`` is unique and stable across runs; ``answer`` may be empty."""
+
+    prompt_id: str
+    question: str
+    answer: str
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment returns after one action.
+
+    ``observation`` is the tool output to append (rendered with ``format.render_observation``);
+    it is None exactly when ``done`` (answer given, single-turn task, or turn limit reached).
+    """
+
+    observation: str | None
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Episode reward. ``correct`` is None for tasks without a ground truth (e.g. preferences)."""
+
+    reward: float
+    correct: bool | None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def check_split(split: str) -> Split:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}: use one of {SPLITS}")
+    return split  # type: ignore[return-value]
+
+
+class Task(ABC):
+    """The prompt side of an environment: deterministic ``(split, index) -> Sample``."""
+
+    @abstractmethod
+    def get(self, split: Split, index: int) -> Sample:
+        """The sample at ``index`` (>= 0) of ``split``; finite tasks wrap around their size."""
+
+    def size(self, split: Split) -> int | None:
+        """Number of distinct samples in ``split``; None when unlimited."""
+        return None
+
+    def iterate(self, split: Split, start: int = 0) -> Iterator[tuple[int, Sample]]:
+        """Yield ``(index, sample)`` from ``start`` on, forever; resume with ``start=last + 1``."""
+        index = start
+        while True:
+            yield index, self.get(split, index)
+            index += 1
+
+    def sample_prompts(self, split: Split, n: int, seed: int) -> list[Sample]:
+        """``n`` samples drawn by a seeded RNG (distinct while ``n`` <= size); deterministic."""
+        rng = random.Random(f"sample_prompts:{seed}")
+        size = self.size(split)
+        if size is None:
+            indices = rng.sample(range(1 << 40), n)
+        else:
+            indices = []
+            while len(indices) < n:
+                indices += rng.sample(range(size), min(size, n - len(indices)))
+        return [self.get(split, i) for i in indices]
+
+
+class Env(ABC):
+    """One episode of an environment. Create a fresh instance per episode.
+
+    Subclasses set ``task_class`` (built by ``make_task``) and implement :meth:`reset`,
+    :meth:`step` and :meth:`reward`. ``step`` must never raise on model output: malformed
+    actions become an observation or end the episode. Async workers call :meth:`astep`, which
+    subclasses with slow tools (sandboxes, judges) override to avoid blocking the event loop.
+    """
+
+    task_class: ClassVar[type[Task]]
+
+    @abstractmethod
+    def reset(self, sample: Sample) -> str:
+        """Start the episode on ``sample``; returns the user question text."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply one model action (text, with or without the trailing ``<|end|>``)."""
+
+    async def astep(self, action: str) -> StepResult:
+        """Async :meth:`step`; the default runs it inline (fine for fast, CPU-light tools)."""
+        return self.step(action)
+
+    @abstractmethod
+    def reward(self) -> RewardResult:
+        """The episode's reward; valid once :meth:`step` returned ``done``."""
+
+    def demonstration(self, sample: Sample) -> list[Turn]:
+        """An expert trajectory for SFT (actions end with ``<|end|>``); optional."""
+        raise NotImplementedError(f"{type(self).__name__} provides no demonstrations")

@@ -1,0 +1,127 @@
+"""arith_tool: deterministic prompts, disjoint splits, exact rewards, demonstrations."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from sao_megatron.envs import make_env, make_task
+from sao_megatron.envs.arith_tool import ArithTask, ArithToolEnv
+from sao_megatron.envs.format import final_answer, tool_call
+
+
+def _play(env: ArithToolEnv, sample, actions: list[str]) -> list:
+    env.reset(sample)
+    steps = []
+    for action in actions:
+        steps.append(env.step(action))
+        if steps[-1].done:
+            break
+    return steps
+
+
+def test_get_is_deterministic_across_instances() -> None:
+    a, b = ArithTask(), ArithTask()
+    for split in ("train", "heldout"):
+        assert [a.get(split, i) for i in range(50)] == [b.get(split, i) for i in range(50)]
+    assert ArithTask(seed=1).get("train", 0) != a.get("train", 0) or ArithTask(seed=1).get(
+        "train", 1
+    ) != a.get("train", 1)
+
+
+def test_splits_are_disjoint_by_content() -> None:
+    task = ArithTask()
+    train = {task.get("train", i).question for i in range(3000)}
+    heldout = {task.get("heldout", i).question for i in range(1000)}
+    assert not train & heldout
+    assert len(heldout) > 500  # not degenerate
+
+
+def test_answers_are_exact_values() -> None:
+    task = ArithTask(max_operands=4, max_digits=3)
+    for i in range(300):
+        sample = task.get("train", i)
+        expr = sample.meta["expression"]
+        assert re.fullmatch(r"\d+([-+*]\d+)+", expr)
+        assert sample.answer == str(eval(expr))  # our own generated digits and operators only
+        assert sample.question == f"What is {expr}?"
+        assert sample.prompt_id == f"arith_tool:0:train:{i}"
+
+
+def test_difficulty_knobs() -> None:
+    task = ArithTask(min_operands=3, max_operands=3, min_digits=2, max_digits=2, ops="*")
+    for i in range(100):
+        operands = task.get("train", i).meta["expression"].split("*")
+        assert len(operands) == 3 and all(len(x) == 2 for x in operands)
+    for bad in (dict(min_operands=1), dict(min_digits=0), dict(ops="/"), dict(heldout_fraction=1.0)):
+        with pytest.raises(ValueError):
+            ArithTask(**bad)
+    with pytest.raises(ValueError):
+        ArithTask().get("validation", 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ArithTask().get("train", -1)
+
+
+def test_demonstration_replay_earns_reward_one() -> None:
+    task, env = make_task("arith_tool", max_operands=4, max_digits=3), make_env("arith_tool")
+    for i in range(200):
+        sample = task.get("train" if i % 2 else "heldout", i)
+        demo = env.demonstration(sample)
+        assert [role for role, _ in demo] == ["assistant", "tool", "assistant"]
+        env.reset(sample)
+        step = env.step(demo[0][1])
+        assert step.observation == demo[1][1] == sample.answer and not step.done
+        assert env.step(demo[2][1]).done
+        result = env.reward()
+        assert result.reward == 1.0 and result.correct is True
+        assert result.details["tool_calls"] == 1 and result.details["malformed"] == 0
+
+
+def test_wrong_missing_and_malformed_answers() -> None:
+    sample = ArithTask().get("train", 0)
+    env = ArithToolEnv(format_penalty=0.1)
+    _play(env, sample, [final_answer(str(int(sample.answer) + 1))])
+    assert env.reward().reward == 0.0 and env.reward().correct is False
+    steps = _play(env, sample, ["I think 5", final_answer(sample.answer)])
+    assert steps[0].observation.startswith("Error: malformed action") and not steps[0].done
+    assert env.reward().reward == pytest.approx(0.9)  # correct, minus the format penalty
+    steps = _play(env, sample, [tool_call("1+1")] * 5)
+    assert len(steps) == 3 and steps[-1].done and steps[-1].info["truncated"]  # max_turns=3
+    assert env.reward().reward == 0.0 and env.reward().details["truncated"]
+
+
+def test_answer_without_tool_is_still_graded() -> None:
+    sample = ArithTask().get("train", 1)
+    env = ArithToolEnv()
+    _play(env, sample, [final_answer(f" +{sample.answer} ")])
+    assert env.reward().correct
+
+
+def test_calculator_errors_are_observations() -> None:
+    env = ArithToolEnv()
+    env.reset(ArithTask().get("train", 0))
+    assert env.step(tool_call("__import__('os')")).observation.startswith("Error:")
+    assert env.step(tool_call("1/0")).observation == "Error: division by zero"
+
+
+def test_step_outside_episode_raises_and_astep_matches_step() -> None:
+    env = ArithToolEnv()
+    with pytest.raises(RuntimeError):
+        env.step(final_answer("1"))
+    sample = ArithTask().get("train", 2)
+    env.reset(sample)
+    step = asyncio.run(env.astep(tool_call(sample.meta["expression"])))
+    assert step.observation == sample.answer
+
+
+def test_sample_prompts_and_iterate_are_resumable() -> None:
+    task = ArithTask()
+    assert task.sample_prompts("train", 8, seed=3) == task.sample_prompts("train", 8, seed=3)
+    assert task.sample_prompts("train", 8, seed=3) != task.sample_prompts("train", 8, seed=4)
+    it = task.iterate("train")
+    first = [next(it) for _ in range(5)]
+    resumed = task.iterate("train", start=first[2][0] + 1)
+    assert next(resumed) == first[3]
+    assert task.size("train") is None
