@@ -9,12 +9,13 @@ PYTEST_ARGS ?=
 
 .PHONY: venv run test test-fast lint format clean-venv
 
-$(STAMP): requirements/base.txt pyproject.toml
+$(STAMP): requirements/base.txt requirements/sglang-cpu.txt requirements/sglang-nodeps.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
 	$(PY) -m pip install --quiet -r requirements/base.txt 2>&1 | grep -v "is ignored" ; test $${PIPESTATUS[0]} -eq 0
+	$(PY) -m pip install --quiet -r requirements/sglang-cpu.txt 2>&1 | grep -v "is ignored" ; test $${PIPESTATUS[0]} -eq 0
+	$(PY) -m pip install --quiet --no-deps -r requirements/sglang-nodeps.txt 2>&1 | grep -v "is ignored" ; test $${PIPESTATUS[0]} -eq 0
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored" ; test $${PIPESTATUS[0]} -eq 0
-	$(PY) -c "import torch, megatron.core, transformers, ray, yaml, rich; print('environment ok: torch', torch.__version__)"
+	$(PY) -c "import torch, megatron.core, transformers, ray, yaml, rich, sglang; print('environment ok: torch', torch.__version__)"
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,0 +1,147 @@
+"""The ready buffer: finished trajectories wait here until the learner takes a batch.
+
+Admission bounds staleness: a trajectory whose oldest action token was generated more than
+``max_policy_lag`` versions before the current policy is dropped (and counted). Failed
+episodes are dropped with their reason. Batches:
+
+- SAO (``group_size == 1``): the first ``batch_size`` admitted trajectories, each from a
+  distinct prompt, in admission order (no barrier: whatever finished first trains first).
+- GRPO baselines (``group_size == G``): ``batch_size / G`` complete groups; a group is
+  eligible once all G siblings are admitted, and the time its first finished member waited
+  for the last one is recorded as *group wait*.
+
+A trajectory is handed out at most once (checked). :meth:`state_dict` captures everything
+needed to resume: waiting trajectories, incomplete groups and counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from sao_megatron.records import Trajectory
+
+
+@dataclass
+class BufferStats:
+    """Counters since the start of the run (checkpointed)."""
+
+    admitted: int = 0
+    handed_out: int = 0
+    dropped_stale: int = 0
+    dropped_failed: Counter = field(default_factory=Counter)
+    group_waits_s: list[float] = field(default_factory=list)
+
+
+class ReadyBuffer:
+    def __init__(self, batch_size: int, group_size: int = 1, max_policy_lag: int | None = None):
+        if batch_size < 1 or group_size < 1 or batch_size % group_size:
+            raise ValueError(
+                f"batch_size={batch_size} must be a positive multiple of group_size={group_size}"
+            )
+        if max_policy_lag is not None and max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag={max_policy_lag} must be >= 0 or None (unbounded)")
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.max_policy_lag = max_policy_lag
+        self.stats = BufferStats()
+        self._groups: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self._group_first_finish: dict[str, float] = {}
+        self._handed: set[tuple[str, str, int]] = set()
+
+    @staticmethod
+    def key(t: Trajectory) -> tuple[str, str, int]:
+        """Identity of one rollout: (group or prompt, prompt id, position in group)."""
+        return (t.group_id or t.prompt_id, t.prompt_id, int(t.reward_details.get("group_index", 0)))
+
+    def lag(self, t: Trajectory, current_version: int) -> int:
+        """Versions between the oldest action token and the current policy."""
+        return current_version - max(t.min_version, 0)
+
+    def admit(self, t: Trajectory, current_version: int) -> bool:
+        """Add a finished trajectory; False when it is dropped (failed or too stale)."""
+        if t.status == "failed":
+            self.stats.dropped_failed[t.status_reason.split(":")[0] or "unknown"] += 1
+            return False
+        if self.max_policy_lag is not None and self.lag(t, current_version) > self.max_policy_lag:
+            self.stats.dropped_stale += 1
+            return False
+        if self.key(t) in self._handed:
+            raise ValueError(f"trajectory {self.key(t)} was already handed to the learner")
+        group = t.group_id or t.prompt_id
+        self._groups.setdefault(group, []).append(t)
+        self._group_first_finish.setdefault(group, t.finished_at or time.time())
+        self.stats.admitted += 1
+        return True
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def _complete_groups(self) -> list[str]:
+        return [g for g, members in self._groups.items() if len(members) >= self.group_size]
+
+    def ready(self) -> bool:
+        return len(self._complete_groups()) * self.group_size >= self.batch_size
+
+    def take(self) -> list[Trajectory] | None:
+        """The next batch, or None when not enough complete groups are waiting."""
+        complete = self._complete_groups()
+        needed = self.batch_size // self.group_size
+        if len(complete) < needed:
+            return None
+        batch: list[Trajectory] = []
+        for group in complete[:needed]:
+            members = self._groups.pop(group)[: self.group_size]
+            first = self._group_first_finish.pop(group)
+            if self.group_size > 1:
+                self.stats.group_waits_s.append(max(m.finished_at for m in members) - first)
+            batch.extend(members)
+        for t in batch:
+            k = self.key(t)
+            if k in self._handed:
+                raise AssertionError(f"trajectory {k} handed out twice")
+            self._handed.add(k)
+        self.stats.handed_out += len(batch)
+        return batch
+
+    def discard_stale(self, current_version: int) -> int:
+        """Drop waiting trajectories that became too stale while they waited; returns how many."""
+        if self.max_policy_lag is None:
+            return 0
+        dropped = 0
+        for group in list(self._groups):
+            keep = [t for t in self._groups[group] if self.lag(t, current_version) <= self.max_policy_lag]
+            dropped += len(self._groups[group]) - len(keep)
+            if keep:
+                self._groups[group] = keep
+            else:
+                del self._groups[group]
+                self._group_first_finish.pop(group, None)
+        self.stats.dropped_stale += dropped
+        return dropped
+
+    def waiting(self) -> list[Trajectory]:
+        return [t for members in self._groups.values() for t in members]
+
+    def state_dict(self) -> dict:
+        return {
+            "waiting": [t.to_dict() for t in self.waiting()],
+            "first_finish": dict(self._group_first_finish),
+            "handed": sorted(list(k) for k in self._handed),
+            "stats": {"admitted": self.stats.admitted, "handed_out": self.stats.handed_out,
+                      "dropped_stale": self.stats.dropped_stale,
+                      "dropped_failed": dict(self.stats.dropped_failed),
+                      "group_waits_s": list(self.stats.group_waits_s)},
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self._groups.clear()
+        for data in state["waiting"]:
+            t = Trajectory.from_dict(data)
+            self._groups.setdefault(t.group_id or t.prompt_id, []).append(t)
+        self._group_first_finish = dict(state["first_finish"])
+        self._handed = {tuple(k) for k in state["handed"]}
+        s = state["stats"]
+        self.stats = BufferStats(s["admitted"], s["handed_out"], s["dropped_stale"],
+                                 Counter(s["dropped_failed"]), list(s["group_waits_s"]))  # fmt: skip

@@ -1,0 +1,92 @@
+"""Records that cross a stage boundary (rollout -> buffer -> learner). Typed, required fields.
+
+Units: token counts are tokens; times are seconds on ``time.time()`` (wall clock, comparable
+across processes on one machine); logprobs are natural-log probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Status = Literal["finished", "truncated", "failed"]
+
+OBSERVATION_VERSION = -1
+"""``policy_versions`` entry of tokens the model did not generate (prompt, observations)."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One action span of the response: ``response_ids[start:end]`` are model-generated."""
+
+    start: int
+    end: int
+
+
+@dataclass
+class Trajectory:
+    """One finished episode: the prompt, the interleaved response and everything the loss needs.
+
+    ``response_ids``, ``action_mask``, ``behavior_logprobs`` and ``policy_versions`` all have
+    one entry per response token. ``action_mask`` is 1 on model-generated tokens (actions,
+    including their stop token) and 0 on observation tokens written by tools or the
+    environment; ``behavior_logprobs`` is the engine's logprob of each action token when it
+    was sampled (0.0 on observations); ``policy_versions`` is the weight version that
+    generated each action token (``OBSERVATION_VERSION`` on observations), so one action that
+    spans a weight update carries both versions.
+    """
+
+    prompt_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action_mask: list[int]
+    behavior_logprobs: list[float]
+    policy_versions: list[int]
+    turns: list[Turn]
+    reward: float
+    status: Status
+    status_reason: str = ""
+    correct: bool | None = None
+    reward_details: dict[str, Any] = field(default_factory=dict)
+    split: str = "train"
+    sample_index: int = -1
+    """The task index of the prompt (the dataset cursor position it came from)."""
+    group_id: str = ""
+    """Prompts sampled G times share a group id (GRPO); empty for single rollouts (SAO)."""
+    submitted_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    engine: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        for name in ("action_mask", "behavior_logprobs", "policy_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Trajectory {self.prompt_id}: {name} has {len(getattr(self, name))} "
+                                 f"entries for {n} response tokens")  # fmt: skip
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def min_version(self) -> int:
+        versions = [v for v, m in zip(self.policy_versions, self.action_mask, strict=True) if m]
+        return min(versions) if versions else OBSERVATION_VERSION
+
+    @property
+    def max_version(self) -> int:
+        return max(self.policy_versions, default=OBSERVATION_VERSION)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        data = dict(data)
+        data["turns"] = [Turn(**t) if isinstance(t, dict) else Turn(*t) for t in data["turns"]]
+        return cls(**data)

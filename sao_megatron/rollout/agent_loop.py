@@ -1,0 +1,138 @@
+"""One multi-turn episode against an engine: token-in/token-out, behavior logprobs, versions.
+
+    prompt ids = tokenize(<|user|>q<|assistant|>)            (action_mask: not in response)
+    repeat:  action   = engine.generate(context ids)        (action_mask 1, logprob, version)
+             step     = env.step(decode(action))
+             if done: break
+             obs ids  = tokenize(<|tool|>output<|assistant|>) (action_mask 0)
+    until:   answer, max turns, max response tokens or max context
+    reward   = env.reward()
+
+Earlier turns are never re-tokenised: the context is the exact id sequence the engine saw
+plus the ids it produced. Failures (engine errors, timeouts, a broken environment) end the
+episode with ``status="failed"`` and a reason; they never raise to the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from sao_megatron.envs.base import Env, Sample
+from sao_megatron.envs.format import END, render_observation, render_prompt
+from sao_megatron.records import OBSERVATION_VERSION, Trajectory, Turn
+from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    """Limits and sampling of one episode."""
+
+    max_turns: int = 4
+    """Model actions per episode (the paper: up to 50 for math, 300 for SWE)."""
+    max_new_tokens: int = 64
+    """Tokens per action."""
+    max_response_tokens: int = 512
+    """Actions plus observations after the prompt."""
+    max_context_tokens: int = 1024
+    """Prompt plus response; must fit the engine's context."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    generate_timeout_s: float = 300.0
+
+
+@dataclass
+class _Episode:
+    response_ids: list[int]
+    action_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    turns: list[Turn]
+
+    def add_action(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        start = len(self.response_ids)
+        self.response_ids += ids
+        self.action_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+        self.turns.append(Turn(start, len(self.response_ids)))
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.action_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [OBSERVATION_VERSION] * len(ids)
+
+
+def _version(label: str) -> int:
+    try:
+        return int(label)
+    except ValueError:
+        return 0  # the engine's initial weights ("default") are version 0
+
+
+class AgentLoop:
+    """Runs episodes of one environment class against one engine client."""
+
+    def __init__(self, client: EngineClient, tokenizer, cfg: AgentLoopConfig, engine_name: str = ""):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.engine_name = engine_name or client.url
+        self.end_id = tokenizer.convert_tokens_to_ids(END)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def run(self, env: Env, sample: Sample, split: str = "train", index: int = -1,
+                  submitted_at: float | None = None) -> Trajectory:  # fmt: skip
+        started = time.time()
+        prompt_ids: list[int] = []
+        ep = _Episode([], [], [], [], [])
+        status, reason = "finished", ""
+        try:
+            prompt_ids = self.encode(render_prompt(env.reset(sample)))
+            status, reason = await self._turns(env, prompt_ids, ep)
+            result = env.reward()
+            reward, correct, details = result.reward, result.correct, dict(result.details)
+        except EngineError as err:
+            status, reason, reward, correct, details = "failed", f"engine: {err}", 0.0, None, {}
+        except Exception as err:  # a broken environment must not stop the manager
+            status, reason, reward, correct, details = "failed", f"{type(err).__name__}: {err}", 0.0, None, {}
+        return Trajectory(
+            prompt_id=sample.prompt_id, prompt_ids=prompt_ids, response_ids=ep.response_ids,
+            action_mask=ep.action_mask, behavior_logprobs=ep.logprobs, policy_versions=ep.versions,
+            turns=ep.turns, reward=float(reward), status=status, status_reason=reason, correct=correct,
+            reward_details=details, split=split, sample_index=index,
+            submitted_at=submitted_at if submitted_at is not None else started, started_at=started,
+            finished_at=time.time(), engine=self.engine_name,
+        )  # fmt: skip
+
+    async def _turns(self, env: Env, prompt_ids: list[int], ep: _Episode) -> tuple[str, str]:
+        cfg = self.cfg
+        for _ in range(cfg.max_turns):
+            budget = min(cfg.max_new_tokens, cfg.max_response_tokens - len(ep.response_ids),
+                         cfg.max_context_tokens - len(prompt_ids) - len(ep.response_ids))  # fmt: skip
+            if budget <= 0:
+                return "truncated", "token budget exhausted"
+            sampling = SamplingParams(max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
+                                      stop_token_ids=(self.end_id,))  # fmt: skip
+            gen = await self.client.generate(
+                prompt_ids + ep.response_ids, sampling, timeout_s=cfg.generate_timeout_s
+            )
+            if gen.finish_reason == "abort":
+                return "failed", "generation aborted by the engine"
+            if not gen.output_ids:
+                return "failed", "engine returned no tokens"
+            ep.add_action(gen.output_ids, gen.logprobs, [_version(v) for v in gen.versions])
+            step = await env.astep(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False))
+            if step.done:
+                return "finished", ""
+            if (
+                gen.finish_reason == "length"
+                and gen.output_ids[-1] != self.end_id
+                and len(ep.turns) >= cfg.max_turns
+            ):
+                return "truncated", "action cut at max_new_tokens"
+            ep.add_observation(self.encode(render_observation(step.observation or "")))
+        return "truncated", f"max_turns={cfg.max_turns} reached without an answer"

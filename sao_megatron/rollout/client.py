@@ -1,0 +1,228 @@
+"""Async client for SGLang's native HTTP API (token-in / token-out, with logprobs and versions).
+
+``/generate`` may go through an ``sglang-router``; control calls (pause, continue, abort,
+weight updates, cache flush) go to each engine directly because the router does not proxy
+them (measured on sglang-router 0.3.2).
+
+Every response is parsed into typed records; transport errors, timeouts and non-200 answers
+raise :class:`EngineError` with the endpoint, status and body, which the agent loop turns into
+a per-episode status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """An engine call failed: transport error, timeout, HTTP status != 200 or a refused update."""
+
+    def __init__(self, endpoint: str, message: str, status: int | None = None):
+        super().__init__(f"{endpoint}: {message}" + (f" (HTTP {status})" if status is not None else ""))
+        self.endpoint = endpoint
+        self.status = status
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang ``sampling_params`` for one action."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One ``/generate`` answer: new tokens with their behavior logprobs and weight versions."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    """Per output token: log p(token | prefix) under the engine's sampling distribution."""
+    versions: list[str]
+    """Per output token: the weight version that produced it (a span may cross an update)."""
+    finish_reason: str
+    """``stop`` (stop token/string), ``length`` (max_new_tokens) or ``abort``."""
+    prompt_tokens: int
+    latency_s: float
+
+
+def expand_versions(spans: list[dict] | None, n: int, default: str) -> list[str]:
+    """``[{"version": v, "start": s, "end": e}, ...]`` -> one version per output token."""
+    versions = [default] * n
+    for span in spans or []:
+        for i in range(max(0, span["start"]), min(n, span["end"])):
+            versions[i] = str(span["version"])
+    return versions
+
+
+def parse_generation(body: dict, latency_s: float = 0.0) -> Generation:
+    meta = body.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise EngineError(
+            "/generate", "response has no meta_info.output_token_logprobs; send return_logprob=true"
+        )
+    output_ids = [int(e[1]) for e in entries]
+    if body.get("output_ids") is not None and list(body["output_ids"]) != output_ids:
+        raise EngineError("/generate", "output_ids disagree with output_token_logprobs")
+    reason = meta.get("finish_reason") or {}
+    return Generation(
+        output_ids=output_ids,
+        logprobs=[float(e[0]) for e in entries],
+        versions=expand_versions(
+            meta.get("weight_versions"), len(output_ids), str(meta.get("weight_version"))
+        ),
+        finish_reason=str(reason.get("type", "unknown")) if isinstance(reason, dict) else str(reason),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        latency_s=latency_s,
+    )
+
+
+class EngineClient:
+    """Calls one engine (or a router for ``/generate``). Use as ``async with EngineClient(url):``."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0, max_connections: int = 1024):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EngineClient:
+        connector = aiohttp.TCPConnector(limit=self.max_connections)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(
+        self, method: str, endpoint: str, payload: dict | None = None, timeout_s: float | None = None
+    ):
+        if self._session is None:
+            raise EngineError(endpoint, "client is not open; use 'async with EngineClient(url)'")
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._session.request(
+                method, self.url + endpoint, json=payload, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise EngineError(endpoint, text[:500], resp.status)
+                return await resp.json(content_type=None) if text else {}
+        except TimeoutError as err:
+            raise EngineError(endpoint, f"timed out after {timeout.total:.0f} s") from err
+        except aiohttp.ClientError as err:
+            raise EngineError(endpoint, f"{type(err).__name__}: {err}") from err
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
+                       timeout_s: float | None = None) -> Generation:  # fmt: skip
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling.to_json(),
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        body = await self._call("POST", "/generate", payload, timeout_s)
+        return parse_generation(body, loop.time() - t0)
+
+    async def score(self, input_ids: list[int], start: int) -> list[float]:
+        """Prefill logprobs of ``input_ids[start:]`` given their prefixes (no sampling)."""
+        payload = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 0},
+                   "return_logprob": True, "logprob_start_len": max(0, start - 1)}  # fmt: skip
+        body = await self._call("POST", "/generate", payload)
+        entries = body["meta_info"]["input_token_logprobs"]
+        values = [e[0] for e in entries]
+        return [float(v) for v in values[-(len(input_ids) - start) :]] if len(input_ids) > start else []
+
+    # ---- control calls (send to each engine directly) ---------------------------------------
+    async def health(self) -> bool:
+        try:
+            await self._call("GET", "/health", timeout_s=5)
+            return True
+        except EngineError:
+            return False
+
+    async def model_info(self) -> dict:
+        return await self._call("GET", "/model_info")
+
+    async def flush_cache(self) -> None:
+        await self._call("POST", "/flush_cache")
+
+    async def pause(self, mode: str = "retract") -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode '{mode}': use abort, retract or in_place")
+        await self._call("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/continue_generation", {})
+
+    async def abort(self, rid: str | None = None) -> None:
+        await self._call("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None})
+
+    async def _update(self, endpoint: str, payload: dict, timeout_s: float | None = None) -> dict:
+        body = await self._call("POST", endpoint, payload, timeout_s)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(endpoint, str(body.get("message", "refused")))
+        return body
+
+    async def update_weights_from_disk(self, model_path: str, version: str) -> dict:
+        return await self._update("/update_weights_from_disk",
+                                  {"model_path": model_path, "weight_version": version, "flush_cache": True})  # fmt: skip
+
+    async def begin_weight_update(self) -> None:
+        await self._update("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        await self._update("/end_weight_update", {})
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> dict:  # fmt: skip
+        return await self._update("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        })  # fmt: skip
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, version: str | None,
+                                              flush_cache: bool = True) -> dict:  # fmt: skip
+        return await self._update("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": version, "flush_cache": flush_cache,
+        })  # fmt: skip
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict:
+        return await self._update("/destroy_weights_update_group", {"group_name": group_name})

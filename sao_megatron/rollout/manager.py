@@ -1,0 +1,171 @@
+"""The rollout manager: keeps many episodes in flight and streams finished trajectories out.
+
+Prompts come from a :class:`PromptCursor` (a resumable position in a task split); each prompt
+is submitted ``group_size`` times (1 for SAO) under one ``group_id``. Up to
+``max_concurrent`` episodes run at once on asyncio, spread over the engines (least loaded
+first). Every finished trajectory, failed or not, goes to ``on_finished`` as soon as it
+finishes: there is no batch barrier here.
+
+Checkpointing: :meth:`state_dict` records the cursor and the submissions still in flight.
+Resuming re-submits those first (their partial work is discarded, never trained), so no prompt
+is lost; prompts handed to the learner are never in flight again, so none is trained twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sao_megatron.envs.base import Task
+from sao_megatron.envs.registry import make_env
+from sao_megatron.records import Trajectory
+from sao_megatron.rollout.agent_loop import AgentLoop
+
+
+@dataclass
+class PromptCursor:
+    """Next prompt index of a split; the whole data-order state of a run."""
+
+    split: str = "train"
+    next_index: int = 0
+
+    def advance(self) -> int:
+        index = self.next_index
+        self.next_index += 1
+        return index
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One episode to run: prompt ``index`` of ``split``, member ``group_index`` of its group."""
+
+    split: str
+    index: int
+    group_index: int
+    submitted_at: float
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.split}:{self.index}"
+
+
+@dataclass
+class ManagerStats:
+    submitted: int = 0
+    finished: int = 0
+    failed: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0
+    per_engine: dict[str, int] = field(default_factory=dict)
+
+
+class RolloutManager:
+    def __init__(self, loops: list[AgentLoop], task: Task, env_name: str, on_finished: Callable[[Trajectory], None],
+                 group_size: int = 1, max_concurrent: int = 64, env_kwargs: dict | None = None,
+                 cursor: PromptCursor | None = None):  # fmt: skip
+        if not loops:
+            raise ValueError("RolloutManager needs at least one engine (AgentLoop)")
+        self.loops = loops
+        self.task = task
+        self.env_name = env_name
+        self.env_kwargs = env_kwargs or {}
+        self.on_finished = on_finished
+        self.group_size = group_size
+        self.max_concurrent = max_concurrent
+        self.cursor = cursor or PromptCursor()
+        self.stats = ManagerStats()
+        self._pending: list[Submission] = []
+        self._in_flight: dict[Submission, asyncio.Task] = {}
+        self._load = [0] * len(loops)
+        self._paused = asyncio.Event()
+        self._paused.set()
+
+    # ---- submissions ------------------------------------------------------------------------
+    def _next_submissions(self) -> list[Submission]:
+        index = self.cursor.advance()
+        now = time.time()
+        return [Submission(self.cursor.split, index, g, now) for g in range(self.group_size)]
+
+    def _pick_loop(self) -> int:
+        return min(range(len(self.loops)), key=lambda i: self._load[i])
+
+    async def _episode(self, sub: Submission) -> None:
+        i = self._pick_loop()
+        self._load[i] += 1
+        loop = self.loops[i]
+        try:
+            sample = self.task.get(sub.split, sub.index)
+            env = make_env(self.env_name, **self.env_kwargs)
+            traj = await loop.run(
+                env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at
+            )
+        finally:
+            self._load[i] -= 1
+        traj.group_id = sub.group_id
+        traj.reward_details = {**traj.reward_details, "group_index": sub.group_index}
+        self.stats.finished += 1
+        self.stats.failed += traj.status == "failed"
+        self.stats.generated_tokens += traj.num_action_tokens
+        self.stats.per_engine[loop.engine_name] = self.stats.per_engine.get(loop.engine_name, 0) + 1
+        self.on_finished(traj)
+
+    def _launch(self, sub: Submission) -> None:
+        task = asyncio.create_task(self._episode(sub))
+        self._in_flight[sub] = task
+        task.add_done_callback(lambda _t, s=sub: self._in_flight.pop(s, None))
+        self.stats.submitted += 1
+
+    # ---- control ----------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop submitting new episodes (in-flight ones continue)."""
+        self._paused.clear()
+
+    def resume(self) -> None:
+        self._paused.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def run(self, stop: asyncio.Event, max_prompts: int | None = None) -> None:
+        """Keep ``max_concurrent`` episodes in flight until ``stop`` is set (or ``max_prompts`` ran)."""
+        prompts = 0
+        while not stop.is_set():
+            await self._paused.wait()
+            if len(self._in_flight) + self.group_size <= self.max_concurrent:
+                if not self._pending:
+                    if max_prompts is not None and prompts >= max_prompts:
+                        if not self._in_flight:
+                            return
+                        await asyncio.sleep(0.01)
+                        continue
+                    self._pending = self._next_submissions()
+                    prompts += 1
+                for sub in self._pending:
+                    self._launch(sub)
+                self._pending = []
+                continue
+            await asyncio.wait(
+                list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED, timeout=0.5
+            )
+
+    async def drain(self, cancel: bool = False) -> None:
+        """Wait for (or cancel) the episodes still in flight."""
+        tasks = list(self._in_flight.values())
+        if cancel:
+            for task in tasks:
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def state_dict(self) -> dict:
+        """Cursor plus every submission not yet finished (to be re-run on resume)."""
+        unfinished = sorted({(s.split, s.index, s.group_index) for s in [*self._in_flight, *self._pending]})
+        return {"split": self.cursor.split, "next_index": self.cursor.next_index,
+                "resubmit": [list(x) for x in unfinished]}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = PromptCursor(state["split"], state["next_index"])
+        now = time.time()
+        self._pending = [Submission(split, index, g, now) for split, index, g in state["resubmit"]]

@@ -1,0 +1,155 @@
+"""A real SGLang server on CPU serves the tiny model; client and agent loop run against it.
+
+One engine for the module (start-up is ~20-40 s on this machine); loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sao_megatron.envs.registry import make_env
+from sao_megatron.records import OBSERVATION_VERSION
+from sao_megatron.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
+from sao_megatron.rollout.engine import EngineProcess, EngineSpec
+from sao_megatron.spawn import free_port
+from sao_megatron.tokenizer import load_tokenizer
+from tests.rollout.engine_fixtures import make_tiny_hf
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return make_tiny_hf(root / "v0", seed=0), make_tiny_hf(root / "v1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "engine.log"
+    spec = EngineSpec(model_path=str(checkpoints[0]), port=free_port(), dtype="float32",
+                      max_total_tokens=16384, log_path=str(log))  # fmt: skip
+    with EngineProcess(spec) as proc:
+        yield proc
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_returns_logprobs_and_versions(engine):
+    async def go():
+        async with EngineClient(engine.url) as client:
+            return await client.generate([2, 40, 41, 3], SamplingParams(max_new_tokens=12, seed=7))
+
+    gen = run(go())
+    assert 1 <= len(gen.output_ids) <= 12
+    assert len(gen.logprobs) == len(gen.output_ids) == len(gen.versions)
+    assert all(lp <= 0.0 for lp in gen.logprobs)
+    assert gen.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("env_name", ["arith_tool", "math_python"])
+def test_agent_loop_multi_turn_episode(engine, env_name):
+    tokenizer = load_tokenizer()
+    cfg = AgentLoopConfig(max_turns=3, max_new_tokens=16, max_response_tokens=400)
+
+    async def go():
+        async with EngineClient(engine.url) as client:
+            loop = AgentLoop(client, tokenizer, cfg)
+            env = make_env(env_name)
+            sample = env.task_class().get("train", 3)
+            return await loop.run(env, sample, index=3)
+
+    traj = run(go())
+    assert traj.status in ("finished", "truncated"), traj.status_reason
+    assert traj.turns and traj.sample_index == 3
+    for turn in traj.turns:  # action spans: mask 1, a behavior logprob, a real version
+        assert all(traj.action_mask[i] == 1 for i in range(turn.start, turn.end))
+        assert all(traj.behavior_logprobs[i] <= 0.0 for i in range(turn.start, turn.end))
+        assert all(traj.policy_versions[i] == 0 for i in range(turn.start, turn.end))
+    in_turn = {i for t in traj.turns for i in range(t.start, t.end)}
+    observation = [i for i in range(len(traj.response_ids)) if i not in in_turn]
+    assert all(
+        traj.action_mask[i] == 0 and traj.policy_versions[i] == OBSERVATION_VERSION for i in observation
+    )
+    if len(traj.turns) > 1:
+        assert observation, "a multi-turn episode has observation tokens between actions"
+        text = tokenizer.decode([traj.response_ids[i] for i in observation])
+        assert text.startswith("<|tool|>") and text.endswith("<|assistant|>")
+
+
+def test_weight_update_mid_generation_gives_two_versions(engine, checkpoints):
+    async def go():
+        async with EngineClient(engine.url) as client:
+            task = asyncio.create_task(
+                client.generate([2, 50, 51, 3], SamplingParams(max_new_tokens=200, seed=1))
+            )
+            await asyncio.sleep(1.5)
+            await client.pause("retract")
+            await client.update_weights_from_disk(str(checkpoints[1]), "1")
+            await client.resume()
+            first = await task
+            await client.update_weights_from_disk(str(checkpoints[0]), "2")
+            return first
+
+    gen = run(go())
+    assert len(gen.output_ids) > 1
+    assert gen.versions[0] == "default" and gen.versions[-1] == "1", (gen.versions[:2], gen.versions[-2:])
+
+
+def test_engine_errors_become_failed_episodes():
+    tokenizer = load_tokenizer()
+
+    async def go():
+        async with EngineClient(f"http://127.0.0.1:{free_port()}", timeout_s=5) as client:
+            with pytest.raises(EngineError, match="/generate"):
+                await client.generate([1, 2], SamplingParams(max_new_tokens=2))
+            loop = AgentLoop(client, tokenizer, AgentLoopConfig())
+            env = make_env("arith_tool")
+            return await loop.run(env, env.task_class().get("train", 0))
+
+    traj = run(go())
+    assert traj.status == "failed" and traj.status_reason.startswith("engine:")
+    assert traj.response_ids == [] and traj.reward == 0.0
+
+
+def _hf_logprobs(model_dir, ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def test_distributed_weight_sync_serves_new_weights(engine, checkpoints):
+    import torch
+    from safetensors.torch import load_file
+
+    from sao_megatron.weight_sync import WeightSync
+
+    new = load_file(str(checkpoints[1] / "model.safetensors"))
+    names = sorted(new)
+    buckets = [[(n, new[n]) for n in names[i : i + 16]] for i in range(0, len(names), 16)]
+    ids = [2, 60, 61, 62, 63, 64, 3, 70, 71, 72]
+
+    async def go():
+        sync = WeightSync([engine.url], backend="gloo", master_port=free_port())
+        await sync.connect()
+        report = await sync.update(buckets, version=7)
+        async with EngineClient(engine.url) as client:
+            scored = await client.score(ids, start=1)
+            gen = await client.generate([2, 40, 3], SamplingParams(max_new_tokens=3))
+            await client.update_weights_from_disk(str(checkpoints[0]), "8")
+        return report, scored, gen
+
+    report, scored, gen = run(go())
+    assert report.tensors == len(names) and report.bytes > 0
+    assert set(gen.versions) == {"7"}
+    expected = _hf_logprobs(checkpoints[1], ids)
+    assert (torch.tensor(scored) - expected).abs().max().item() <= 1e-4

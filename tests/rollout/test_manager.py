@@ -1,0 +1,81 @@
+"""The manager streams trajectories without a batch barrier; GRPO's group wait is real."""
+
+import asyncio
+import time
+
+from sao_megatron.buffer import ReadyBuffer
+from sao_megatron.rollout.manager import RolloutManager
+from tests.rollout.fakes import CountingTask, FakeLoop
+
+
+def long_tail(index, call):
+    return 2.0 if index % 4 == 0 else 0.05  # every 4th prompt is 40x slower
+
+
+def sibling_tail(index, call):
+    return 0.3 if call % 2 == 0 else 0.02  # one sibling of each group is slow
+
+
+def run_learner(group_size, batches=2, batch_size=4, durations=long_tail):
+    """Take ``batches`` batches as soon as they are ready; record what was still running."""
+
+    async def go():
+        buf = ReadyBuffer(batch_size=batch_size, group_size=group_size)
+        loop = FakeLoop(durations)
+        manager = RolloutManager([loop], CountingTask(), "arith_tool", lambda t: buf.admit(t, 0),
+                                 group_size=group_size, max_concurrent=16)  # fmt: skip
+        stop = asyncio.Event()
+        runner = asyncio.create_task(manager.run(stop))
+        taken, in_flight_at_take, t0 = [], [], time.monotonic()
+        while len(taken) < batches and time.monotonic() - t0 < 30:
+            batch = buf.take()
+            if batch is None:
+                await asyncio.sleep(0.01)
+                continue
+            taken.append(batch)
+            in_flight_at_take.append(manager.in_flight)
+        stop.set()
+        await runner
+        await manager.drain(cancel=True)
+        return taken, in_flight_at_take, buf, time.monotonic() - t0
+
+    return asyncio.run(go())
+
+
+def test_sao_learner_consumes_while_slow_episodes_still_run():
+    taken, in_flight, buf, elapsed = run_learner(group_size=1)
+    assert len(taken) == 2
+    assert all(n > 0 for n in in_flight), "slow episodes must still be running when batches are taken"
+    slow = [t.sample_index for b in taken for t in b if t.sample_index % 4 == 0]
+    assert slow == [], "fast trajectories are not held back by slow ones"
+    assert elapsed < 1.5, elapsed  # far below the 2 s slow episode: no barrier
+
+
+def test_grpo_group_wait_is_measured_and_nonzero():
+    taken, _, buf, _ = run_learner(group_size=2, batches=1, durations=sibling_tail)
+    groups = [t.group_id for t in taken[0]]
+    assert len(groups) == 4 and all(groups.count(g) == 2 for g in groups)
+    waits = buf.stats.group_waits_s
+    assert len(waits) == 2 and min(waits) > 0.2, waits  # the fast sibling waited for the slow one
+
+
+def test_manager_state_resubmits_in_flight_prompts():
+    async def go():
+        finished = []
+        loop = FakeLoop(lambda index, call: 0.01 if index < 3 else 5.0)
+        manager = RolloutManager([loop], CountingTask(), "arith_tool", finished.append, max_concurrent=4)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(manager.run(stop))
+        await asyncio.sleep(0.3)
+        manager.pause()
+        state = manager.state_dict()
+        stop.set()
+        await asyncio.wait_for(runner, 5)
+        await manager.drain(cancel=True)
+        return finished, state
+
+    finished, state = asyncio.run(go())
+    done = {t.sample_index for t in finished}
+    resubmit = {index for _, index, _ in state["resubmit"]}
+    assert done.isdisjoint(resubmit)
+    assert done | resubmit == set(range(state["next_index"])), (done, resubmit, state)

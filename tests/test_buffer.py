@@ -1,0 +1,62 @@
+"""The ready buffer: admission by lag, failures, distinct prompts, groups, never twice, state."""
+
+import pytest
+
+from sao_megatron.buffer import ReadyBuffer
+from tests.rollout.fakes import make_trajectory
+
+
+def traj(i, version=0, status="finished", group=None, member=0, finished_at=None):
+    t = make_trajectory(f"p{i}", i, version, status, finished_at)
+    t.group_id = group or f"train:{i}"
+    t.reward_details = {"group_index": member}
+    return t
+
+
+def test_sao_batches_in_finish_order_from_distinct_prompts():
+    buf = ReadyBuffer(batch_size=3)
+    for i in (5, 2, 9, 4):
+        assert buf.admit(traj(i), current_version=0)
+    batch = buf.take()
+    assert [t.sample_index for t in batch] == [5, 2, 9]
+    assert buf.take() is None and len(buf) == 1
+
+
+def test_lag_bound_and_failures_are_dropped_and_counted():
+    buf = ReadyBuffer(batch_size=1, max_policy_lag=2)
+    assert not buf.admit(traj(1, version=0), current_version=3)
+    assert buf.admit(traj(2, version=1), current_version=3)
+    assert not buf.admit(traj(3, status="failed"), current_version=3)
+    assert buf.stats.dropped_stale == 1 and buf.stats.dropped_failed["engine"] == 1
+    assert buf.discard_stale(current_version=4) == 1 and len(buf) == 0
+
+
+def test_group_mode_waits_for_siblings_and_measures_the_wait():
+    buf = ReadyBuffer(batch_size=4, group_size=2)
+    buf.admit(traj(1, group="g1", member=0, finished_at=10.0), 0)
+    buf.admit(traj(2, group="g2", member=0, finished_at=11.0), 0)
+    buf.admit(traj(2, group="g2", member=1, finished_at=12.0), 0)
+    assert buf.take() is None  # g1 incomplete
+    buf.admit(traj(1, group="g1", member=1, finished_at=15.0), 0)
+    batch = buf.take()
+    assert sorted(t.group_id for t in batch) == ["g1", "g1", "g2", "g2"]
+    assert sorted(buf.stats.group_waits_s) == [1.0, 5.0]
+
+
+def test_never_hands_out_twice_and_round_trips_state():
+    buf = ReadyBuffer(batch_size=1)
+    buf.admit(traj(1), 0)
+    first = buf.take()
+    with pytest.raises(ValueError, match="already handed"):
+        buf.admit(first[0], 0)
+    buf.admit(traj(2), 0)
+    restored = ReadyBuffer(batch_size=1)
+    restored.load_state_dict(buf.state_dict())
+    assert [t.sample_index for t in restored.take()] == [2]
+    with pytest.raises(ValueError, match="already handed"):
+        restored.admit(traj(1), 0)
+
+
+def test_bad_sizes_are_rejected():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        ReadyBuffer(batch_size=6, group_size=4)
