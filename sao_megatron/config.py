@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -172,6 +173,98 @@ class CriticConfig:
 
 
 @dataclass
+class AlgoConfig:
+    """The RL algorithm: policy loss, advantages, batching and staleness (defaults: SAO)."""
+
+    policy_loss: str = "dis"
+    """``dis`` (SAO), ``ppo_clip`` or ``vanilla`` (GRPO baselines)."""
+    eps_low: float = 0.3
+    """DIS keeps ``1 - eps_low < rho``; PPO clips at ``1 - eps_low`` (paper, math: 0.3)."""
+    eps_high: float = 5.0
+    """DIS keeps ``rho < 1 + eps_high``; PPO clips at ``1 + eps_high`` (paper, math: 5.0)."""
+    detach_ratio: bool = True
+    """DIS weight as a stop-gradient (truncated IS); false gives the paper's literal formula."""
+    loss_agg: str = "token_mean"
+    """``token_mean`` over the global batch's action tokens or ``seq_mean``."""
+    advantage: str = "gae"
+    """``gae`` (token level), ``step_mean`` / ``step_last`` (turn level), ``grpo``, ``rloo``,
+    ``running_mean_prompt`` or ``running_mean_global``."""
+    gamma: float = 1.0
+    lam: float = -1.0
+    """Policy GAE lambda; a negative value selects length-adaptive ``1 - 1/(alpha * l)``."""
+    lam_alpha: float = 1.5
+    """alpha of length-adaptive lambda (VAPO; the paper uses 1.5)."""
+    lam_critic: float = 1.0
+    """Lambda of the critic's targets (decoupled GAE)."""
+    whiten_advantages: bool = False
+    """Normalise advantages over the batch (paper silent; off)."""
+    grpo_std_normalize: bool = True
+    running_mean_window: int = 8
+    """Rewards per prompt (or globally) in running-mean baselines (paper ablation: 8)."""
+    value_clip: float = 0.0
+    """PPO-style value clipping range; 0 disables."""
+    batch_size: int = 128
+    """Trajectories per learner step (paper: 128)."""
+    group_size: int = 1
+    """Rollouts per prompt: 1 for SAO, G for GRPO (batch = batch_size / G prompts x G)."""
+    max_policy_lag: int = 4
+    """Drop trajectories whose oldest action token is more than this many versions old; -1: unbounded."""
+    synchronous: bool = False
+    """Batch barrier: rollouts of the next batch start only after the weight update (sync baseline)."""
+    critic_warmup_steps: int = 10
+    """Critic-only steps before the actor trains (paper: 10)."""
+
+
+@dataclass
+class RolloutConfig:
+    """Environment, engines and the agent loop."""
+
+    env: str = "arith_tool"
+    """Registered environment name or ``package.module:Class``."""
+    env_kwargs: dict = field(default_factory=dict)
+    num_engines: int = 1
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    dtype: str = "auto"
+    """``float32`` on CPU (engine logprobs then match the trainer's); ``auto`` on GPU."""
+    max_total_tokens: int = 32768
+    max_concurrent: int = 64
+    """Episodes in flight per manager."""
+    max_turns: int = 4
+    max_new_tokens: int = 64
+    max_response_tokens: int = 512
+    max_context_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    weight_sync: str = "distributed"
+    """``distributed`` (broadcast group trainer rank 0 -> engines) or ``disk``."""
+    weight_sync_bucket_mb: int = 512
+
+
+@dataclass
+class TrainConfig:
+    """Stages and loop length."""
+
+    sft_steps: int = 0
+    """Supervised warm-start steps on demonstrations (0 skips the stage)."""
+    sft_batch_size: int = 32
+    sft_lr: float = 1e-3
+    value_pretrain_steps: int = 0
+    """Critic-only steps on rollouts of the frozen SFT policy (0 skips)."""
+    value_pretrain_target_ev: float = 0.5
+    """Stop value pretraining early once explained variance reaches this."""
+    steps: int = 100
+    """Learner steps of RL."""
+    eval_every: int = 0
+    eval_prompts: int = 64
+    """Held-out prompts per evaluation."""
+    save_every: int = 0
+    """Checkpoint every n steps (0: only at the end)."""
+    sample_trajectories: int = 4
+    """Trajectories per step written as text to the run directory."""
+
+
+@dataclass
 class RunConfig:
     """Where and how a run executes."""
 
@@ -194,6 +287,9 @@ class SAOConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -230,6 +326,10 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {annotation.__name__} fields, got {value!r}")
         return _build(annotation, value, key)
+    if annotation is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -265,7 +365,7 @@ def _build(cls, values: dict[str, Any], prefix: str = "", base=None):
         if name not in hints:
             raise _unknown_key(cls, key, name)
         annotation = hints[name]
-        if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
+        if dataclasses.is_dataclass(annotation) and isinstance(value, dict) and annotation is not dict:
             setattr(obj, name, _build(annotation, value, key, base=getattr(obj, name)))
         else:
             setattr(obj, name, _coerce(value, annotation, key))
@@ -452,3 +552,45 @@ def validate(cfg: SAOConfig) -> None:
     for role in (cfg.actor, cfg.critic):
         if role.optim.lr < 0 or role.optim.clip_grad < 0:
             raise ConfigError("optim.lr and optim.clip_grad must be >= 0")
+    for pattern in [*cfg.critic.freeze_patterns, *cfg.critic.train_patterns]:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(
+                f"critic.freeze_patterns/train_patterns: bad regex {pattern!r} ({err})"
+            ) from None
+    validate_algo(cfg.algo)
+    validate_rollout(cfg.rollout)
+
+
+_ADVANTAGES = ("gae", "step_mean", "step_last", "grpo", "rloo", "running_mean_prompt", "running_mean_global")
+
+
+def validate_algo(a: AlgoConfig) -> None:
+    if a.policy_loss not in ("dis", "ppo_clip", "vanilla"):
+        raise ConfigError(f"algo.policy_loss='{a.policy_loss}'; use dis, ppo_clip or vanilla")
+    if a.loss_agg not in ("token_mean", "seq_mean"):
+        raise ConfigError(f"algo.loss_agg='{a.loss_agg}'; use token_mean or seq_mean")
+    if a.advantage not in _ADVANTAGES:
+        raise ConfigError(f"algo.advantage='{a.advantage}'; use one of {', '.join(_ADVANTAGES)}")
+    if a.eps_low < 0 or a.eps_high < 0:
+        raise ConfigError(f"algo.eps_low={a.eps_low}, eps_high={a.eps_high} must be >= 0")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lam_critic <= 1 or a.lam > 1:
+        raise ConfigError(
+            "algo.gamma, algo.lam_critic must be in [0, 1] and algo.lam <= 1 (negative: adaptive)"
+        )
+    if a.batch_size < 1 or a.group_size < 1 or a.batch_size % a.group_size:
+        raise ConfigError(f"algo.batch_size={a.batch_size} must be a positive multiple of "
+                          f"algo.group_size={a.group_size}")  # fmt: skip
+    if a.advantage in ("grpo", "rloo") and a.group_size < 2:
+        raise ConfigError(f"algo.advantage={a.advantage} needs algo.group_size >= 2 (same-prompt groups)")
+    if a.max_policy_lag < -1:
+        raise ConfigError(f"algo.max_policy_lag={a.max_policy_lag}; use -1 (unbounded) or >= 0")
+
+
+def validate_rollout(r: RolloutConfig) -> None:
+    if r.weight_sync not in ("distributed", "disk"):
+        raise ConfigError(f"rollout.weight_sync='{r.weight_sync}'; use distributed or disk")
+    for name in ("num_engines", "max_concurrent", "max_turns", "max_new_tokens"):
+        if getattr(r, name) < 1:
+            raise ConfigError(f"rollout.{name} must be >= 1 (got {getattr(r, name)})")

@@ -74,9 +74,10 @@ _CUDA_LITERAL_MODULES = (
 
 
 def megatron_version() -> str:
-    from megatron.core import package_info
+    """The installed distribution's version (``package_info`` may append the cwd's git hash)."""
+    from importlib.metadata import version
 
-    return package_info.__version__
+    return version("megatron-core")
 
 
 def needed() -> bool:

@@ -44,3 +44,49 @@ def _unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def _role_sharded_state(role, is_loading: bool) -> dict:
+    model_sd = _unwrap(role.model).sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    return {
+        "model": model_sd,
+        "optimizer": role.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata),
+    }
+
+
+def save_role(role, directory: str | Path) -> Path:
+    """Collective: model, optimizer, LR schedule and RNG of a role (``engine.MegatronRole``)."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_role_sharded_state(role, is_loading=False), str(directory))
+    extra = {"scheduler": role.scheduler.state_dict(), "steps": role.steps, "rng": torch.get_rng_state()}
+    torch.save(extra, directory / f"extra_rank{dist.get_rank()}.pt")
+    dist.barrier()
+    return directory
+
+
+def load_role(role, directory: str | Path) -> None:
+    """Collective: restore :func:`save_role` (the layout may differ; per-rank extras must match)."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if not (directory / "metadata.json").exists():
+        raise FileNotFoundError(f"{directory} is not a role checkpoint (no metadata.json)")
+    state = dist_checkpointing.load(_role_sharded_state(role, is_loading=True), str(directory))
+    result = _unwrap(role.model).load_state_dict(state["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise KeyError(f"checkpoint {directory} lacks tensors {missing[:5]}")
+    with torch.no_grad():  # the optimizer copies into views of leaf parameters
+        role.optimizer.load_state_dict(state["optimizer"])
+    extra_path = directory / f"extra_rank{dist.get_rank()}.pt"
+    if extra_path.exists():
+        extra = torch.load(extra_path, weights_only=False)
+        role.scheduler.load_state_dict(extra["scheduler"])
+        role.steps = extra["steps"]
+        torch.set_rng_state(extra["rng"])

@@ -1,0 +1,30 @@
+"""Actor DIS updates, critic values and K updates, and role checkpoints on spawned gloo worlds."""
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.train import worker_cases
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["dp2", "tp2"])
+def results(request, tmp_path_factory):
+    return run_distributed(
+        worker_cases.case_actor_critic, 2, str(tmp_path_factory.mktemp("ck")), request.param
+    )
+
+
+def test_actor_update_reports_dis_metrics_and_resumes_exactly(results):
+    m1, m2, m3 = results[0]["actor"]
+    assert m1["updated"] == 1.0 and m1["grad_norm"] > 0
+    assert any(k.startswith("kept") or "kept" in k for k in m1), sorted(m1)
+    for key in m2:
+        if key in ("lr",):
+            continue
+        assert m2[key] == pytest.approx(m3[key], rel=1e-5, abs=1e-6), key
+
+
+def test_critic_values_on_rank0_and_updates_reduce_loss(results):
+    assert results[0]["values_rank0"] and not results[1]["values_rank0"]
+    assert results[0]["values_zero"] == 0.0  # zero-initialised value head
+    c1, c2 = results[0]["critic"]
+    assert c2["value_loss"] < c1["value_loss"], (c1, c2)

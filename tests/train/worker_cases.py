@@ -1,0 +1,64 @@
+"""Worker bodies: actor DIS update and critic values/update on real batches; role checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sao_megatron import algo
+from sao_megatron.config import load_config
+from sao_megatron.records import Trajectory, Turn
+from sao_megatron.train.batch import build_batch
+from sao_megatron.train.workers import ActorWorker, CriticWorker
+
+
+def trajectories(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(6, 500, (5,), generator=g).tolist()
+        a1 = torch.randint(6, 500, (4 + i,), generator=g).tolist()
+        obs = torch.randint(6, 500, (3,), generator=g).tolist()
+        a2 = torch.randint(6, 500, (3,), generator=g).tolist()
+        resp = a1 + obs + a2
+        mask = [1] * len(a1) + [0] * len(obs) + [1] * len(a2)
+        out.append(Trajectory(
+            prompt_id=f"p{i}", prompt_ids=prompt, response_ids=resp, action_mask=mask,
+            behavior_logprobs=[-6.2 if m else 0.0 for m in mask], policy_versions=[0 if m else -1 for m in mask],
+            turns=[Turn(0, len(a1)), Turn(len(a1) + 3, len(resp))], reward=float(i % 2), status="finished",
+        ))  # fmt: skip
+    return out
+
+
+def config(world, **overrides):
+    overrides = {"actor.parallel.world_size": world, "critic.parallel.world_size": world, **overrides}
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    cfg.actor.parallel.micro_batch_size = 2
+    cfg.critic.parallel.micro_batch_size = 2
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=2))
+
+
+def case_actor_critic(rank, world, ckpt_dir, tp):
+    cfg = config(world, **{"actor.parallel.tensor_parallel": tp, "critic.parallel.tensor_parallel": tp})
+    batch = build_batch(trajectories())
+    actor = ActorWorker(cfg)
+    state = actor.full_state()
+    adv = torch.where(batch.action_mask > 0, torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
+                      torch.zeros(()))  # fmt: skip
+    m1 = actor.update(batch, adv)
+    actor.save(ckpt_dir + "/actor")
+    m2 = actor.update(batch, adv)
+    actor.load(ckpt_dir + "/actor")
+    m3 = actor.update(batch, adv)  # after restore, the second step repeats exactly
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    critic = CriticWorker(cfg, state)
+    values = critic.values(batch)
+    vals = values if values is not None else torch.zeros_like(batch.action_mask)
+    adv2, returns, _ = algo.gae(batch.rewards, vals, batch.action_mask > 0, gamma=1.0, lam=0.95)
+    c1 = critic.update(batch, returns, vals)
+    c2 = critic.update(batch, returns, vals)
+    return {"actor": [m1, m2, m3], "critic": [c1, c2], "values_zero": float(vals.abs().max()),
+            "values_rank0": values is not None}  # fmt: skip
