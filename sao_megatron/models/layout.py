@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 _LAYER_RE = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _EXPERT_RE = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+_GROUPED_EXPERT_RE = re.compile(r"^(.*\.experts\.linear_fc[12]\.weight)(\d+)()$")  # TE grouped GEMM
 
 
 def _groups():
@@ -50,7 +51,7 @@ def global_name(model: torch.nn.Module, local_name: str) -> str:
         layers = _unwrap(model).decoder.layers
         layer_number = layers[int(match.group(2))].layer_number
         name = f"{match.group(1)}{layer_number - 1}{match.group(3)}"
-    match = _EXPERT_RE.match(name)
+    match = _EXPERT_RE.match(name) or _GROUPED_EXPERT_RE.match(name)
     if match:
         num_local = _num_local_experts(model, local_name)
         expert = ps.get_expert_model_parallel_rank() * num_local + int(match.group(2))
@@ -67,7 +68,7 @@ def _unwrap(model):
 def _num_local_experts(model, local_name: str) -> int:
     match = _LAYER_RE.match(local_name)
     layer = _unwrap(model).decoder.layers[int(match.group(2))]
-    return len(layer.mlp.experts.local_experts)
+    return layer.mlp.experts.num_local_experts  # SequentialMLP and TEGroupedMLP alike
 
 
 def _tp_group_of(name: str):

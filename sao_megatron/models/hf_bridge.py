@@ -1,0 +1,376 @@
+"""HF <-> Megatron-Core parameter mapping for Qwen3-MoE and dense Qwen3, in the full layout.
+
+Pure functions over names, shapes and tensors: no process groups, no files. Megatron names are
+those of the full (single-rank) layout (:mod:`sao_megatron.models.layout`): global layer and
+expert indices, unsplit tensors. Per-rank slicing is :func:`local_reads` (checkpoint loading)
+or ``layout.shard``; gathering is ``layout.gather_full`` or the streaming iterator in
+:mod:`sao_megatron.models.hf_weights`.
+
+Every Megatron tensor is a concatenation along dim 0 of row ranges of HF tensors (a
+:class:`Piece` list); columns are never split. ``L = model.layers.{i}.`` below:
+
+==========================================================  ====================================
+Megatron (local spec | TE spec)                             HF
+==========================================================  ====================================
+embedding.word_embeddings.weight                            model.embed_tokens.weight
+output_layer.weight                                         lm_head.weight (embed_tokens if tied;
+                                                            not exported when tied)
+decoder.final_layernorm.weight                              model.norm.weight
+input_layernorm.weight | linear_qkv.layer_norm_weight       L input_layernorm.weight
+self_attention.linear_qkv.weight                            per query group g: q heads of g,
+  ``[ng, (np/ng + 2), head_dim, hidden]``                     k head g, v head g (q/k/v_proj)
+self_attention.q_layernorm / k_layernorm                    L self_attn.q_norm / k_norm
+self_attention.linear_proj.weight                           L self_attn.o_proj.weight
+pre_mlp_layernorm.weight | mlp.linear_fc1.layer_norm_weight L post_attention_layernorm.weight
+mlp.linear_fc1.weight (dense) ``[gate; up]``                L mlp.gate_proj ; L mlp.up_proj
+mlp.linear_fc2.weight (dense)                               L mlp.down_proj.weight
+mlp.router.weight                                           L mlp.gate.weight
+mlp.experts.local_experts.{e}.linear_fc1.weight             L mlp.experts.{e}.gate_proj ; up_proj
+  | mlp.experts.linear_fc1.weight{e} (TE grouped GEMM)        (or fused ``experts.gate_up_proj[e]``)
+mlp.experts.local_experts.{e}.linear_fc2.weight             L mlp.experts.{e}.down_proj.weight
+  | mlp.experts.linear_fc2.weight{e}                          (or fused ``experts.down_proj[e]``)
+mlp.shared_experts.linear_fc1 / linear_fc2                  L mlp.shared_expert.gate_proj ;
+                                                            up_proj / down_proj (Qwen2-MoE style)
+mlp.shared_experts.gate_weight                              L mlp.shared_expert_gate.weight
+==========================================================  ====================================
+
+Qwen3-MoE has no shared experts; the shared-expert rows exist for our own configs with
+``moe_shared_expert_intermediate_size > 0`` (written with Qwen2-MoE names). HF checkpoints on
+disk (hub files, and ``save_pretrained`` in transformers 5.19) store experts per expert
+(``experts.{e}.gate_proj.weight``); transformers 5.19 fuses them in memory into
+``experts.gate_up_proj [E, 2I, H]`` (= ``[gate; up]`` per expert, Megatron's fc1 layout) and
+``experts.down_proj [E, H, I]``. Both are read; the per-expert form is written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from sao_megatron.config import ModelConfig
+from sao_megatron.models.builder import moe_layer_pattern
+
+
+class MappingError(KeyError):
+    """A Megatron or HF name outside the Qwen3 / Qwen3-MoE mapping."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of HF tensor ``hf_name`` (of its slab ``expert`` when 3-D fused)."""
+
+    hf_name: str
+    start: int
+    stop: int
+    expert: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
+
+# Megatron per-layer suffix -> HF per-layer suffix, for tensors that map one to one.
+_ONE_TO_ONE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+# SwiGLU fc1 = [gate; up].
+_GLU = {
+    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.gate_proj.weight",
+                                             "mlp.shared_expert.up_proj.weight"),
+}  # fmt: skip
+FUSED_GATE_UP = "mlp.experts.gate_up_proj"
+FUSED_DOWN = "mlp.experts.down_proj"
+
+
+def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
+    """Expected shape of an HF tensor of model ``m`` (raises :class:`MappingError` if unknown)."""
+    h, hd, v = m.hidden_size, m.head_dim, m.vocab_size
+    top = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    if hf_name in top:
+        return top[hf_name]
+    match = _HF_LAYER_RE.match(hf_name)
+    if not match:
+        raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE tensor")
+    suffix = match.group(2)
+    expert = _HF_EXPERT_RE.match(suffix)
+    i, e, s = m.moe_ffn_hidden_size, m.num_experts, m.moe_shared_expert_intermediate_size
+    if expert:
+        if int(expert.group(1)) >= e:
+            raise MappingError(f"'{hf_name}': expert {expert.group(1)} >= num_experts={e}")
+        suffix = f"mlp.experts.E.{expert.group(2)}"
+    f = m.ffn_hidden_size
+    shapes = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (m.num_attention_heads * hd, h),
+        "self_attn.k_proj.weight": (m.num_query_groups * hd, h),
+        "self_attn.v_proj.weight": (m.num_query_groups * hd, h),
+        "self_attn.o_proj.weight": (h, m.num_attention_heads * hd),
+        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+        "mlp.gate.weight": (e, h),
+        "mlp.experts.E.gate_proj.weight": (i, h), "mlp.experts.E.up_proj.weight": (i, h),
+        "mlp.experts.E.down_proj.weight": (h, i),
+        FUSED_GATE_UP: (e, 2 * i, h), FUSED_DOWN: (e, h, i),
+        "mlp.shared_expert.gate_proj.weight": (s, h), "mlp.shared_expert.up_proj.weight": (s, h),
+        "mlp.shared_expert.down_proj.weight": (h, s), "mlp.shared_expert_gate.weight": (1, h),
+    }  # fmt: skip
+    if suffix not in shapes:
+        raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE tensor")
+    return shapes[suffix]
+
+
+def _qkv_pieces(prefix: str, m: ModelConfig) -> list[Piece]:
+    """Megatron's fused QKV interleaves per query group: ``[q heads of g; k_g; v_g]`` for each g."""
+    hd, ng = m.head_dim, m.num_query_groups
+    q_rows = m.num_attention_heads // ng * hd
+    pieces = []
+    for g in range(ng):
+        pieces.append(Piece(f"{prefix}self_attn.q_proj.weight", g * q_rows, (g + 1) * q_rows))
+        pieces.append(Piece(f"{prefix}self_attn.k_proj.weight", g * hd, (g + 1) * hd))
+        pieces.append(Piece(f"{prefix}self_attn.v_proj.weight", g * hd, (g + 1) * hd))
+    return pieces
+
+
+def _expert_pieces(prefix: str, expert: int, fc: str, m: ModelConfig, fused: bool) -> list[Piece]:
+    i, h = m.moe_ffn_hidden_size, m.hidden_size
+    if fused:
+        if fc == "linear_fc1":
+            return [
+                Piece(f"{prefix}{FUSED_GATE_UP}", 0, i, expert),
+                Piece(f"{prefix}{FUSED_GATE_UP}", i, 2 * i, expert),
+            ]
+        return [Piece(f"{prefix}{FUSED_DOWN}", 0, h, expert)]
+    base = f"{prefix}mlp.experts.{expert}."
+    if fc == "linear_fc1":
+        return [Piece(f"{base}gate_proj.weight", 0, i), Piece(f"{base}up_proj.weight", 0, i)]
+    return [Piece(f"{base}down_proj.weight", 0, h)]
+
+
+def _whole(hf_name: str, m: ModelConfig) -> list[Piece]:
+    return [Piece(hf_name, 0, hf_shape(hf_name, m)[0])]
+
+
+def hf_pieces(name: str, m: ModelConfig, fused_experts: bool = False) -> list[Piece]:
+    """The HF row ranges whose concatenation (dim 0) is Megatron full-layout tensor ``name``.
+
+    ``fused_experts`` reads experts from transformers' in-memory 3-D form instead of per-expert
+    tensors. A tied ``output_layer.weight`` (last PP stage) reads the input embedding.
+    """
+    if name == "embedding.word_embeddings.weight":
+        return _whole("model.embed_tokens.weight", m)
+    if name == "output_layer.weight":
+        return _whole("model.embed_tokens.weight" if m.tie_word_embeddings else "lm_head.weight", m)
+    if name == "decoder.final_layernorm.weight":
+        return _whole("model.norm.weight", m)
+    match = _LAYER_RE.match(name)
+    if not match:
+        raise MappingError(f"Megatron parameter '{name}' has no HF counterpart")
+    layer, suffix = int(match.group(1)), match.group(2)
+    if layer >= m.num_layers:
+        raise MappingError(f"Megatron parameter '{name}': layer {layer} >= num_layers={m.num_layers}")
+    prefix = f"model.layers.{layer}."
+    if suffix == "self_attention.linear_qkv.weight":
+        return _qkv_pieces(prefix, m)
+    if suffix in _ONE_TO_ONE:
+        return _whole(prefix + _ONE_TO_ONE[suffix], m)
+    if suffix in _GLU:
+        gate, up = _GLU[suffix]
+        rows = hf_shape(prefix + gate, m)[0]
+        return [Piece(prefix + gate, 0, rows), Piece(prefix + up, 0, rows)]
+    local = _LOCAL_EXPERT_RE.match(suffix)
+    grouped = _GROUPED_EXPERT_RE.match(suffix)
+    if local or grouped:
+        expert, fc = (
+            (int(local.group(1)), local.group(2)) if local else (int(grouped.group(2)), grouped.group(1))
+        )
+        if expert >= m.num_experts:
+            raise MappingError(f"Megatron parameter '{name}': expert {expert} >= num_experts={m.num_experts}")
+        return _expert_pieces(prefix, expert, fc, m, fused_experts)
+    raise MappingError(f"Megatron parameter '{name}' has no HF counterpart")
+
+
+def full_shape(name: str, m: ModelConfig) -> tuple[int, ...]:
+    """Shape of Megatron full-layout tensor ``name`` (rows of its pieces x the HF columns)."""
+    pieces = hf_pieces(name, m)
+    return (sum(p.rows for p in pieces), *hf_shape(pieces[0].hf_name, m)[1:])
+
+
+def is_exported(name: str, m: ModelConfig) -> bool:
+    """False for the tied LM head copy (the HF checkpoint holds the embedding once)."""
+    return not (name == "output_layer.weight" and m.tie_word_embeddings)
+
+
+def hf_names(name: str, m: ModelConfig) -> list[str]:
+    """HF tensors written for Megatron tensor ``name`` (in order; empty for the tied LM head)."""
+    if not is_exported(name, m):
+        return []
+    return list(dict.fromkeys(p.hf_name for p in hf_pieces(name, m)))
+
+
+def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """Split a Megatron full-layout tensor into its HF tensors (per-expert on-disk names)."""
+    if not is_exported(name, m):
+        return []
+    pieces = hf_pieces(name, m)
+    if full.shape[0] != sum(p.rows for p in pieces):
+        raise ValueError(f"'{name}': {full.shape[0]} rows, the mapping expects {sum(p.rows for p in pieces)}")
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    offset = 0
+    for p in pieces:
+        parts.setdefault(p.hf_name, []).append((p.start, full[offset : offset + p.rows]))
+        offset += p.rows
+    return [(hf, torch.cat([t for _, t in sorted(rows, key=lambda r: r[0])]) if len(rows) > 1 else rows[0][1])
+            for hf, rows in parts.items()]  # fmt: skip
+
+
+def from_hf(name: str, m: ModelConfig, get: Callable[[str], torch.Tensor], fused_experts: bool = False
+            ) -> torch.Tensor:  # fmt: skip
+    """Assemble Megatron full-layout tensor ``name`` from HF tensors returned by ``get(hf_name)``."""
+    parts = []
+    for p in hf_pieces(name, m, fused_experts):
+        tensor = get(p.hf_name)
+        if p.expert is not None:
+            tensor = tensor[p.expert]
+        parts.append(tensor[p.start : p.stop])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Per-rank reads: which HF rows / columns a TP rank's slice of a Megatron tensor consists of.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Read:
+    """Read rows ``[start, stop)`` and columns ``cols`` of ``hf_name`` (slab ``expert`` if fused)."""
+
+    hf_name: str
+    start: int
+    stop: int
+    cols: tuple[int, int] | None = None
+    expert: int | None = None
+
+
+def local_row_ranges(rows: int, tp_size: int, tp_rank: int, glu: bool) -> list[tuple[int, int]]:
+    """Rows of the full tensor held by a TP rank split along dim 0 (``layout.shard``'s rule).
+
+    Plain: chunk ``tp_rank`` of ``tp_size``. SwiGLU fc1 ``[gate; up]``: chunk ``tp_rank`` of
+    gate followed by chunk ``tp_rank`` of up.
+    """
+    if glu:
+        half = rows // 2
+        step = half // tp_size
+        return [(tp_rank * step, (tp_rank + 1) * step), (half + tp_rank * step, half + (tp_rank + 1) * step)]
+    step = rows // tp_size
+    return [(tp_rank * step, (tp_rank + 1) * step)]
+
+
+def local_reads(pieces: list[Piece], full: tuple[int, ...], partition_dim: int | None, tp_size: int,
+                tp_rank: int, glu: bool) -> list[Read]:  # fmt: skip
+    """HF slices whose dim-0 concatenation is a TP rank's slice of a Megatron tensor.
+
+    ``partition_dim`` None (or ``tp_size`` 1) means the rank holds the full tensor; 0 splits
+    rows (``glu`` for SwiGLU fc1), 1 splits columns.
+    """
+    rows = full[0]
+    ranges, cols = [(0, rows)], None
+    if partition_dim is not None and tp_size > 1:
+        if partition_dim == 0:
+            if rows % (2 * tp_size if glu else tp_size):
+                raise ValueError(f"{rows} rows do not split over TP={tp_size}")
+            ranges = local_row_ranges(rows, tp_size, tp_rank, glu)
+        elif partition_dim == 1:
+            if full[1] % tp_size:
+                raise ValueError(f"{full[1]} columns do not split over TP={tp_size}")
+            step = full[1] // tp_size
+            cols = (tp_rank * step, (tp_rank + 1) * step)
+        else:
+            raise ValueError(f"partition_dim={partition_dim} is not supported")
+    reads = []
+    for lo, hi in ranges:
+        offset = 0
+        for p in pieces:
+            a, b = max(lo, offset), min(hi, offset + p.rows)
+            if a < b:
+                reads.append(Read(p.hf_name, p.start + a - offset, p.start + b - offset, cols, p.expert))
+            offset += p.rows
+    return reads
+
+
+def mcore_names(m: ModelConfig, spec: str = "local") -> list[str]:
+    """Full-layout parameter names of ``m`` in order: ``local`` spec, ``te`` or ``te_grouped``."""
+    if spec not in ("local", "te", "te_grouped"):
+        raise ValueError(f"spec={spec!r}; use local, te or te_grouped")
+    te = spec != "local"
+    names = ["embedding.word_embeddings.weight"]
+    for layer, is_moe in enumerate(moe_layer_pattern(m)):
+        pre = f"decoder.layers.{layer}."
+        attn = ["self_attention.linear_qkv.layer_norm_weight"] if te else ["input_layernorm.weight"]
+        attn += ["self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
+        if m.qk_layernorm:
+            attn += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+        names += [pre + s for s in attn]
+        if not is_moe:
+            norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
+            names += [pre + s for s in (norm, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+            continue
+        names += [pre + "pre_mlp_layernorm.weight", pre + "mlp.router.weight"]
+        for fc in ("linear_fc1", "linear_fc2") if spec == "te_grouped" else ():
+            names += [f"{pre}mlp.experts.{fc}.weight{e}" for e in range(m.num_experts)]
+        for e in range(m.num_experts) if spec != "te_grouped" else ():
+            names += [
+                f"{pre}mlp.experts.local_experts.{e}.{fc}.weight" for fc in ("linear_fc1", "linear_fc2")
+            ]
+        if m.moe_shared_expert_intermediate_size:
+            names += [
+                pre + "mlp.shared_experts.linear_fc1.weight",
+                pre + "mlp.shared_experts.linear_fc2.weight",
+            ]
+    names.append("decoder.final_layernorm.weight")
+    if not m.tie_word_embeddings:
+        names.append("output_layer.weight")
+    return names
+
+
+def expected_hf_names(m: ModelConfig) -> list[str]:
+    """Every tensor an on-disk (per-expert) HF checkpoint of ``m`` holds, in export order."""
+    return [hf for name in mcore_names(m) for hf in hf_names(name, m)]
+
+
+def mcore_to_hf(full_state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """A whole full-layout Megatron state (e.g. ``layout.gather_full``) as HF tensors."""
+    return {hf: t for name, full in full_state.items() for hf, t in to_hf(name, full, m)}
+
+
+def hf_to_mcore(hf_state: dict[str, torch.Tensor], m: ModelConfig, names: Iterable[str] | None = None
+                ) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Full-layout Megatron tensors ``names`` (default: the local spec's) from an HF state."""
+    fused = any(k.endswith(FUSED_GATE_UP) for k in hf_state)
+
+    def get(hf_name: str) -> torch.Tensor:
+        if hf_name not in hf_state:
+            raise MappingError(f"HF state lacks '{hf_name}'")
+        return hf_state[hf_name]
+
+    return {n: from_hf(n, m, get, fused) for n in (names if names is not None else mcore_names(m))}

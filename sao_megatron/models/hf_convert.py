@@ -1,0 +1,250 @@
+"""Checkpoint conversion HF safetensors <-> Megatron distributed checkpoints (``sao convert``).
+
+    HF_DIR --(each rank reads its slices: load_hf_weights)--> Megatron model at TP/PP/EP
+           --(checkpoint.save_model, torch_dist)--> MCORE_DIR + model.yaml + hf/ + convert.json
+    MCORE_DIR --(checkpoint.load_model: reshards to any layout)--> Megatron model
+              --(save_hf_checkpoint: gather to rank 0, stream shards)--> HF_DIR
+
+A Megatron checkpoint directory holds the ``torch_dist`` files, ``model.yaml`` (our model
+shape, loadable by ``load_config``), ``convert.json`` (dtype, source) and ``hf/`` (the source's
+config, generation config and tokenizer files, used as the template of the way back).
+Conversions that need N ranks run as a spawned gloo world (:func:`sao_megatron.spawn.run_world`);
+outputs are staged next to the target and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sao_megatron.config import ModelConfig, ParallelConfig, validate_parallel
+from sao_megatron.models import hf_bridge as bridge
+from sao_megatron.models import hf_config, hf_io
+from sao_megatron.models.hf_io import CheckpointError
+
+TEMPLATE_DIR = "hf"
+MODEL_YAML = "model.yaml"
+CONVERT_JSON = "convert.json"
+
+
+@dataclass
+class ConvertSummary:
+    """One conversion: tensors and bytes moved, wall time and the time of the copy phase alone."""
+
+    direction: str
+    tensors: int
+    bytes: int
+    wall_s: float
+    """Whole call: process start-up, imports, model construction and the copy."""
+    transfer_s: float
+    """The copy alone (slowest rank): read + write of the weights."""
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds per phase of the copy (slowest rank), e.g. ``read_hf``, ``save_torch_dist``."""
+
+    @property
+    def gb_per_s(self) -> float:
+        """Bytes / copy-phase seconds (read + write, no process start-up), in GB/s (1e9)."""
+        return self.bytes / max(self.transfer_s, 1e-9) / 1e9
+
+
+def check_hf_checkpoint(hf_dir: str | Path, m: ModelConfig) -> tuple[int, int]:
+    """Every tensor ``m`` needs is present with its shape and dtype, and nothing else is there.
+
+    Reads headers only. Returns ``(tensors, bytes)``; raises :class:`CheckpointError`.
+    """
+    with hf_io.HFCheckpoint(hf_dir) as ckpt:
+        config_file = Path(hf_dir) / "config.json"
+        dtype = hf_io.config_dtype(json.loads(config_file.read_text())) if config_file.exists() else None
+        fused = any(n.endswith(bridge.FUSED_GATE_UP) for n in ckpt.names())
+        expected = {p.hf_name for name in bridge.mcore_names(m) if bridge.is_exported(name, m)
+                    for p in bridge.hf_pieces(name, m, fused)}  # fmt: skip
+        total = 0
+        for name in sorted(expected):
+            total += ckpt.check(name, bridge.hf_shape(name, m), dtype).nbytes
+        ignorable = {"lm_head.weight"} if m.tie_word_embeddings else set()
+        extra = [n for n in ckpt.names() if n not in expected and n not in ignorable
+                 and not n.endswith("rotary_emb.inv_freq")]  # fmt: skip
+        if extra:
+            raise CheckpointError(f"checkpoint {ckpt.source} holds tensors the config does not describe, e.g. "
+                                  f"'{extra[0]}' in {ckpt.files[extra[0]]} ({len(extra)} in all); is config.json "
+                                  "the one of these weights?")  # fmt: skip
+        return len(expected), total
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, description: str, total: int):
+    """A rich progress bar in bytes (rank 0 only), yielding ``advance(nbytes)`` or None."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _setup(p: ParallelConfig) -> None:
+    from sao_megatron.parallel import initialize_model_parallel, seed_everything
+
+    initialize_model_parallel(p)
+    seed_everything(0)
+
+
+# --------------------------------------------------------------------------------------------
+# HF -> Megatron
+# --------------------------------------------------------------------------------------------
+def _hf_to_mcore_rank(rank, world, hf_dir, stage, m_dict, p_dict, bf16, progress):
+    import torch.distributed as dist
+
+    from sao_megatron.models.builder import build_gpt
+    from sao_megatron.models.hf_weights import load_hf_weights
+    from sao_megatron.train.checkpoint import save_model
+
+    m, p = ModelConfig(**m_dict), ParallelConfig(**p_dict)
+    _setup(p)
+    model = build_gpt(m, p, bf16=bf16)
+    local_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
+    dist.barrier()
+    t0 = time.perf_counter()
+    with _progress(progress and rank == 0, f"rank 0 of {world}: reading HF slices", local_bytes) as advance:
+        stats = load_hf_weights(model, m, hf_dir, progress=advance)
+    t_save = time.perf_counter()
+    save_model(model, stage)
+    return {**stats.as_dict(), "load_s": t_save - t0, "save_s": time.perf_counter() - t_save,
+            "copy_s": time.perf_counter() - t0}  # fmt: skip
+
+
+def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, p: ParallelConfig, *, bf16: bool | None = None,
+                overwrite: bool = False, progress: bool = False) -> ConvertSummary:  # fmt: skip
+    """Convert an HF checkpoint into a Megatron ``torch_dist`` checkpoint using ``p.world_size`` ranks.
+
+    ``bf16`` None keeps the HF checkpoint's dtype (bf16 checkpoints give bf16 Megatron weights).
+    """
+    from sao_megatron.spawn import run_world
+
+    t0 = time.perf_counter()
+    hf_dir = Path(hf_dir)
+    hf = hf_config.read_hf_config(hf_dir)
+    m = hf_config.model_config_from_hf(hf, name=hf_dir.name)
+    validate_parallel(p, m, "convert")
+    tensors, nbytes = check_hf_checkpoint(hf_dir, m)
+    if bf16 is None:
+        bf16 = hf_io.config_dtype(hf) == "BF16"
+    with hf_io.staging_dir(out_dir, overwrite) as stage:
+        results = run_world(_hf_to_mcore_rank, p.world_size, str(hf_dir.resolve()), str(stage),
+                            dataclasses.asdict(m), dataclasses.asdict(p), bf16, progress, backend="gloo")  # fmt: skip
+        (stage / MODEL_YAML).write_text(hf_config.model_yaml(m, source=str(hf_dir)))
+        (stage / TEMPLATE_DIR).mkdir()
+        hf_io.copy_non_weight_files(hf_dir, stage / TEMPLATE_DIR)
+        meta = {"bf16": bf16, "source": str(hf_dir.resolve()), "saved_layout": dataclasses.asdict(p),
+                "hf_tensors": tensors, "hf_bytes": nbytes}  # fmt: skip
+        (stage / CONVERT_JSON).write_text(json.dumps(meta, indent=2) + "\n")
+    phases = {
+        "read_hf": max(r["load_s"] for r in results),
+        "save_torch_dist": max(r["save_s"] for r in results),
+    }
+    copy_s = max(r["copy_s"] for r in results)
+    return ConvertSummary("hf-to-mcore", tensors, nbytes, time.perf_counter() - t0, copy_s, phases)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron -> HF
+# --------------------------------------------------------------------------------------------
+def read_mcore_dir(mcore_dir: str | Path) -> tuple[ModelConfig, dict]:
+    """The model shape and conversion metadata stored next to a Megatron checkpoint."""
+    mcore_dir = Path(mcore_dir)
+    if not (mcore_dir / MODEL_YAML).exists():
+        raise CheckpointError(f"{mcore_dir} has no {MODEL_YAML}; convert with `sao convert hf-to-mcore` or put "
+                              "the model's shape file there")  # fmt: skip
+    meta_file = mcore_dir / CONVERT_JSON
+    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    return hf_config.load_model_yaml(mcore_dir / MODEL_YAML), meta
+
+
+def _mcore_to_hf_rank(rank, world, mcore_dir, out_dir, m_dict, p_dict, bf16, template, dtype_name,
+                      max_shard_bytes, overwrite, progress):  # fmt: skip
+    import torch.distributed as dist
+
+    from sao_megatron.models.builder import build_gpt
+    from sao_megatron.models.hf_weights import save_hf_checkpoint
+    from sao_megatron.train.checkpoint import load_model
+
+    m, p = ModelConfig(**m_dict), ParallelConfig(**p_dict)
+    _setup(p)
+    model = build_gpt(m, p, bf16=bf16)
+    dist.barrier()
+    t0 = time.perf_counter()
+    load_model(model, mcore_dir)
+    t_export = time.perf_counter()
+    dtype = hf_io.torch_dtype(dtype_name) if dtype_name else None
+    out_dtype = dtype or (hf_io.torch_dtype(hf_io.config_dtype(hf_config.read_hf_config(template)) or "F32")
+                          if template else next(model.parameters()).dtype)  # fmt: skip
+    size = out_dtype.itemsize
+    total = sum(hf_io._numel(bridge.hf_shape(n, m)) * size for n in bridge.expected_hf_names(m))
+    with _progress(progress and rank == 0, f"writing HF shards ({world} ranks)", total) as advance:
+        stats = save_hf_checkpoint(model, m, out_dir, template=template, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                   overwrite=overwrite, progress=advance)  # fmt: skip
+    return {**stats.as_dict(), "load_s": t_export - t0, "export_s": time.perf_counter() - t_export,
+            "copy_s": time.perf_counter() - t0}  # fmt: skip
+
+
+def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, p: ParallelConfig | None = None, *,
+                template: str | Path | None = None, dtype: str | None = None,
+                max_shard_bytes: int = 5 << 30, overwrite: bool = False, progress: bool = False) -> ConvertSummary:  # fmt: skip
+    """Convert a Megatron checkpoint written by :func:`hf_to_mcore` (or with a ``model.yaml``) to HF.
+
+    ``template``: an HF directory whose config and tokenizer files are copied (default: the
+    ``hf/`` copy stored at conversion time; without either, ``config.json`` is generated).
+    ``dtype`` (``float32`` / ``bfloat16``) defaults to the template's. ``p`` defaults to one rank.
+    """
+    from sao_megatron.spawn import run_world
+
+    t0 = time.perf_counter()
+    mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
+    m, meta = read_mcore_dir(mcore_dir)
+    if template is None and (mcore_dir / TEMPLATE_DIR / "config.json").exists():
+        template = mcore_dir / TEMPLATE_DIR
+    if template is not None:
+        diff = hf_config.same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
+        if diff:
+            raise CheckpointError(f"--hf-template {template}: config.json disagrees with {mcore_dir / MODEL_YAML} "
+                                  f"on {diff}")  # fmt: skip
+    if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose another directory")
+    if dtype is not None:
+        hf_io.torch_dtype(dtype)
+    p = p or ParallelConfig()
+    validate_parallel(p, m, "convert")
+    results = run_world(_mcore_to_hf_rank, p.world_size, str(mcore_dir.resolve()), str(out_dir.resolve()),
+                        dataclasses.asdict(m), dataclasses.asdict(p), bool(meta.get("bf16", False)),
+                        str(template) if template else None, dtype, max_shard_bytes, overwrite, progress,
+                        backend="gloo")  # fmt: skip
+    r0 = results[0]
+    phases = {
+        "load_torch_dist": max(r["load_s"] for r in results),
+        "export_hf": max(r["export_s"] for r in results),
+    }
+    copy_s = max(r["copy_s"] for r in results)
+    return ConvertSummary("mcore-to-hf", r0["tensors"], r0["bytes"], time.perf_counter() - t0, copy_s, phases)
+
+
+def parallel_config(world: int | None, tp: int, pp: int, ep: int) -> ParallelConfig:
+    """A conversion layout; ``world`` defaults to the smallest that fits TP, PP and EP."""
+    from math import lcm
+
+    return ParallelConfig(world_size=world or pp * lcm(tp, ep), tensor_parallel=tp, pipeline_parallel=pp,
+                          expert_parallel=ep, use_distributed_optimizer=False)  # fmt: skip

@@ -1,0 +1,329 @@
+"""HF safetensors checkpoints on disk: sliced reads, streamed sharded writes, atomic directories.
+
+Reading (:class:`HFCheckpoint`) goes through ``safetensors.safe_open(...).get_slice``, so a rank
+copies only the rows / columns it owns. ``safe_open`` memory-maps the file and the pages it
+touches count towards the process's resident memory until the map is closed, so a file is
+re-opened after every ``reopen_bytes`` read: resident memory stays near the shard being loaded
+plus that budget, even for a single-file checkpoint.
+
+Writing (:class:`ShardWriter`) knows every tensor's name, shape and dtype up front (the bridge
+computes them), so each shard's header is written first and tensor bytes are streamed after it
+in arrival order: memory stays at one bucket, whatever the shard size. Output goes into a
+staging directory next to the target that is renamed into place at the end (:func:`staging_dir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sao_megatron.models.hf_bridge import Read
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_CONFIG_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or is damaged; names the tensor and file."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors code, e.g. "BF16"
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+def torch_dtype(code_or_name: str) -> torch.dtype:
+    """``"BF16"`` or ``"bfloat16"`` -> ``torch.bfloat16``."""
+    code = _CONFIG_DTYPES.get(code_or_name, code_or_name)
+    if code not in _DTYPES:
+        raise ValueError(f"unknown dtype {code_or_name!r}; use float32, bfloat16 or float16")
+    return _DTYPES[code]
+
+
+def config_dtype(config: dict) -> str | None:
+    """safetensors dtype code named by an HF config (``dtype`` in 5.x, ``torch_dtype`` before)."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    return _CONFIG_DTYPES.get(name) if isinstance(name, str) else None
+
+
+def _open(file: Path, reason: str):
+    from safetensors import safe_open
+
+    if not file.exists():
+        raise CheckpointError(f"{reason}: file {file} does not exist")
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as err:  # SafetensorError is not importable as a class in all versions
+        raise CheckpointError(f"{reason}: {file} is truncated or not a safetensors file ({err})") from None
+
+
+class HFCheckpoint:
+    """An HF checkpoint directory: ``model.safetensors.index.json`` + shards, or one ``model.safetensors``."""
+
+    def __init__(self, directory: str | Path, reopen_bytes: int = 64 << 20):
+        self.directory = Path(directory)
+        self.reopen_bytes = reopen_bytes
+        index = self.directory / INDEX_FILE
+        single = self.directory / SINGLE_FILE
+        if index.exists():
+            self.source = index
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise CheckpointError(f"{index}: not a safetensors index ({err!r})") from None
+            self.files = {name: self.directory / file for name, file in weight_map.items()}
+        elif single.exists():
+            self.source = single
+            with _open(single, "cannot read the checkpoint") as f:
+                self.files = {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        else:
+            raise CheckpointError(f"{self.directory} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+        self._infos: dict[str, TensorInfo] = {}
+        self._handle = None
+        self._handle_file: Path | None = None
+        self._handle_bytes = 0
+        self.bytes_read = 0
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def _file_of(self, name: str) -> Path:
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint {self.source} has no tensor '{name}'")
+        return self.files[name]
+
+    def info(self, name: str) -> TensorInfo:
+        """Shape and dtype from the file header (reads no tensor data)."""
+        file = self._file_of(name)
+        if name not in self._infos:
+            with _open(file, f"cannot read tensor '{name}'") as f:
+                for key in f.keys():  # noqa: SIM118
+                    sl = f.get_slice(key)
+                    self._infos[key] = TensorInfo(key, file, tuple(sl.get_shape()), sl.get_dtype())
+            if name not in self._infos:
+                raise CheckpointError(
+                    f"tensor '{name}' is mapped to {file} by {self.source} but is not in that file"
+                )
+        return self._infos[name]
+
+    def check(self, name: str, shape: tuple[int, ...], dtype: str | None) -> TensorInfo:
+        """Raise :class:`CheckpointError` unless ``name`` exists with this shape (and dtype)."""
+        info = self.info(name)
+        if info.shape != tuple(shape):
+            raise CheckpointError(f"tensor '{name}' in {info.file} has shape {list(info.shape)}, "
+                                  f"the model config expects {list(shape)}")  # fmt: skip
+        if info.dtype not in ("F32", "BF16", "F16"):
+            raise CheckpointError(
+                f"tensor '{name}' in {info.file} has dtype {info.dtype}; expected a float dtype"
+            )
+        if dtype is not None and info.dtype != dtype:
+            raise CheckpointError(f"tensor '{name}' in {info.file} has dtype {info.dtype}, "
+                                  f"config.json says {dtype}")  # fmt: skip
+        return info
+
+    def _handle_for(self, file: Path):
+        if self._handle is not None and (
+            self._handle_file != file or self._handle_bytes >= self.reopen_bytes
+        ):
+            self.close()
+        if self._handle is None:
+            self._handle = _open(file, "cannot read the checkpoint").__enter__()
+            self._handle_file, self._handle_bytes = file, 0
+        return self._handle
+
+    def read(self, r: Read) -> torch.Tensor:
+        """One slice: rows ``[r.start, r.stop)`` (and ``r.cols``) of ``r.hf_name``."""
+        info = self.info(r.hf_name)
+        handle = self._handle_for(info.file)
+        index: tuple = (slice(r.start, r.stop),)
+        if r.cols is not None:
+            index += (slice(*r.cols),)
+        if r.expert is not None:
+            index = (r.expert, *index)
+        try:
+            tensor = handle.get_slice(r.hf_name)[index]
+        except Exception as err:
+            raise CheckpointError(f"reading tensor '{r.hf_name}' from {info.file} failed ({err})") from None
+        # Mapped pages touched: whole rows of the tensor, whatever the column range.
+        row_elems = info.shape[-1] if len(info.shape) > 1 else 1
+        self._handle_bytes += row_elems * (r.stop - r.start) * tensor.element_size()
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+        self._handle, self._handle_file = None, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive groups of at most ``max_shard_bytes`` (a larger tensor gets a shard alone)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards if shards[0] else []
+
+
+def _header(specs: Sequence[TensorSpec]) -> bytes:
+    entries: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for s in specs:
+        entries[s.name] = {"dtype": dtype_code(s.dtype), "shape": list(s.shape),
+                           "data_offsets": [offset, offset + s.nbytes]}  # fmt: skip
+        offset += s.nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardWriter:
+    """Stream tensors, in the order of ``specs``, into HF safetensors shards under ``directory``.
+
+    File names follow ``save_pretrained``: one ``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
+    """
+
+    def __init__(self, directory: str | Path, specs: Sequence[TensorSpec], max_shard_bytes: int):
+        self.directory = Path(directory)
+        self.shards = plan_shards(specs, max_shard_bytes)
+        n = len(self.shards)
+        self.files = (
+            [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self._queue = [(i, s) for i, shard in enumerate(self.shards) for s in shard]
+        self._pos = 0
+        self._fh = None
+        self.bytes_written = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._pos >= len(self._queue):
+            raise ValueError(f"unexpected tensor '{name}': all planned tensors are written")
+        shard, spec = self._queue[self._pos]
+        if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise ValueError(f"tensor '{name}' {list(tensor.shape)} {tensor.dtype} arrived where "
+                             f"'{spec.name}' {list(spec.shape)} {spec.dtype} was planned")  # fmt: skip
+        if self._fh is None:
+            self._fh = open(self.directory / self.files[shard], "wb")  # noqa: SIM115 (closed at shard end)
+            self._fh.write(_header(self.shards[shard]))
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self._fh.write(memoryview(data))
+        self.bytes_written += spec.nbytes
+        self._pos += 1
+        if self._pos == len(self._queue) or self._queue[self._pos][0] != shard:
+            self._fh.close()
+            self._fh = None
+
+    def finish(self) -> None:
+        if self._pos != len(self._queue):
+            raise ValueError(f"only {self._pos} of {len(self._queue)} planned tensors were written; "
+                             f"next missing: '{self._queue[self._pos][1].name}'")  # fmt: skip
+        if len(self.files) > 1:
+            index = {"metadata": {"total_size": self.bytes_written},
+                     "weight_map": {s.name: self.files[i] for i, s in self._queue}}  # fmt: skip
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def copy_non_weight_files(src: str | Path, dst: str | Path, skip: Sequence[str] = ()) -> list[str]:
+    """Copy config, generation config and tokenizer files (top-level, not weights) from ``src``."""
+    copied = []
+    for path in sorted(Path(src).iterdir()):
+        if (
+            not path.is_file()
+            or path.name in skip
+            or path.name == INDEX_FILE
+            or path.name.endswith(WEIGHT_SUFFIXES)
+        ):
+            continue
+        shutil.copy2(path, Path(dst) / path.name)
+        copied.append(path.name)
+    return copied
+
+
+@contextlib.contextmanager
+def staging_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """A fresh directory next to ``target``, renamed to ``target`` only if the block succeeds.
+
+    On error the staging directory is removed and ``target`` is untouched. An existing
+    ``target`` is refused unless ``overwrite``, in which case it is replaced after success.
+    """
+    target = Path(target)
+    if target.exists() and not overwrite and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists and is not empty; choose another directory or overwrite")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    if target.exists():
+        target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,278 @@
+"""Fixtures and worker bodies for the HF bridge tests.
+
+The parent (pytest) builds tiny random Qwen3-MoE / Qwen3 models with ``transformers`` (float32,
+no downloads), saves them with ``save_pretrained`` and records their logits. The workers (one
+spawned 2-rank gloo world) load the checkpoints into Megatron at several layouts, compare
+logits, export back to HF and measure resident memory while loading a larger checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sao_megatron.config import ModelConfig, ParallelConfig
+from sao_megatron.models import hf_bridge, hf_config, hf_io
+from sao_megatron.models.hf_weights import release_free_memory
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+_COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# name -> (HF config kwargs, save_pretrained max_shard_size or None for one file)
+SHAPES: dict[str, tuple[dict, str | None]] = {
+    "moe_gqa2": (dict(arch="moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      num_hidden_layers=2, rope_theta=10000.0), "60KB"),
+    "moe_step2_top3": (dict(arch="moe", hidden_size=48, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
+                            intermediate_size=80, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3,
+                            num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3],
+                            rope_theta=1000000.0), None),
+    "dense_tied": (dict(arch="dense", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                        intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True), "40KB"),
+    "dense_gqa3": (dict(arch="dense", hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=64, num_hidden_layers=2), None),
+}  # fmt: skip
+LAYOUTS = {"single": {}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2},
+           "pp2": {"pipeline_parallel": 2}}  # fmt: skip
+
+
+def layouts_of(shape: str) -> list[str]:
+    """EP only for MoE. No PP for tied embeddings: Megatron moves the last stage's copy of the
+    embedding to CUDA at construction (``LanguageModule.setup_embeddings_and_output_layer``),
+    which ``megatron_cpu`` does not patch; the tied mapping is covered by the bridge tests."""
+    kw = SHAPES[shape][0]
+    return [
+        k
+        for k in LAYOUTS
+        if (k != "ep2" or kw["arch"] == "moe") and (k != "pp2" or not kw.get("tie_word_embeddings"))
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side: HF models with transformers
+# --------------------------------------------------------------------------------------------
+def build_hf_model(shape: str, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kw = dict(SHAPES[shape][0])
+    arch = kw.pop("arch")
+    rope = {"rope_theta": kw.pop("rope_theta", 10000.0), "rope_type": "default"}
+    kw = {**_COMMON, **kw, "rope_parameters": rope}
+    if arch == "moe":
+        config = Qwen3MoeConfig(norm_topk_prob=True, **kw)
+        cls = Qwen3MoeForCausalLM
+    else:
+        config = Qwen3Config(**kw)
+        cls = Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)  # decisive routing: no near-ties between float32 paths
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def make_checkpoints(root: Path) -> dict[str, Path]:
+    """Save every shape with ``save_pretrained`` and its logits on :func:`tokens` to ``reference.pt``."""
+    dirs, reference = {}, {}
+    for shape, (_, shard) in SHAPES.items():
+        model = build_hf_model(shape)
+        out = root / "hf" / shape
+        model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
+        (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+        with torch.no_grad():
+            reference[shape] = model(input_ids=tokens()).logits.float()
+        dirs[shape] = out
+    torch.save(reference, root / "reference.pt")
+    return dirs
+
+
+def write_big_checkpoint(directory: Path, m: ModelConfig, shard_bytes: int = 48 << 20, seed: int = 0) -> int:
+    """A random HF checkpoint of ``m`` (float32, sharded) written without transformers; returns bytes."""
+    directory.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    specs = [
+        hf_io.TensorSpec(n, hf_bridge.hf_shape(n, m), torch.float32) for n in hf_bridge.expected_hf_names(m)
+    ]
+    writer = hf_io.ShardWriter(directory, specs, shard_bytes)
+    for spec in specs:
+        writer.write(spec.name, torch.randn(spec.shape, generator=g) * 0.05)
+    writer.finish()
+    (directory / "config.json").write_text(json.dumps(hf_config.hf_config_from_model(m)))
+    return writer.bytes_written
+
+
+MEMORY_MODEL = ModelConfig(
+    name="mem", num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, head_dim=64,
+    ffn_hidden_size=512, vocab_size=1024, num_experts=16, moe_router_topk=2, moe_ffn_hidden_size=1024,
+    max_position_embeddings=256, rope_theta=10000.0,
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side (spawned gloo ranks)
+# --------------------------------------------------------------------------------------------
+def _setup(world: int, **kw) -> ParallelConfig:
+    from sao_megatron.parallel import initialize_model_parallel, seed_everything
+
+    p = ParallelConfig(world_size=world, use_distributed_optimizer=False, **kw)
+    initialize_model_parallel(p)
+    seed_everything(1234)
+    return p
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class _PeakRSS:
+    """Samples this process's RSS every 2 ms in a thread (tracemalloc does not see torch storage)."""
+
+    def __enter__(self):
+        self.peak, self._stop = _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def case_memory(rank, world, hf_dir: str) -> dict:
+    """Peak RSS of a rank loading its EP=2 half of a sharded checkpoint, against its shard size."""
+    from sao_megatron.models.builder import build_gpt
+    from sao_megatron.models.hf_weights import load_hf_weights
+
+    p = _setup(world, expert_parallel=2)
+    base = _rss()
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = build_gpt(MEMORY_MODEL, p)
+    shard = sum(q.numel() * q.element_size() for q in model.parameters())
+    build_peak = _rss()
+    release_free_memory()  # the random initialisation's temporaries, kept by malloc otherwise
+    after_build = _rss()
+    with _PeakRSS() as peak:
+        stats = load_hf_weights(model, MEMORY_MODEL, hf_dir)
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    checksum = float(sum(q.detach().double().sum() for q in model.parameters()))
+    del model
+    return {"base": base, "build_peak": build_peak, "after_build": after_build, "peak": peak.peak, "shard": shard,
+            "maxrss_before": maxrss_before, "maxrss": maxrss, "bytes_read": stats.extra["bytes_read"],
+            "checksum": checksum, "load_s": stats.seconds}  # fmt: skip
+
+
+def _forward_logits(model, p: ParallelConfig, toks: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits [B, T, V] (None on a PP stage that is not the last)."""
+    from megatron.core import parallel_state as ps
+
+    positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
+    if p.pipeline_parallel > 1:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        captured = []
+
+        def step(data_iterator, model):
+            output = model(toks, positions, attention_mask=None)
+
+            def loss_func(logits):
+                captured.append(logits.detach())
+                return logits.sum() * 0.0, {}
+
+            return output, loss_func
+
+        get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[model],
+                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH,
+                                    forward_only=True)  # fmt: skip
+        logits = captured[0] if captured else None
+    else:
+        logits = model(toks, positions, attention_mask=None).detach()
+    if logits is None:
+        return None
+    group = ps.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        logits = torch.cat(parts, dim=-1)
+    return logits
+
+
+def case_parity(rank, world, root: str, shape: str, layout_name: str) -> dict:
+    """HF checkpoint -> Megatron at a layout: logits vs transformers; then export back to HF."""
+    from sao_megatron.models.builder import build_gpt
+    from sao_megatron.models.hf_weights import iter_hf_weights, load_hf_weights, save_hf_checkpoint
+
+    root_path = Path(root)
+    hf_dir = root_path / "hf" / shape
+    m = hf_config.model_config_from_hf(hf_config.read_hf_config(hf_dir), name=shape)
+    p = _setup(world, **LAYOUTS[layout_name])
+    model = build_gpt(m, p)
+    model.eval()
+    load_hf_weights(model, m, hf_dir)
+    logits = _forward_logits(model, p, tokens())
+    out = {"logits": None}
+    if logits is not None:
+        reference = torch.load(root_path / "reference.pt")[shape]
+        out["logits"] = (logits - reference).abs().max().item()
+    save_hf_checkpoint(model, m, root_path / "export" / f"{shape}-{layout_name}", template=hf_dir,
+                       max_shard_bytes=50_000)  # fmt: skip
+    if layout_name in ("ep2", "tp2"):
+        bucket_bytes = 40_000  # above the largest tensor (the 32 KB embedding)
+        buckets = list(iter_hf_weights(model, m, bucket_bytes=bucket_bytes))
+        sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+        over = [s for s in sizes if s > bucket_bytes]
+        names = [n for b in buckets for n, _ in b]
+        out["buckets"] = {"count": len(buckets), "nonempty": sum(1 for b in buckets if b), "over": over,
+                          "names": names, "unique": len(set(names)) == len(names)}  # fmt: skip
+    return out
+
+
+def case_corrupt(rank, world, hf_dir: str) -> dict:
+    """A checkpoint with one wrong-shaped tensor fails before any parameter is written."""
+    from sao_megatron.models.builder import build_gpt
+    from sao_megatron.models.hf_weights import load_hf_weights
+
+    m = hf_config.model_config_from_hf(hf_config.read_hf_config(hf_dir))
+    p = _setup(world, expert_parallel=2)
+    model = build_gpt(m, p)
+    before = [q.detach().clone() for q in model.parameters()]
+    try:
+        load_hf_weights(model, m, hf_dir)
+        message = None
+    except hf_io.CheckpointError as err:
+        message = str(err)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return {"message": message, "unchanged": unchanged}
+
+
+def all_cases(rank, world, root: str) -> dict:
+    results = {"memory": case_memory(rank, world, str(Path(root) / "big"))}
+    results["corrupt"] = case_corrupt(rank, world, str(Path(root) / "corrupt"))
+    for shape in SHAPES:
+        for layout_name in layouts_of(shape):
+            results[f"{shape}/{layout_name}"] = case_parity(rank, world, root, shape, layout_name)
+    return results

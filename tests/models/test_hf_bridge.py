@@ -1,0 +1,157 @@
+"""The pure HF <-> Megatron mapping: hand-computed QKV layout, round trips, TP slices, spec names."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sao_megatron.config import ModelConfig
+from sao_megatron.models import hf_bridge as bridge
+from sao_megatron.models import layout
+
+MOE = ModelConfig(
+    name="t", num_layers=3, hidden_size=8, num_attention_heads=4, num_query_groups=2, head_dim=4,
+    ffn_hidden_size=12, vocab_size=16, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=6,
+    dense_layers=[1], moe_shared_expert_intermediate_size=10,
+)  # fmt: skip
+DENSE_TIED = dataclasses.replace(
+    MOE, num_experts=0, moe_shared_expert_intermediate_size=0, tie_word_embeddings=True
+)
+
+
+def random_hf_state(m: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(bridge.hf_shape(n, m), generator=g) for n in bridge.expected_hf_names(m)}
+
+
+def test_qkv_is_interleaved_per_query_group_hand_computed():
+    m = dataclasses.replace(MOE, hidden_size=1, head_dim=1)
+    pre = "model.layers.0.self_attn."
+    hf = {pre + "q_proj.weight": torch.tensor([[0.0], [1], [2], [3]]),
+          pre + "k_proj.weight": torch.tensor([[10.0], [11]]), pre + "v_proj.weight": torch.tensor([[20.0], [21]])}  # fmt: skip
+    qkv = bridge.from_hf("decoder.layers.0.self_attention.linear_qkv.weight", m, hf.__getitem__)
+    # [ng=2, (np/ng=2 q heads + k + v), head_dim=1, hidden=1]
+    assert qkv.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    back = dict(bridge.to_hf("decoder.layers.0.self_attention.linear_qkv.weight", qkv, m))
+    assert list(back) == [pre + "q_proj.weight", pre + "k_proj.weight", pre + "v_proj.weight"]
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_glu_and_expert_layouts():
+    hf = random_hf_state(MOE)
+    fc1 = bridge.from_hf(
+        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", MOE, hf.__getitem__
+    )
+    gate, up = (
+        hf["model.layers.0.mlp.experts.3.gate_proj.weight"],
+        hf["model.layers.0.mlp.experts.3.up_proj.weight"],
+    )
+    assert torch.equal(fc1, torch.cat([gate, up]))
+    shared = bridge.from_hf("decoder.layers.2.mlp.shared_experts.linear_fc1.weight", MOE, hf.__getitem__)
+    assert torch.equal(shared[:10], hf["model.layers.2.mlp.shared_expert.gate_proj.weight"])
+    assert bridge.hf_names("decoder.layers.1.mlp.linear_fc2.weight", MOE) == [
+        "model.layers.1.mlp.down_proj.weight"
+    ]
+    assert bridge.hf_names("decoder.layers.0.mlp.router.weight", MOE) == ["model.layers.0.mlp.gate.weight"]
+
+
+@pytest.mark.parametrize("m", [MOE, DENSE_TIED], ids=["moe_shared_dense_layer", "dense_tied"])
+@pytest.mark.parametrize("spec", ["local", "te", "te_grouped"])
+def test_round_trip_is_bit_exact_for_every_spec(m, spec):
+    hf = random_hf_state(m)
+    full = bridge.hf_to_mcore(hf, m, bridge.mcore_names(m, spec))
+    for name, tensor in full.items():
+        assert tuple(tensor.shape) == bridge.full_shape(name, m), name
+    back = bridge.mcore_to_hf(full, m)
+    assert sorted(back) == sorted(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_te_names_map_to_the_same_hf_tensors():
+    names = dict(zip(bridge.mcore_names(MOE, "local"), bridge.mcore_names(MOE, "te"), strict=True))
+    assert (
+        names["decoder.layers.0.input_layernorm.weight"]
+        == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    )
+    assert (
+        names["decoder.layers.1.pre_mlp_layernorm.weight"]
+        == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
+    )
+    for local, te in names.items():
+        assert bridge.hf_names(local, MOE) == bridge.hf_names(te, MOE)
+    assert bridge.hf_names("decoder.layers.2.mlp.experts.linear_fc1.weight3", MOE) == [
+        "model.layers.2.mlp.experts.3.gate_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight"]  # fmt: skip
+
+
+def test_tied_head_reads_the_embedding_and_is_not_exported():
+    assert bridge.hf_pieces("output_layer.weight", DENSE_TIED)[0].hf_name == "model.embed_tokens.weight"
+    assert bridge.to_hf("output_layer.weight", torch.zeros(16, 8), DENSE_TIED) == []
+    assert "lm_head.weight" not in bridge.expected_hf_names(DENSE_TIED)
+    assert "lm_head.weight" in bridge.expected_hf_names(MOE)
+
+
+def test_fused_transformers_experts_read_like_per_expert_files():
+    hf = random_hf_state(MOE)
+    fused = {k: v for k, v in hf.items() if ".experts." not in k}
+    for layer in (0, 2):
+        pre = f"model.layers.{layer}.mlp.experts."
+        fused[pre + "gate_up_proj"] = torch.stack(
+            [torch.cat([hf[f"{pre}{e}.gate_proj.weight"], hf[f"{pre}{e}.up_proj.weight"]]) for e in range(4)]
+        )  # [E, 2I, H] as transformers 5.19 holds it in memory
+        fused[pre + "down_proj"] = torch.stack([hf[f"{pre}{e}.down_proj.weight"] for e in range(4)])
+        assert tuple(fused[pre + "gate_up_proj"].shape) == bridge.hf_shape(pre + "gate_up_proj", MOE)
+    a, b = bridge.hf_to_mcore(hf, MOE), bridge.hf_to_mcore(fused, MOE)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(bridge.MappingError, match="no HF counterpart"):
+        bridge.hf_pieces("decoder.layers.0.mlp.value_head.weight", MOE)
+    with pytest.raises(bridge.MappingError, match="expert 4"):
+        bridge.hf_pieces("decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight", MOE)
+    with pytest.raises(bridge.MappingError, match="not a Qwen3"):
+        bridge.hf_shape("model.layers.0.mlp.experts.0.w1.weight", MOE)
+
+
+def _fake_tp(monkeypatch, size: int, rank: int) -> None:
+    monkeypatch.setattr(layout, "_tp_group_of", lambda name: None)
+    monkeypatch.setattr(layout.dist, "get_world_size", lambda group=None: size)
+    monkeypatch.setattr(layout.dist, "get_rank", lambda group=None: rank)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_local_reads_equal_layout_shard(monkeypatch, tp_size):
+    """Reading a rank's HF slices gives exactly ``layout.shard`` of the full tensor."""
+    m = dataclasses.replace(MOE, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=16, moe_ffn_hidden_size=8,
+                            moe_shared_expert_intermediate_size=8)  # fmt: skip
+    hf = random_hf_state(m)
+    partition = {"linear_qkv.weight": 0, "linear_proj.weight": 1, "linear_fc1.weight": 0, "linear_fc2.weight": 1,
+                 "word_embeddings.weight": 0, "output_layer.weight": 0}  # fmt: skip
+    for name in bridge.mcore_names(m):
+        full = bridge.from_hf(name, m, hf.__getitem__)
+        dim = next((d for k, d in partition.items() if name.endswith(k)), None)
+        for rank in range(tp_size):
+            _fake_tp(monkeypatch, tp_size, rank)
+            param = torch.empty(0)
+            param.tensor_model_parallel, param.partition_dim = dim is not None, dim
+            expected = layout.shard(full, param, name)
+            glu = layout.is_glu_fc1(name) and dim == 0
+            reads = bridge.local_reads(bridge.hf_pieces(name, m), tuple(full.shape), dim, tp_size, rank, glu)
+            parts = [hf[r.hf_name][r.start : r.stop] for r in reads]
+            parts = [p[:, r.cols[0] : r.cols[1]] if r.cols else p for p, r in zip(parts, reads, strict=True)]
+            assert torch.equal(torch.cat(parts), expected), (name, rank)
+
+
+def test_global_name_of_te_grouped_gemm_experts(monkeypatch):
+    """layout.global_name renumbers TE grouped-GEMM experts (``linear_fc1.weight{e}``) by EP rank."""
+    experts = SimpleNamespace(num_local_experts=2)
+    layers = [SimpleNamespace(layer_number=3, mlp=SimpleNamespace(experts=experts))]
+    model = SimpleNamespace(decoder=SimpleNamespace(layers=layers))
+    monkeypatch.setattr(layout, "_groups", lambda: SimpleNamespace(get_expert_model_parallel_rank=lambda: 1))
+    assert layout.global_name(model, "decoder.layers.0.mlp.experts.linear_fc2.weight1") == (
+        "decoder.layers.2.mlp.experts.linear_fc2.weight3"
+    )
+    assert layout.global_name(model, "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight") == (
+        "decoder.layers.2.mlp.experts.local_experts.2.linear_fc1.weight"
+    )

@@ -1,0 +1,96 @@
+"""HF checkpoints from ``transformers`` in and out of Megatron at TP=2, EP=2, PP=2 and one rank.
+
+One spawned 2-rank gloo world runs every case (``hf_cases.all_cases``); the parent builds the
+tiny random HF models, checks the exported checkpoints bit for bit and loads some back with
+``transformers``. Logit tolerance: max abs diff <= 1e-4 (float32, causal, no mask).
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sao_megatron.models import hf_bridge, hf_io
+from sao_megatron.models.hf_config import model_config_from_hf, read_hf_config
+from tests.distributed import run_distributed
+from tests.models import hf_cases
+
+TOL = 1e-4
+CASES = [(s, lay) for s in hf_cases.SHAPES for lay in hf_cases.layouts_of(s)]
+CORRUPT = "model.layers.1.self_attn.k_proj.weight"
+
+
+def _state(directory):
+    files = sorted(directory.glob("*.safetensors"))
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_bridge")
+    dirs = hf_cases.make_checkpoints(root)
+    big_bytes = hf_cases.write_big_checkpoint(root / "big", hf_cases.MEMORY_MODEL)
+    corrupt = shutil.copytree(dirs["moe_gqa2"], root / "corrupt")
+    file = corrupt / json.loads((corrupt / hf_io.INDEX_FILE).read_text())["weight_map"][CORRUPT]
+    state = load_file(file)
+    state[CORRUPT] = state[CORRUPT][:, :-1].contiguous()
+    save_file(state, file, metadata={"format": "pt"})
+    results = run_distributed(hf_cases.all_cases, 2, str(root), timeout_s=600)
+    return {"root": root, "results": results, "big_bytes": big_bytes, "corrupt_file": file}
+
+
+@pytest.mark.parametrize("shape, layout", CASES)
+def test_logits_match_transformers(world, shape, layout):
+    diffs = [r[f"{shape}/{layout}"]["logits"] for r in world["results"]]
+    diffs = [d for d in diffs if d is not None]  # PP: the last stage holds the logits
+    assert diffs and max(diffs) <= TOL, (shape, layout, diffs)
+
+
+@pytest.mark.parametrize("shape, layout", CASES)
+def test_round_trip_is_bit_exact(world, shape, layout):
+    source = world["root"] / "hf" / shape
+    export = world["root"] / "export" / f"{shape}-{layout}"
+    original, exported = _state(source), _state(export)
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    files = {p.name for p in export.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer_config.json", hf_io.INDEX_FILE} <= files
+    assert not [p for p in export.parent.iterdir() if p.name.startswith(".")], "staging left behind"
+
+
+@pytest.mark.parametrize("export", ["moe_step2_top3-pp2", "dense_tied-tp2"])
+def test_transformers_loads_the_export(world, export):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(world["root"] / "export" / export).eval()
+    reference = torch.load(world["root"] / "reference.pt")[export.split("-")[0]]
+    with torch.no_grad():
+        logits = model(input_ids=hf_cases.tokens()).logits
+    assert (logits - reference).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("case", ["moe_gqa2/ep2", "moe_gqa2/tp2", "dense_gqa3/tp2"])
+def test_iter_hf_weights_buckets_reach_rank0_only(world, case):
+    rank0, rank1 = (r[case]["buckets"] for r in world["results"])
+    assert rank0["count"] == rank1["count"] == rank0["nonempty"] > 1 and rank1["nonempty"] == 0
+    assert rank0["over"] == [] and rank0["unique"]
+    m = model_config_from_hf(read_hf_config(world["root"] / "hf" / case.split("/")[0]))
+    assert sorted(rank0["names"]) == sorted(hf_bridge.expected_hf_names(m))
+
+
+def test_corrupt_checkpoint_fails_before_loading_anything(world):
+    for r in world["results"]:
+        message = r["corrupt"]["message"]
+        assert message and CORRUPT in message and str(world["corrupt_file"]) in message
+        assert "has shape [32, 63]" in message and r["corrupt"]["unchanged"]
+
+
+def test_peak_rss_while_loading_stays_near_the_shard(world):
+    """Each EP rank reads exactly its shard; peak RSS - RSS before building <= 1.5 x shard + 32 MiB."""
+    for r in world["results"]:
+        mem = r["memory"]
+        assert mem["bytes_read"] == mem["shard"] < 0.6 * world["big_bytes"]
+        assert mem["peak"] - mem["base"] <= 1.5 * mem["shard"] + (32 << 20), mem
