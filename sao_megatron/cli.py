@@ -53,12 +53,40 @@ def _run_dir(cfg: SAOConfig) -> Path:
 
 
 def cmd_train(args) -> int:
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg = (
+            load_config(run_dir / "config.yaml", _split_config_arg(args)[1])
+            if args.config is None
+            else _load(args)
+        )
+    else:
+        cfg = _load(args)
+        run_dir = _run_dir(cfg)
+    print(f"run directory: {run_dir}")
+    import asyncio
+
+    from sao_megatron.pipeline import train
+
+    t0 = time.perf_counter()
+    result = asyncio.run(train(cfg, run_dir, resume=bool(args.resume)))
+    wall = time.perf_counter() - t0
+    initial, final = result["initial"] or {}, result["final"] or {}
+    print(f"done in {wall / 60:.1f} min: held-out accuracy {initial.get('eval/accuracy', float('nan')):.3f} "
+          f"(start of RL) -> {final.get('eval/accuracy', float('nan')):.3f} (end); report: sao report {run_dir}")  # fmt: skip
+    if args.report:
+        from sao_megatron.report import write_report
+
+        print(write_report(run_dir))
+    return 0
+
+
+def cmd_check(args) -> int:
     cfg = _load(args)
     run_dir = _run_dir(cfg)
     save_config(cfg, run_dir)
     print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})")
-    print("foundation check: one real actor step and critic steps on a synthetic batch "
-          "(the asynchronous SAO loop is not built yet)")  # fmt: skip
+    print("foundation check: one real actor step and critic steps on a synthetic batch per role world")
     from sao_megatron.train import smoke
 
     t0 = time.perf_counter()
@@ -74,6 +102,13 @@ def cmd_train(args) -> int:
           f"{c['params_on_rank']['trainable']:,} of {c['params_on_rank']['total']:,} on rank 0 "
           "(attention frozen)")  # fmt: skip
     print(f"done in {report['wall_s']:.1f} s; report: {run_dir / 'foundation_check.json'}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from sao_megatron.report import write_report
+
+    print(write_report(Path(args.run_dir)))
     return 0
 
 
@@ -98,9 +133,95 @@ def cmd_plan(args) -> int:
     return 0
 
 
+CONVERT_EPILOG = """examples:
+  sao convert hf-config ~/Qwen3-30B-A3B --out configs/models/qwen3_30b_a3b.yaml
+  sao convert hf-to-mcore ~/Qwen3-30B-A3B ckpt/qwen3_30b_a3b --world 2 --ep 2
+  sao convert mcore-to-hf ckpt/qwen3_30b_a3b hf_out [--hf-template ~/Qwen3-30B-A3B]
+see docs/convert.md
+"""
+
+
+def _print_summary(summary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"sao convert {summary.direction}")
+    for column in ("tensors", "MB", "wall s", "copy s", "GB/s (copy)", "copy phases (s)"):
+        table.add_column(column, justify="right")
+    mb = summary.bytes / 1e6
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in summary.phases.items())
+    table.add_row(f"{summary.tensors:,}", f"{mb:,.3f}" if mb < 10 else f"{mb:,.1f}", f"{summary.wall_s:.1f}",
+                  f"{summary.transfer_s:.2f}", f"{summary.gb_per_s:.3f}", phases)  # fmt: skip
+    Console(width=max(100, Console().width)).print(table)
+
+
 def cmd_convert(args) -> int:
-    print("sao convert: HF <-> Megatron conversion is not available in this build yet", file=sys.stderr)
-    return 2
+    """HF <-> Megatron checkpoint conversion; errors about the checkpoint exit 1 with one line."""
+    from sao_megatron.models import hf_config, hf_convert
+    from sao_megatron.spawn import WorldFailed
+
+    try:
+        if args.convert == "hf-config":
+            m = hf_config.model_config_from_hf(hf_config.read_hf_config(args.hf), name=args.name or "")
+            text = hf_config.model_yaml(m, source=args.hf)
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(text)
+                print(f"wrote {args.out}")
+            else:
+                print(text, end="")
+            return 0
+        p = hf_convert.parallel_config(args.world, args.tp, args.pp, args.ep)
+        if args.convert == "hf-to-mcore":
+            bf16 = {"auto": None, "bfloat16": True, "float32": False}[args.dtype]
+            summary = hf_convert.hf_to_mcore(args.src, args.dst, p, bf16=bf16, overwrite=args.overwrite,
+                                             progress=True)  # fmt: skip
+        else:
+            summary = hf_convert.mcore_to_hf(args.src, args.dst, p, template=args.hf_template, dtype=args.dtype,
+                                             max_shard_bytes=int(args.max_shard_gb * 2**30),
+                                             overwrite=args.overwrite, progress=True)  # fmt: skip
+    except (hf_convert.CheckpointError, FileExistsError, FileNotFoundError) as err:
+        print(f"convert error: {err}", file=sys.stderr)
+        return 1
+    except WorldFailed as err:
+        last = [ln for ln in str(err).splitlines() if ln.strip()][-1]
+        print(f"convert error (a rank failed): {last}", file=sys.stderr)
+        return 1
+    _print_summary(summary)
+    return 0
+
+
+def _add_convert_parser(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("convert", help="convert checkpoints between HF and Megatron formats",
+                       description="HF safetensors <-> Megatron torch_dist checkpoints (Qwen3, Qwen3-MoE)",
+                       epilog=CONVERT_EPILOG, formatter_class=fmt)  # fmt: skip
+    p.set_defaults(fn=cmd_convert)
+    conv = p.add_subparsers(dest="convert", metavar="DIRECTION", required=True)
+    c = conv.add_parser("hf-config", help="emit a model YAML from an HF config.json", formatter_class=fmt)
+    c.add_argument("hf", metavar="HF_DIR_OR_CONFIG_JSON")
+    c.add_argument("--out", help="write the YAML here (e.g. configs/models/<name>.yaml) instead of stdout")
+    c.add_argument("--name", help="model name in the YAML (default: the directory's name)")
+    for name, text, src, dst in (
+        ("hf-to-mcore", "HF checkpoint -> Megatron distributed checkpoint", "HF_DIR", "OUT_DIR"),
+        ("mcore-to-hf", "Megatron checkpoint (from hf-to-mcore) -> HF checkpoint", "MCORE_DIR", "OUT_DIR"),
+    ):
+        c = conv.add_parser(name, help=text, description=text, epilog=CONVERT_EPILOG, formatter_class=fmt)
+        c.add_argument("src", metavar=src)
+        c.add_argument("dst", metavar=dst)
+        c.add_argument("--tp", type=int, default=1, help="tensor parallel ranks of the conversion world")
+        c.add_argument("--pp", type=int, default=1, help="pipeline stages")
+        c.add_argument("--ep", type=int, default=1, help="expert parallel ranks")
+        c.add_argument("--world", type=int, default=None, help="processes (default: PP * lcm(TP, EP))")
+        c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+        if name == "hf-to-mcore":
+            c.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                           help="Megatron weight dtype (auto: the HF config's dtype)")  # fmt: skip
+        else:
+            c.add_argument("--hf-template", help="HF dir for config/tokenizer files (default: MCORE_DIR/hf)")
+            c.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                           help="HF weight dtype (default: the template's)")  # fmt: skip
+            c.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, fn, text in (
-        ("train", cmd_train, "train a model (default: the tiny MoE on CPU)"),
+        ("train", cmd_train, "SFT -> value pretraining -> asynchronous SAO (default: the tiny MoE on CPU)"),
+        ("check", cmd_check, "build actor and critic at their layouts and take real optimizer steps"),
         ("config", cmd_config, "print the resolved configuration"),
         ("plan", cmd_plan, "parameter counts and parallel layout per role"),
     ):
@@ -118,9 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         _add_config_args(p)
         p.set_defaults(fn=fn)
-    p = sub.add_parser("convert", help="convert checkpoints between HF and Megatron formats")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_convert)
+        if name == "train":
+            p.add_argument(
+                "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint"
+            )
+            p.add_argument("--report", action="store_true", help="write plots and the summary at the end")
+    p = sub.add_parser("report", help="plots and a summary table of a run directory")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_report)
+    _add_convert_parser(sub)
     return parser
 
 

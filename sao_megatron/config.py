@@ -222,6 +222,9 @@ class RolloutConfig:
     env: str = "arith_tool"
     """Registered environment name or ``package.module:Class``."""
     env_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the Env class (one instance per episode), e.g. ``max_turns``."""
+    task_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the environment's Task (the prompt source), e.g. difficulty knobs."""
     num_engines: int = 1
     tensor_parallel: int = 1
     expert_parallel: int = 1
@@ -248,7 +251,9 @@ class TrainConfig:
     sft_steps: int = 0
     """Supervised warm-start steps on demonstrations (0 skips the stage)."""
     sft_batch_size: int = 32
+    """Demonstrations per SFT step."""
     sft_lr: float = 1e-3
+    """Actor learning rate during SFT (RL then uses ``actor.optim.lr``)."""
     value_pretrain_steps: int = 0
     """Critic-only steps on rollouts of the frozen SFT policy (0 skips)."""
     value_pretrain_target_ev: float = 0.5

@@ -46,6 +46,7 @@ def _entry(rank, fn, world_size, port, backend, out_dir, args):
 
 def run_world(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = 900.0) -> list:
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     with tempfile.TemporaryDirectory(prefix="sao-world-") as out_dir:
         ctx = mp.start_processes(
@@ -57,7 +58,7 @@ def run_world(fn, world_size: int, *args, backend: str = "auto", timeout_s: floa
             while not ctx.join(timeout=0.5):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout_s:.0f} s")
-        except mp.ProcessException as err:
+        except ProcessException as err:
             raise WorldFailed(str(err)) from None
         finally:
             for proc in ctx.processes:

@@ -47,19 +47,70 @@ def _micro(batch: TrainBatch, extras: dict, size: int) -> list[dict]:
 
 
 def _reduce_metrics(per_micro: list[dict], weights: list[float]) -> dict[str, float]:
-    """Weighted mean of per-micro-batch metrics over micro-batches, then over DP ranks."""
+    """Weighted mean of each metric over the micro-batches (and DP ranks) that report it."""
     keys = sorted({k for m in per_micro for k in m})
-    local = torch.zeros(len(keys) + 1, dtype=torch.float64)
-    for m, w in zip(per_micro, weights, strict=True):
-        for i, k in enumerate(keys):
-            local[i] += w * float(m.get(k, 0.0))
-        local[-1] += w
+    ps = _ps()
+    if ps.get_data_parallel_world_size() > 1:  # ranks may report different keys: use the union
+        everyone: list = [None] * ps.get_data_parallel_world_size()
+        dist.all_gather_object(everyone, keys, group=ps.get_data_parallel_group())
+        keys = sorted({k for ks in everyone for k in ks})
     if not keys:
         return {}
-    ps = _ps()
+    sums = torch.zeros(2, len(keys), dtype=torch.float64)  # [weighted sum; weight]
+    for m, w in zip(per_micro, weights, strict=True):
+        for i, k in enumerate(keys):
+            if k in m:
+                sums[0, i] += w * float(m[k])
+                sums[1, i] += w
     if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(local, group=ps.get_data_parallel_group())
-    return {k: (local[i] / max(local[-1].item(), 1e-12)).item() for i, k in enumerate(keys)}
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    return {k: (sums[0, i] / sums[1, i]).item() for i, k in enumerate(keys) if sums[1, i] > 0}
+
+
+def _assemble_rows(
+    collected: list[torch.Tensor], mine: TrainBatch, batch: TrainBatch, ps
+) -> torch.Tensor | None:
+    """Per-row outputs of every DP replica's last pipeline stage, assembled on global rank 0."""
+    local = torch.zeros(mine.size, batch.tokens.shape[1])
+    row = 0
+    for v in collected:
+        local[row : row + v.shape[0], : v.shape[1]] = v
+        row += v.shape[0]
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (ps.get_data_parallel_rank(), ps.is_pipeline_last_stage(),
+                                   ps.get_tensor_model_parallel_rank(), local))  # fmt: skip
+    if dist.get_rank() != 0:
+        return None
+    out = torch.zeros(batch.size, batch.tokens.shape[1])
+    dp = ps.get_data_parallel_world_size()
+    for dp_rank, last, tp_rank, values in parts:
+        if last and tp_rank == 0:
+            out[list(range(dp_rank, batch.size, dp))] = values
+    return out
+
+
+LAG_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 1 << 30, "3+"))
+
+
+def _kept_by_lag(logprobs, mb, mask, eps_low: float, eps_high: float) -> dict[str, float]:
+    """Fraction of action tokens inside the DIS band, per token-lag bucket and advantage sign.
+
+    Each value is a count-weighted fraction over this micro-batch; counts are reported too
+    (``dis/tokens/lag{b}``) so that reductions can weight them."""
+    rho = torch.exp(logprobs - mb["behavior_logprobs"])
+    kept = (rho > 1 - eps_low) & (rho < 1 + eps_high)
+    out = {}
+    for lo, hi, name in LAG_BUCKETS:
+        sel = mask & (mb["lag"] >= lo) & (mb["lag"] <= hi)
+        n = int(sel.sum())
+        out[f"dis/tokens/lag{name}"] = float(n)
+        if n:
+            out[f"dis/kept_frac/lag{name}"] = float((kept & sel).sum()) / n
+        for sign, sel_sign in (("pos", mb["advantages"] > 0), ("neg", mb["advantages"] < 0)):
+            both = sel & sel_sign
+            if int(both.sum()):
+                out[f"dis/kept_frac/lag{name}/adv_{sign}"] = float((kept & both).sum()) / int(both.sum())
+    return out
 
 
 def _global_counts(batch: TrainBatch) -> tuple[float, float]:
@@ -88,11 +139,15 @@ class ActorWorker:
         return vocab_parallel_logprobs(logits, mb["labels"], _ps().get_tensor_model_parallel_group(),
                                        temperature=self.cfg.rollout.temperature)  # fmt: skip
 
-    def update(self, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
-        """One optimizer step of the configured policy loss (DIS by default) on the whole batch."""
+    def update(self, batch: TrainBatch, advantages: torch.Tensor, version: int = 0) -> dict[str, float]:
+        """One optimizer step of the configured policy loss (DIS by default) on the whole batch.
+
+        ``version`` is the policy version being trained; token lag = version - token's version,
+        reported as ``dis/kept_frac/lag{0,1,2,3+}`` next to the algo metrics."""
         a = self.cfg.algo
         norm = _normaliser(a.loss_agg, batch)
-        mine, extras = _my_rows(batch, {"advantages": advantages})
+        lag = (version - batch.policy_versions).clamp(min=0).float()
+        mine, extras = _my_rows(batch, {"advantages": advantages, "lag": lag})
         micro = _micro(mine, extras, self.cfg.actor.parallel.micro_batch_size)
         kwargs = {"agg": a.loss_agg, **norm}
         if a.policy_loss == "dis":
@@ -107,6 +162,7 @@ class ActorWorker:
                                              mask, **kwargs)  # fmt: skip
             metrics["entropy"] = algo.masked_mean(entropy, mask.float()).item()
             metrics["micro_tokens"] = float(mask.sum())
+            metrics.update(_kept_by_lag(logprobs.detach(), mb, mask, a.eps_low, a.eps_high))
             return loss, metrics
 
         out = self.role.forward_backward(micro, loss_fn, seq_length=int(mine.lengths.max()))
@@ -114,6 +170,31 @@ class ActorWorker:
         metrics = _reduce_metrics(out, [m["micro_tokens"] for m in out])
         metrics.pop("micro_tokens", None)
         return {**metrics, "grad_norm": step.grad_norm, "lr": step.lr, "updated": float(step.updated)}
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """``[B, T]`` logprobs of each position's label under the current policy, on global rank 0."""
+        ps = _ps()
+        mine, _ = _my_rows(batch, {})
+        collected: list[torch.Tensor] = []
+
+        def loss_fn(logits, mb):
+            logprobs, _ = self._logprobs(logits, mb)
+            collected.append(logprobs.float())
+            return logits.sum() * 0.0, {}
+
+        micro = _micro(mine, {}, self.cfg.actor.parallel.micro_batch_size)
+        self.role.forward_backward(micro, loss_fn, seq_length=int(mine.lengths.max()), forward_only=True)
+        return _assemble_rows(collected, mine, batch, ps)
+
+    def set_lr(self, lr: float) -> None:
+        """Switch the constant learning rate (SFT uses ``train.sft_lr``, RL ``actor.optim.lr``)."""
+        sched = self.role.scheduler
+        sched.init_lr = sched.max_lr = lr
+        sched.min_lr = min(sched.min_lr, lr)
+        for group in self.role.optimizer.param_groups:  # Megatron groups carry their own max/min lr
+            group["lr"] = group["max_lr"] = lr
+            group["min_lr"] = min(group.get("min_lr", lr), lr)
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         """Supervised step: mean negative logprob of the action tokens (demonstrations)."""
@@ -133,6 +214,47 @@ class ActorWorker:
         metrics = _reduce_metrics(out, [m["micro_tokens"] for m in out])
         metrics.pop("micro_tokens", None)
         return {**metrics, "grad_norm": step.grad_norm}
+
+    def export_hf(self, out_dir: str, overwrite: bool = True) -> dict:
+        """Collective: write the policy as an HF checkpoint (weights, config, tokenizer) for engines."""
+        import shutil
+
+        from sao_megatron.models.hf_weights import save_hf_checkpoint
+        from sao_megatron.tokenizer import TOKENIZER_DIR
+
+        stats = save_hf_checkpoint(self.role.module, self.cfg.model, out_dir, overwrite=overwrite)
+        if dist.get_rank() == 0:
+            for path in TOKENIZER_DIR.iterdir():
+                shutil.copy(path, Path(out_dir) / path.name)
+        return {"tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds}
+
+    def sync_weights(self, engine_urls: list[str], version: int, master_port: int) -> dict:
+        """Collective: stream HF-named weights to the engines (rank 0 broadcasts), tagged ``version``."""
+        import asyncio
+
+        from sao_megatron.models.hf_weights import iter_hf_weights
+        from sao_megatron.weight_sync import WeightSync
+
+        r = self.cfg.rollout
+        buckets = iter_hf_weights(
+            self.role.module, self.cfg.model, bucket_bytes=r.weight_sync_bucket_mb << 20
+        )
+        if dist.get_rank() != 0:
+            for _ in buckets:
+                pass
+            return {}
+        if getattr(self, "_sync", None) is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            self._sync = WeightSync(
+                engine_urls, engine_tp=r.tensor_parallel, backend=backend, master_port=master_port
+            )
+            asyncio.run(self._sync.connect())
+        report = asyncio.run(self._sync.update(buckets, version))
+        return {
+            "sync_s": report.seconds,
+            "sync_gb_per_s": report.gb_per_s,
+            "sync_tensors": float(report.tensors),
+        }
 
     def full_state(self) -> dict[str, torch.Tensor]:
         from sao_megatron.models import layout
@@ -175,24 +297,7 @@ class CriticWorker:
             return values.sum() * 0.0, {}
 
         self.role.forward_backward(micro, loss_fn, seq_length=int(mine.lengths.max()), forward_only=True)
-        local = torch.zeros(mine.size, batch.tokens.shape[1])
-        if collected:
-            row = 0
-            for v in collected:
-                local[row : row + v.shape[0], : v.shape[1]] = v
-                row += v.shape[0]
-        # Last pipeline stage of each DP replica holds its rows; assemble on global rank 0.
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (ps.get_data_parallel_rank(), ps.is_pipeline_last_stage(),
-                                       ps.get_tensor_model_parallel_rank(), local))  # fmt: skip
-        if dist.get_rank() != 0:
-            return None
-        out = torch.zeros(batch.size, batch.tokens.shape[1])
-        dp = ps.get_data_parallel_world_size()
-        for dp_rank, last, tp_rank, values in parts:
-            if last and tp_rank == 0:
-                out[list(range(dp_rank, batch.size, dp))] = values
-        return out
+        return _assemble_rows(collected, mine, batch, ps)
 
     def update(self, batch: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the value loss on the whole batch."""

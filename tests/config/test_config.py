@@ -11,7 +11,7 @@ from sao_megatron.config import ConfigError, SAOConfig, load_config, parse_overr
 def test_default_is_the_tiny_model():
     cfg = load_config()
     assert cfg.model.name == "tiny_moe" and cfg.model.vocab_size == 512
-    assert cfg.actor.optim.lr == 1e-3  # configs/tiny_cpu.yaml overrides the dataclass default
+    assert cfg.actor.optim.lr == 1e-4  # configs/tiny_cpu.yaml overrides the dataclass default
     assert SAOConfig().critic.optim.lr == 5e-6  # dataclass default (paper)
 
 
