@@ -21,7 +21,7 @@ $(STAMP): requirements/base.txt requirements/sglang-cpu.txt requirements/sglang-
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/sao train $(ARGS)
+	$(VENV)/bin/sao train --report $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

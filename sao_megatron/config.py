@@ -263,6 +263,8 @@ class TrainConfig:
     eval_every: int = 0
     eval_prompts: int = 64
     """Held-out prompts per evaluation."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of evaluation episodes (0: greedy)."""
     save_every: int = 0
     """Checkpoint every n steps (0: only at the end)."""
     sample_trajectories: int = 4
@@ -283,6 +285,32 @@ class RunConfig:
     """Seed of every RNG (torch, python, data order)."""
     backend: str = "auto"
     """torch.distributed backend: ``auto`` (nccl with CUDA, gloo otherwise), ``nccl`` or ``gloo``."""
+    wandb_project: str = ""
+    """Also log metrics to this Weights & Biases project (needs ``wandb`` installed); empty: off."""
+
+
+@dataclass
+class ClusterConfig:
+    """Hardware and node placement of a run, read by ``sao submit`` (Slurm + Ray) and ``sao plan``.
+
+    Node groups are disjoint and ordered actor, critic, rollout; the first actor node hosts the
+    Ray head and the driver (``sao train``). See docs/launch.md."""
+
+    gpus_per_node: int = 0
+    """GPUs per node; 0 for CPU-only runs, where every role shares one node (laptop, CI)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB (H100: 80, H200: 141); ``sao plan`` rejects roles that do not fit."""
+    actor_nodes: int = 0
+    """Nodes of the actor group; 0 derives ceil(actor.parallel.world_size / gpus_per_node)."""
+    critic_nodes: int = 0
+    """Nodes of the critic group; 0 derives ceil(critic.parallel.world_size / gpus_per_node)."""
+    rollout_nodes: int = 0
+    """Nodes of the SGLang engines; 0 derives ceil(num_engines * rollout.tensor_parallel / gpus_per_node)."""
+    engine_dp_attention: int = 1
+    """Data-parallel attention ranks per SGLang engine (``--dp-size`` with ``--enable-dp-attention``;
+    attention TP = rollout.tensor_parallel / this); 1 turns DP attention off."""
+    engine_mem_fraction: float = 0.85
+    """Share of GPU memory an SGLang engine takes for weights and KV cache (``--mem-fraction-static``)."""
 
 
 @dataclass
@@ -296,6 +324,7 @@ class SAOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,6 +595,7 @@ def validate(cfg: SAOConfig) -> None:
             ) from None
     validate_algo(cfg.algo)
     validate_rollout(cfg.rollout)
+    validate_cluster(cfg)
 
 
 _ADVANTAGES = ("gae", "step_mean", "step_last", "grpo", "rloo", "running_mean_prompt", "running_mean_global")
@@ -599,3 +629,30 @@ def validate_rollout(r: RolloutConfig) -> None:
     for name in ("num_engines", "max_concurrent", "max_turns", "max_new_tokens"):
         if getattr(r, name) < 1:
             raise ConfigError(f"rollout.{name} must be >= 1 (got {getattr(r, name)})")
+
+
+def validate_cluster(cfg: SAOConfig) -> None:
+    """Node groups must hold their role's GPUs; SGLang engines must tile whole nodes."""
+    c, r = cfg.cluster, cfg.rollout
+    for name in ("gpus_per_node", "actor_nodes", "critic_nodes", "rollout_nodes"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"cluster.{name} must be >= 0 (got {getattr(c, name)})")
+    if c.gpu_memory_gb <= 0:
+        raise ConfigError(f"cluster.gpu_memory_gb={c.gpu_memory_gb} must be > 0; e.g. 80 (H100), 141 (H200)")
+    if not 0 < c.engine_mem_fraction < 1:
+        raise ConfigError(f"cluster.engine_mem_fraction={c.engine_mem_fraction} must be in (0, 1), e.g. 0.85")
+    if c.engine_dp_attention < 1 or r.tensor_parallel % c.engine_dp_attention:
+        raise ConfigError(f"cluster.engine_dp_attention={c.engine_dp_attention} must divide "
+                          f"rollout.tensor_parallel={r.tensor_parallel}; use 1 (off) or a divisor")  # fmt: skip
+    g = c.gpus_per_node
+    if not g:
+        return
+    if r.tensor_parallel % g and g % r.tensor_parallel:
+        raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel} GPUs per engine must divide or be a "
+                          f"multiple of cluster.gpus_per_node={g}; engines cannot straddle part nodes")  # fmt: skip
+    for key, nodes, gpus in (("actor_nodes", c.actor_nodes, cfg.actor.parallel.world_size),
+                             ("critic_nodes", c.critic_nodes, cfg.critic.parallel.world_size),
+                             ("rollout_nodes", c.rollout_nodes, r.num_engines * r.tensor_parallel)):  # fmt: skip
+        if nodes and nodes * g < gpus:
+            raise ConfigError(f"cluster.{key}={nodes} x gpus_per_node={g} < {gpus} GPUs the role needs; set it "
+                              f"to {-(-gpus // g)} or 0 (derived)")  # fmt: skip

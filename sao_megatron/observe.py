@@ -8,6 +8,7 @@ Metric names are ``group/name`` (``rollout/``, ``buffer/``, ``actor/``, ``critic
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def render_trajectory(t: Trajectory, tokenizer) -> str:
 class RunLog:
     """Writes one run directory; safe to reopen for a resumed run (files are appended)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, console: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, console: bool = True,
+                 wandb_project: str = "", config: dict | None = None):  # fmt: skip
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
@@ -50,7 +52,30 @@ class RunLog:
                 self.tb = SummaryWriter(str(self.dir / "tb"))
             except ImportError:
                 self.tb = None
+        self.wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as err:
+                raise RuntimeError(f"run.wandb_project={wandb_project!r} but wandb is not installed; "
+                                   "pip install wandb or leave run.wandb_project empty") from err  # fmt: skip
+            self.wandb = wandb.init(project=wandb_project, dir=str(self.dir), config=config or {},
+                                    name=self.dir.name, resume="allow", id=self.dir.name)  # fmt: skip
         self.console = console
+        self._progress = None
+        self._tasks: dict[str, int] = {}
+
+    def set_total(self, stage: str, total: int) -> None:
+        """Show a live progress bar for ``stage`` (terminals only; logs stay line-based)."""
+        if not self.console or total <= 0 or not sys.stdout.isatty():
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        if self._progress is None:
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), transient=False)  # fmt: skip
+            self._progress.start()
+        self._tasks[stage] = self._progress.add_task(stage, total=total)
 
     def log(self, step: int, stage: str, metrics: dict[str, float]) -> None:
         record = {"step": step, "stage": stage, "time": time.time() - self.t0, **metrics}
@@ -60,8 +85,14 @@ class RunLog:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):
                     self.tb.add_scalar(f"{stage}/{key}", value, step)
+        if self.wandb is not None:
+            self.wandb.log({f"{stage}/{k}" if "/" not in k else k: v for k, v in metrics.items()})
         if self.console:
-            print(self.line(step, stage, metrics), flush=True)
+            line = self.line(step, stage, metrics)
+            if self._progress is not None and stage in self._tasks:
+                self._progress.update(self._tasks[stage], completed=step, description=line)
+            else:
+                print(line, flush=True)
 
     @staticmethod
     def line(step: int, stage: str, m: dict[str, float]) -> str:
@@ -79,8 +110,12 @@ class RunLog:
                 f.write(f"## step {step}\n{render_trajectory(t, tokenizer)}\n")
 
     def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

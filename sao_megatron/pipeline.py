@@ -20,14 +20,15 @@ RL: SFT on demonstrations and value pretraining on rollouts of the frozen SFT po
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 
 from sao_megatron.buffer import ReadyBuffer
-from sao_megatron.config import SAOConfig, save_config
+from sao_megatron.config import SAOConfig, save_config, to_dict
 from sao_megatron.observe import RunLog
 from sao_megatron.train import stages
-from sao_megatron.train.advantages import Advantages
+from sao_megatron.train.advantages import Advantages, explained_variance
 from sao_megatron.train.batch import build_batch
 from sao_megatron.train.run_state import RunState
 from sao_megatron.train.services import Services
@@ -55,7 +56,9 @@ async def learner_step(
     if train_actor:
         jobs.append(svc.actor.call("update", batch, advantages, state.version))
     results = await asyncio.gather(*jobs)
-    metrics.update({f"critic/{k}": v for k, v in results[0].items()})
+    metrics.update({f"critic/{k}": v for k, v in results[0].items() if k != "explained_var"})
+    if returns is not None:
+        metrics["critic/explained_var"] = explained_variance(values, returns, batch.action_mask)
     if train_actor:
         metrics.update({(k if k.startswith("dis/") else f"actor/{k}"): v for k, v in results[1].items()})
         state.version += 1
@@ -76,6 +79,7 @@ async def rl_stage(svc: Services, state: RunState, log: RunLog) -> None:
     manager = svc.manager(lambda t: buffer.admit(t, state.version), state.cursor)
     stop = asyncio.Event()
     prompts_per_step = a.batch_size // a.group_size
+    log.set_total("rl", cfg.train.steps)
     runner = asyncio.create_task(manager.run(stop, max_prompts=prompts_per_step if a.synchronous else None))
     try:
         while state.step < cfg.train.steps:
@@ -89,7 +93,14 @@ async def rl_stage(svc: Services, state: RunState, log: RunLog) -> None:
             learner_wait = time.perf_counter() - wait0
             train_actor = state.step >= a.critic_warmup_steps or not svc.critic
             in_flight = manager.in_flight
-            metrics = await learner_step(svc, state, adv, batch, train_actor)
+            # A stop signal never splits a step: weights, version and bookkeeping stay consistent.
+            step_task = asyncio.ensure_future(learner_step(svc, state, adv, batch, train_actor))
+            try:
+                metrics = await asyncio.shield(step_task)
+            except asyncio.CancelledError:
+                metrics, stopping = await step_task, True
+            else:
+                stopping = False
             buffer.discard_stale(state.version)
             metrics.update(stages.batch_metrics(batch, state.version - (1 if train_actor else 0)))
             metrics.update({"time/learner_wait_s": learner_wait, "buffer/waiting": float(len(buffer)),
@@ -110,6 +121,8 @@ async def rl_stage(svc: Services, state: RunState, log: RunLog) -> None:
             log.samples(state.step, batch, svc.tokenizer, cfg.train.sample_trajectories)
             if cfg.train.save_every and state.step % cfg.train.save_every == 0:
                 await svc.checkpoint(state, manager, buffer, adv)
+            if stopping:
+                raise asyncio.CancelledError
     finally:
         stop.set()
         manager.pause()
@@ -121,8 +134,11 @@ async def rl_stage(svc: Services, state: RunState, log: RunLog) -> None:
 
 async def train(cfg: SAOConfig, run_dir: Path, resume: bool = False) -> dict:
     """``sao train``: SFT -> value pretraining -> asynchronous RL, resumable from ``run_dir``."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # preemption (Slurm --signal): checkpoint, then exit
+        loop.add_signal_handler(sig, task.cancel)
     save_config(cfg, run_dir)
-    log = RunLog(run_dir)
+    log = RunLog(run_dir, wandb_project=cfg.run.wandb_project, config=to_dict(cfg))
     state = RunState.load(run_dir) if resume else RunState()
     svc = await Services.start(cfg, run_dir, state, log)
     try:

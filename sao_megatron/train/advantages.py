@@ -20,6 +20,19 @@ def uses_critic(a: AlgoConfig) -> bool:
     return a.advantage in CRITIC_ESTIMATORS
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor) -> float:
+    """``1 - Var[R - V] / Var[R]`` over all action tokens of the batch (values before the update).
+
+    Over the whole batch on purpose: within one trajectory the returns of a terminal reward with
+    gamma = lambda_critic = 1 are constant, so a per-micro-batch figure is meaningless."""
+    mask = action_mask > 0
+    r, v = returns[mask].double(), values[mask].double()
+    var_r = r.var(unbiased=False)
+    if r.numel() < 2 or var_r < 1e-12:
+        return float("nan")
+    return float(1.0 - (r - v).var(unbiased=False) / var_r)
+
+
 class Advantages:
     """Holds the running-mean baselines' state (checkpointed with the run)."""
 

@@ -77,6 +77,11 @@ def load_role(role, directory: str | Path) -> None:
     directory = Path(directory)
     if not (directory / "metadata.json").exists():
         raise FileNotFoundError(f"{directory} is not a role checkpoint (no metadata.json)")
+    for opt in getattr(role.optimizer, "chained_optimizers", [role.optimizer]):
+        # A fresh distributed optimizer has no Adam state to load into; Megatron's own loader
+        # fills it with a zero-gradient step first (the loaded tensors then replace it).
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
     state = dist_checkpointing.load(_role_sharded_state(role, is_loading=True), str(directory))
     result = _unwrap(role.model).load_state_dict(state["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]

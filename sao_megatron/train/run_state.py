@@ -49,7 +49,10 @@ class RunState:
 
     @classmethod
     def load(cls, run_dir: Path) -> RunState:
-        path = cls.checkpoint_dir(run_dir) / "state.json"
+        old, final = Path(run_dir) / "checkpoint.old", cls.checkpoint_dir(run_dir)
+        if not final.exists() and old.exists():  # killed between the two renames of publish()
+            old.rename(final)
+        path = final / "state.json"
         if not path.exists():
             raise FileNotFoundError(f"no checkpoint to resume in {run_dir} (missing {path})")
         return cls(**json.loads(path.read_text()))

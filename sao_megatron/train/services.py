@@ -108,11 +108,11 @@ class Services:
         return manager
 
     async def evaluate(self) -> dict[str, float]:
-        """Greedy episodes on the first ``eval_prompts`` held-out prompts."""
+        """Episodes on the first ``eval_prompts`` held-out prompts at ``train.eval_temperature``."""
         n = self.cfg.train.eval_prompts
         if n <= 0 or not self.loops:
             return {}
-        loops = [AgentLoop(c, self.tokenizer, loop_config(self.cfg, temperature=0.0), engine_name=f"eval{i}")
+        loops = [AgentLoop(c, self.tokenizer, loop_config(self.cfg, temperature=self.cfg.train.eval_temperature), engine_name=f"eval{i}")
                  for i, c in enumerate(self.clients)]  # fmt: skip
         sem = asyncio.Semaphore(self.cfg.rollout.max_concurrent)
 

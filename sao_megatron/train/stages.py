@@ -10,7 +10,7 @@ import torch
 
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.records import Trajectory
-from sao_megatron.train.advantages import Advantages
+from sao_megatron.train.advantages import Advantages, explained_variance
 from sao_megatron.train.batch import build_batch
 from sao_megatron.train.sft import demonstration_trajectory
 
@@ -22,6 +22,7 @@ async def sft(svc, state, log) -> None:
     if t.sft_steps <= 0:
         return
     rng = random.Random(cfg.run.seed)
+    log.set_total("sft", t.sft_steps)
     await svc.actor.call("set_lr", t.sft_lr)
     for step in range(1, t.sft_steps + 1):
         indices = [rng.randrange(1 << 30) for _ in range(t.sft_batch_size)]
@@ -58,10 +59,11 @@ async def value_pretrain(svc, state, log) -> None:
                 batch, values, [t.prompt_id for t in trajectories], [t.group_id for t in trajectories]
             )
             metrics = await svc.critic.call("update", batch, returns, values)
-            metrics = {f"critic/{k}": v for k, v in metrics.items()}
+            metrics = {f"critic/{k}": v for k, v in metrics.items() if k != "explained_var"}
+            metrics["critic/explained_var"] = explained_variance(values, returns, batch.action_mask)
             metrics.update(batch_metrics(trajectories, state.version))
             log.log(step, "value_pretrain", metrics)
-            if metrics.get("critic/explained_var", -1.0) >= cfg.train.value_pretrain_target_ev:
+            if metrics["critic/explained_var"] >= cfg.train.value_pretrain_target_ev:  # NaN compares False
                 break
     finally:
         stop.set()

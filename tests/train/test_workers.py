@@ -14,13 +14,14 @@ def results(request, tmp_path_factory):
 
 
 def test_actor_update_reports_dis_metrics_and_resumes_exactly(results):
-    m1, m2, m3 = results[0]["actor"]
+    m1, m2, m3, m4 = results[0]["actor"]
     assert m1["updated"] == 1.0 and m1["grad_norm"] > 0
     assert any(k.startswith("kept") or "kept" in k for k in m1), sorted(m1)
     for key in m2:
         if key in ("lr",):
             continue
         assert m2[key] == pytest.approx(m3[key], rel=1e-5, abs=1e-6), key
+        assert m2[key] == pytest.approx(m4[key], rel=1e-5, abs=1e-6), key  # fresh role + load
 
 
 def test_critic_values_on_rank0_and_updates_reduce_loss(results):

@@ -51,6 +51,13 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     m2 = actor.update(batch, adv)
     actor.load(ckpt_dir + "/actor")
     m3 = actor.update(batch, adv)  # after restore, the second step repeats exactly
+    fresh = ActorWorker.__new__(ActorWorker)  # a new process's view: fresh role, no optimizer state
+    fresh.cfg = cfg
+    from sao_megatron.train.engine import build_actor_role
+
+    fresh.role = build_actor_role(cfg.model, cfg.actor)
+    fresh.load(ckpt_dir + "/actor")
+    m4 = fresh.update(batch, adv)
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
@@ -60,5 +67,5 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     adv2, returns, _ = algo.gae(batch.rewards, vals, batch.action_mask > 0, gamma=1.0, lam=0.95)
     c1 = critic.update(batch, returns, vals)
     c2 = critic.update(batch, returns, vals)
-    return {"actor": [m1, m2, m3], "critic": [c1, c2], "values_zero": float(vals.abs().max()),
+    return {"actor": [m1, m2, m3, m4], "critic": [c1, c2], "values_zero": float(vals.abs().max()),
             "values_rank0": values is not None}  # fmt: skip
