@@ -81,6 +81,7 @@ async def rl_stage(svc: Services, state: RunState, log: RunLog) -> None:
     prompts_per_step = a.batch_size // a.group_size
     log.set_total("rl", cfg.train.steps)
     runner = asyncio.create_task(manager.run(stop, max_prompts=prompts_per_step if a.synchronous else None))
+    last = (time.monotonic(), 0, 0, 0.0)  # time, finished, generated tokens, engine busy seconds
     try:
         while state.step < cfg.train.steps:
             wait0 = time.perf_counter()
@@ -108,6 +109,12 @@ async def rl_stage(svc: Services, state: RunState, log: RunLog) -> None:
                             "buffer/dropped_failed": float(sum(buffer.stats.dropped_failed.values())),
                             "rollout/in_flight_at_take": float(in_flight),
                             "policy_version": float(state.version)})  # fmt: skip
+            now = (time.monotonic(), manager.stats.finished, manager.stats.generated_tokens, manager.busy_seconds())
+            dt = max(now[0] - last[0], 1e-9)
+            metrics.update({"rollout/trajectories_per_s": (now[1] - last[1]) / dt,
+                            "rollout/tokens_per_s": (now[2] - last[2]) / dt,
+                            "rollout/engine_util": (now[3] - last[3]) / (dt * len(svc.engines))})  # fmt: skip
+            last = now
             if buffer.stats.group_waits_s:
                 metrics["buffer/group_wait_s"] = sum(buffer.stats.group_waits_s) / len(
                     buffer.stats.group_waits_s

@@ -79,6 +79,7 @@ class RolloutManager:
         self._pending: list[Submission] = []
         self._in_flight: dict[Submission, asyncio.Task] = {}
         self._load = [0] * len(loops)
+        self._busy_since = [0.0] * len(loops)
         self._paused = asyncio.Event()
         self._paused.set()
 
@@ -91,9 +92,23 @@ class RolloutManager:
     def _pick_loop(self) -> int:
         return min(range(len(self.loops)), key=lambda i: self._load[i])
 
+    def _busy(self, i: int, delta: int) -> None:
+        """Track per-engine busy time (at least one episode in flight) for utilisation."""
+        now = time.monotonic()
+        if self._load[i] == 0 and delta > 0:
+            self._busy_since[i] = now
+        self._load[i] += delta
+        if self._load[i] == 0:
+            self.stats.busy_s += now - self._busy_since[i]
+
+    def busy_seconds(self) -> float:
+        """Engine-seconds with at least one episode in flight, up to now."""
+        now = time.monotonic()
+        return self.stats.busy_s + sum(now - self._busy_since[i] for i in range(len(self.loops)) if self._load[i])
+
     async def _episode(self, sub: Submission) -> None:
         i = self._pick_loop()
-        self._load[i] += 1
+        self._busy(i, +1)
         loop = self.loops[i]
         try:
             sample = self.task.get(sub.split, sub.index)
@@ -102,7 +117,7 @@ class RolloutManager:
                 env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at
             )
         finally:
-            self._load[i] -= 1
+            self._busy(i, -1)
         traj.group_id = sub.group_id
         traj.reward_details = {**traj.reward_details, "group_index": sub.group_index}
         self.stats.finished += 1

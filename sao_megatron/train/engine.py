@@ -10,7 +10,7 @@ engine multiplies by both, so the resulting gradient is exactly the full-batch g
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,8 @@ class StepResult:
     """Learning rate used for the step."""
     updated: bool
     """False when the optimizer skipped the step (non-finite gradients)."""
+    group_norms: dict[str, float] = field(default_factory=dict)
+    """``grad_norm/<group>`` and ``grad_rms/<group>`` per module group (before clipping)."""
 
 
 def _megatron_optimizer_config(o: OptimizerConfig, p: ParallelConfig, bf16: bool):
@@ -118,12 +120,15 @@ class MegatronRole:
         )  # fmt: skip
 
     def step(self) -> StepResult:
+        groups = module_group_grad_norms(self.module, self.optimizer)
         updated, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         if updated:
             self.scheduler.step(increment=1)
             self.steps += 1
-        return StepResult(grad_norm=float(grad_norm or 0.0), lr=float(lr), updated=bool(updated))
+        return StepResult(
+            grad_norm=float(grad_norm or 0.0), lr=float(lr), updated=bool(updated), group_norms=groups
+        )
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], fn: Callable[[torch.Tensor, dict], torch.Tensor]) -> list:
@@ -135,6 +140,74 @@ class MegatronRole:
             ]
         finally:
             self.model.train()
+
+
+MODULE_GROUPS = (("attention", ".self_attention."), ("experts", ".experts."), ("router", ".router."),
+                 ("shared_experts", ".shared_experts."), ("head", "output_layer."), ("embedding", "embedding."))  # fmt: skip
+
+
+def _group_of(name: str) -> str:
+    return next((group for group, key in MODULE_GROUPS if key in name), "other")
+
+
+def _named_optimizer_grads(
+    module: torch.nn.Module, optimizer
+) -> tuple[list[tuple[str, torch.nn.Parameter, torch.Tensor]], bool]:
+    """(name, model parameter, reduced gradient held by this rank's optimizer), and whether the
+    gradients are DP shards (distributed optimizer) rather than full replicas."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    out, sharded = [], False
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt.prepare_grads()  # idempotent: copies the reduced grads where the optimizer reads them
+        if hasattr(opt, "shard_fp32_groups"):  # DistributedOptimizer: this rank's shard of each param
+            sharded = True
+            pairs = [*zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True),
+                     *zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True)]  # fmt: skip
+        elif hasattr(opt, "float16_groups"):
+            pairs = list(zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True))
+        else:
+            pairs = [(g["params"], g["params"]) for g in opt.param_groups]
+        for model_group, main_group in pairs:
+            for model_param, main_param in zip(model_group, main_group, strict=True):
+                if main_param.grad is not None and id(model_param) in names:
+                    out.append((names[id(model_param)], model_param, main_param.grad))
+    return out, sharded
+
+
+def module_group_grad_norms(module: torch.nn.Module, optimizer) -> dict[str, float]:
+    """Gradient L2 norm and per-parameter RMS of each module group, over the role's whole world.
+
+    Reads the reduced gradients the optimizer is about to use (before clipping). Sums of squares
+    are summed over all ranks; TP-duplicated parameters count once (as in Megatron's global norm);
+    full DP replicas are divided out (dense: DP size, experts: expert-DP size); distributed
+    optimizer shards are disjoint and need no division. Frozen parameters have no gradient.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    names = [g for g, _ in MODULE_GROUPS] + ["other"]
+    sums = torch.zeros(2, len(names), dtype=torch.float64)  # [sum of squares; parameter count]
+    grads, sharded = _named_optimizer_grads(module, optimizer)
+    for name, param, grad in grads:
+        if not param_is_not_tensor_parallel_duplicate(param):
+            continue
+        i = names.index(_group_of(name))
+        sums[0, i] += grad.detach().double().pow(2).sum().cpu()
+        sums[1, i] += grad.numel()
+    replicas = torch.ones(len(names), dtype=torch.float64)
+    if not sharded:
+        replicas[:] = ps.get_data_parallel_world_size()
+        replicas[names.index("experts")] = ps.get_expert_data_parallel_world_size()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    sums /= replicas
+    out = {}
+    for i, group in enumerate(names):
+        if sums[1, i] > 0:
+            out[f"grad_norm/{group}"] = float(sums[0, i].sqrt())
+            out[f"grad_rms/{group}"] = float((sums[0, i] / sums[1, i]).sqrt())
+    return out
 
 
 def build_actor_role(m: ModelConfig, actor, total_steps: int = 1_000_000) -> MegatronRole:

@@ -169,7 +169,8 @@ class ActorWorker:
         step = self.role.step()
         metrics = _reduce_metrics(out, [m["micro_tokens"] for m in out])
         metrics.pop("micro_tokens", None)
-        return {**metrics, "grad_norm": step.grad_norm, "lr": step.lr, "updated": float(step.updated)}
+        return {**metrics, **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr,
+                "updated": float(step.updated)}  # fmt: skip
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
@@ -320,7 +321,7 @@ class CriticWorker:
         step = self.role.step()
         metrics = _reduce_metrics(out, [m["micro_tokens"] for m in out])
         metrics.pop("micro_tokens", None)
-        return {**metrics, "grad_norm": step.grad_norm, "lr": step.lr}
+        return {**metrics, **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr}
 
     def save(self, directory: str) -> None:
         from sao_megatron.train import checkpoint

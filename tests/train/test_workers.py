@@ -24,6 +24,15 @@ def test_actor_update_reports_dis_metrics_and_resumes_exactly(results):
         assert m2[key] == pytest.approx(m4[key], rel=1e-5, abs=1e-6), key  # fresh role + load
 
 
+def test_gradient_norms_per_module_group(results):
+    m1 = results[0]["actor"][0]
+    assert {"grad_rms/attention", "grad_rms/experts", "grad_rms/router", "grad_rms/head"} <= set(m1)
+    total = sum(v**2 for k, v in m1.items() if k.startswith("grad_norm/")) ** 0.5
+    assert total == pytest.approx(m1["grad_norm"], rel=0.05)  # groups add up to Megatron's global norm
+    c1 = results[0]["critic"][0]
+    assert "grad_rms/attention" not in c1 and "grad_rms/experts" in c1  # critic attention is frozen
+
+
 def test_critic_values_on_rank0_and_updates_reduce_loss(results):
     assert results[0]["values_rank0"] and not results[1]["values_rank0"]
     assert results[0]["values_zero"] == 0.0  # zero-initialised value head
