@@ -69,7 +69,12 @@ def cmd_train(args) -> int:
     from sao_megatron.pipeline import train
 
     t0 = time.perf_counter()
-    result = asyncio.run(train(cfg, run_dir, resume=bool(args.resume)))
+    try:
+        result = asyncio.run(train(cfg, run_dir, resume=bool(args.resume)))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print(f"stopped by a signal; checkpoint in {run_dir / 'checkpoint'}; continue with "
+              f"'sao train --resume {run_dir}'", file=sys.stderr)  # fmt: skip
+        return 143
     wall = time.perf_counter() - t0
     initial, final = result["initial"] or {}, result["final"] or {}
     print(f"done in {wall / 60:.1f} min: held-out accuracy {initial.get('eval/accuracy', float('nan')):.3f} "
@@ -119,17 +124,42 @@ def cmd_config(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from sao_megatron.models.counting import parameter_counts
+    """Parameters and memory per GPU of every role; exit 1 with one line per role that does not fit."""
+    from sao_megatron import plan
 
     cfg = _load(args)
-    counts = parameter_counts(cfg.model)
-    print(f"model {cfg.model.name}: {counts['total'] / 1e6:,.2f} M parameters, "
-          f"{counts['active'] / 1e6:,.2f} M active per token")  # fmt: skip
-    for role in ("actor", "critic"):
-        p = getattr(cfg, role).parallel
-        print(f"{role:6s}: world {p.world_size} = TP {p.tensor_parallel} x PP {p.pipeline_parallel} x "
-              f"CP {p.context_parallel} x DP {p.data_parallel}; EP {p.expert_parallel}, "
-              f"expert-TP {p.expert_tensor_parallel}, SP {p.effective_sequence_parallel}")  # fmt: skip
+    result = plan.make_plan(cfg, analytic=args.analytic)
+    print(plan.render(result))
+    for line in result.mismatches:
+        print(f"warning: analytic per-rank count disagrees with the meta build: {line}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.to_json(result), indent=2))
+    failures = result.failures()
+    for line in failures:
+        print(f"plan error: {line}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def cmd_submit(args) -> int:
+    """Render the Slurm job of a config (node groups from its ``cluster`` section) and sbatch it."""
+    import os
+    import shlex
+
+    from sao_megatron import submit
+
+    path, overrides = _split_config_arg(args)
+    extra = args.sbatch_args if args.sbatch_args is not None else os.environ.get("SAO_SBATCH_ARGS", "")
+    job = submit.render(path, overrides, shlex.split(extra), resume=args.resume)
+    if args.dry_run:
+        print(submit.dry_run(job))
+        return 0
+    try:
+        job_id = submit.submit(job)
+    except RuntimeError as err:
+        print(f"submit error: {err}", file=sys.stderr)
+        return 1
+    print(f"submitted job {job_id}: {job.num_nodes} node(s); logs in {job.log_dir}/job-{job_id}/ "
+          f"(train.log, ray-*.log); run directory {job.run_dir}")  # fmt: skip
     return 0
 
 
@@ -234,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", cmd_train, "SFT -> value pretraining -> asynchronous SAO (default: the tiny MoE on CPU)"),
         ("check", cmd_check, "build actor and critic at their layouts and take real optimizer steps"),
         ("config", cmd_config, "print the resolved configuration"),
-        ("plan", cmd_plan, "parameter counts and parallel layout per role"),
+        ("plan", cmd_plan, "parameters and memory per GPU of every role; fails when a role does not fit"),
+        ("submit", cmd_submit, "submit a multi-node run to Slurm (launch/slurm/sao.sbatch)"),
     ):
         p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -245,6 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
                 "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint"
             )
             p.add_argument("--report", action="store_true", help="write plots and the summary at the end")
+        if name == "plan":
+            p.add_argument("--analytic", action="store_true",
+                           help="count per-rank parameters in closed form instead of a meta-device build")  # fmt: skip
+            p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+        if name == "submit":
+            p.add_argument("--dry-run", action="store_true", help="print sbatch and the per-node commands")
+            p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (its checkpoint)")
+            p.add_argument("--sbatch-args", default=None,
+                           help="extra sbatch options, e.g. '--partition=gpu --time=48:00:00' "
+                                "(default: $SAO_SBATCH_ARGS)")  # fmt: skip
     p = sub.add_parser("report", help="plots and a summary table of a run directory")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -44,7 +45,7 @@ class Services:
 
     @classmethod
     async def start(cls, cfg: SAOConfig, run_dir: Path, state: RunState, log: RunLog) -> Services:
-        init_ray()
+        init_ray(os.environ.get("SAO_RAY_ADDRESS"))  # set by launch/slurm: join the job's Ray cluster
         svc = cls(cfg, run_dir, log)
         svc.actor = RoleGroup("actor", cfg)
         checkpoint = RunState.checkpoint_dir(run_dir)

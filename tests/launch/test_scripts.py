@@ -1,0 +1,148 @@
+"""Launch scripts without Slurm: syntax, shellcheck, signal forwarding, ``sao submit --dry-run``."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sao_megatron.config import REPO_ROOT
+
+SCRIPTS = [
+    REPO_ROOT / p for p in ("launch/common.sh", "launch/local.sh", "launch/slurm/sao.sbatch", ".ci/slurm.sh")
+]
+STUB = Path(__file__).with_name("stub_driver.py")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_bash_syntax(script):
+    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(
+    shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)"
+)
+def test_shellcheck_clean():
+    out = subprocess.run(
+        ["shellcheck", "-x", *map(str, SCRIPTS)], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _wait_for(path: Path, text: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip() == text:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never read {text!r} (got {path.read_text() if path.exists() else None!r})")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
+def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
+    """Slurm's ``--signal=B:USR1@120``, preemption's SIGTERM and Ctrl-C reach the launcher
+    shell; the driver, started in the background (where bash ignores SIGINT), must still get a
+    KeyboardInterrupt so that ``sao train`` checkpoints in its ``finally:``."""
+    marker = tmp_path / "marker"
+    script = f'source launch/common.sh; sao_run_driver - "{sys.executable}" "{STUB}" "{marker}" cfg.yaml; echo "rc=$?"'
+    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        _wait_for(marker, "started")
+        time.sleep(0.2)  # the traps are set right after the driver starts
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert marker.read_text().strip() == "SIGINT", err
+    assert "rc=0" in out, out + err
+    assert f"received SIG{sig.name[3:]}" in err
+
+
+def _submit_dry_run(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
+    out = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "submit", *args, "--dry-run"], cwd=REPO_ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_submit_dry_run_prints_every_node_group(tmp_path):
+    text = _submit_dry_run("configs/moe_750b_a40b.yaml", f"run.run_dir={tmp_path}/run")
+    lines = text.splitlines()
+    sbatch = next(line for line in lines if " sbatch " in line)
+    assert "SAO_ACTOR_NODES=32 SAO_CRITIC_NODES=32 SAO_ROLLOUT_NODES=32" in sbatch
+    assert "--nodes=96" in sbatch and "--gpus-per-node=8" in sbatch
+    assert sbatch.endswith(f"configs/moe_750b_a40b.yaml run.run_dir={tmp_path}/run")
+    sruns = [line for line in lines if line.startswith("srun ")]
+    assert len(sruns) == 4  # head (node01, actor), the other actor nodes, critic, rollout
+    head, actor, critic, rollout = sruns
+    assert "--nodelist=node01 " in head and "ray start --head" in head and '{"sao_actor": 8}' in head
+    assert "--nodes=31 " in actor and "--nodelist=node02,node03," in actor and "node32 " in actor
+    assert "--nodes=32 " in critic and "--nodelist=node33," in critic and '{"sao_critic": 8}' in critic
+    assert "--nodes=32 " in rollout and "node96 " in rollout and '{"sao_rollout": 8}' in rollout
+    assert all("--address=HEAD_IP:6379" in line for line in (actor, critic, rollout))
+    assert "export SAO_CRITIC_NODELIST=" + ",".join(f"node{i:02d}" for i in range(33, 65)) in lines
+    driver = next(line for line in lines if line.startswith("env --default-signal=INT sao train "))
+    assert f"run.run_dir={tmp_path}/run > {tmp_path}/run/slurm/job-dry-run/train.log" in driver
+
+
+def test_submit_dry_run_cpu_config_is_one_shared_node(tmp_path):
+    text = _submit_dry_run("configs/tiny_cpu.yaml", "train.steps=2", f"run.run_dir={tmp_path}/run")
+    assert "--nodes=1 " in text and "--gpus-per-node" not in text
+    assert "export SAO_RAY_ADDRESS=127.0.0.1:6379" in text
+    sruns = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert len(sruns) == 1
+    assert '{"sao_actor": 1, "sao_critic": 1, "sao_rollout": 1}' in sruns[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_local_launcher_starts_a_ray_head_and_stops_it_by_pid(tmp_path):
+    """``SAO_RAY_HEAD=1 launch/local.sh``: head on 127.0.0.1, SIGTERM -> driver SIGINT -> head stopped."""
+    marker, ray_tmp = tmp_path / "marker", f"/tmp/ray-sao-t{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
+    env.update(SAO_RAY_HEAD="1", SAO_RAY_PORT=str(_free_port()), SAO_RAY_TMP=ray_tmp, SAO_LOG_DIR=str(tmp_path),
+               SAO_RAY_ARGS=f"--ray-client-server-port={_free_port()} --dashboard-agent-listen-port={_free_port()} "
+                            f"--num-cpus=1 --object-store-memory={128 << 20}",
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", SAO_TRAIN=f"{sys.executable} {STUB} {marker}")  # fmt: skip
+    proc = subprocess.Popen(["bash", "launch/local.sh", "cfg.yaml"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        _wait_for(marker, "started", timeout_s=240)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    try:
+        assert proc.returncode == 0, out
+        assert marker.read_text().strip() == "SIGINT", out
+        assert "Ray head at 127.0.0.1:" in out and "received SIGTERM" in out
+        assert list(tmp_path.glob("*/ray-head.log"))
+        import psutil
+
+        alive = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if any(ray_tmp in a for a in p.info["cmdline"] or [])
+        ]
+        assert not alive, f"Ray head processes left: {alive}"
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

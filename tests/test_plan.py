@@ -1,0 +1,206 @@
+"""``sao plan``: per-rank parameters (analytic vs a real meta-device build), memory model, fit checks."""
+
+import dataclasses
+import math
+
+import pytest
+
+from sao_megatron import cli, plan
+from sao_megatron.config import (
+    ConfigError,
+    CriticConfig,
+    ModelConfig,
+    ParallelConfig,
+    load_config,
+)
+from sao_megatron.models.counting import parameter_counts
+
+GiB = 2**30
+TINY = ModelConfig(name="t", num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
+                   ffn_hidden_size=96, vocab_size=256, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)  # fmt: skip
+LAYOUTS = [
+    ("single", TINY, ParallelConfig()),
+    (
+        "tp2-pp2-ep2",
+        TINY,
+        ParallelConfig(world_size=8, tensor_parallel=2, pipeline_parallel=2, expert_parallel=2),
+    ),
+    (
+        "cp2-ep4",
+        TINY,
+        ParallelConfig(
+            world_size=16, tensor_parallel=2, pipeline_parallel=2, context_parallel=2, expert_parallel=4
+        ),
+    ),  # fmt: skip
+    (
+        "etp2",
+        TINY,
+        ParallelConfig(world_size=8, tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=2),
+    ),
+    (
+        "shared-expert+dense-layer",
+        dataclasses.replace(TINY, moe_shared_expert_intermediate_size=48, dense_layers=[0]),
+        ParallelConfig(world_size=4, tensor_parallel=2, pipeline_parallel=2),
+    ),  # fmt: skip
+    (
+        "moe-every-2nd",
+        dataclasses.replace(TINY, moe_layer_freq=2),
+        ParallelConfig(world_size=4, pipeline_parallel=2, expert_parallel=2),
+    ),  # fmt: skip
+    (
+        "dense",
+        dataclasses.replace(TINY, num_experts=0),
+        ParallelConfig(world_size=4, tensor_parallel=2, pipeline_parallel=2),
+    ),  # fmt: skip
+    (
+        "dense-tied",
+        dataclasses.replace(TINY, num_experts=0, tie_word_embeddings=True),
+        ParallelConfig(world_size=2, tensor_parallel=2),
+    ),  # fmt: skip
+]
+
+
+def test_analytic_counts_match_a_meta_device_build_name_by_name():
+    """The closed form lists exactly the tensors (names, local sizes, trainable flags) Megatron builds."""
+    jobs = [plan.MetaJob(m, p, critic) for _, m, p in LAYOUTS for critic in (None, CriticConfig())]
+    built = plan.meta_parameters(jobs)
+    for job, stages in zip(jobs, built, strict=True):
+        assert plan.analytic_parameters(job.model, job.parallel, job.critic) == stages, job
+
+
+def test_stage_counts_add_up_to_the_closed_form_model_count():
+    m = dataclasses.replace(TINY, moe_shared_expert_intermediate_size=48, dense_layers=[1])
+    stages = plan.analytic_parameters(m, ParallelConfig(world_size=2, pipeline_parallel=2))
+    assert sum(n for stage in stages for n, _ in stage.values()) == parameter_counts(m)["total"]
+
+
+def _plan(path: str, *overrides: str) -> plan.Plan:
+    return plan.make_plan(load_config(path, list(overrides)), analytic=True)
+
+
+@pytest.mark.parametrize(
+    "path,total,active",
+    [
+        # computed from the HF config.json numbers (configs/models/*.yaml, docs/models.md)
+        ("configs/qwen3_30b_a3b_math.yaml", 30.532e9, 3.353e9),
+        ("configs/qwen3_30b_a3b_swe.yaml", 30.532e9, 3.353e9),
+        ("configs/moe_750b_a40b.yaml", 739.82e9, 40.82e9),
+    ],
+)
+def test_large_configs_print_their_documented_counts(path, total, active):
+    result = _plan(path)
+    assert abs(result.counts["total"] / total - 1) < 0.01
+    assert abs(result.counts["active"] / active - 1) < 0.01
+    assert f"{total / 1e9:,.2f} B parameters" in plan.render(result)
+    assert not result.failures(), result.failures()
+
+
+def test_qwen3_counts_match_the_model_cards():
+    """Model cards: Qwen3-30B-A3B 30.5B total, 29.9B non-embedding, 3.3B activated; Qwen3-8B 8.2B."""
+    m = load_config("configs/qwen3_30b_a3b_math.yaml").model
+    counts = parameter_counts(m)
+    embeddings = 2 * m.vocab_size * m.hidden_size  # untied: input embedding + LM head
+    assert abs(counts["total"] / 30.5e9 - 1) < 0.01
+    assert abs((counts["total"] - embeddings) / 29.9e9 - 1) < 0.01
+    assert abs(counts["active"] / 3.3e9 - 1) < 0.02  # the card rounds 3.35 down to 3.3
+    dense = load_config("configs/tiny_cpu.yaml", ["model=qwen3_8b"]).model
+    assert abs(parameter_counts(dense)["total"] / 8.2e9 - 1) < 0.01
+
+
+def test_memory_model_by_hand():
+    """Dense fp32 -> bf16 bytes: weights 2, fp32 grads 4, Adam 12 / DP with the distributed optimizer."""
+    overrides = ["model=qwen3_8b", "actor.bf16=true", "actor.parallel.world_size=4", "algo.batch_size=8",
+                 "actor.parallel.micro_batch_size=1", "rollout.max_context_tokens=4096"]  # fmt: skip
+    cfg = load_config("configs/tiny_cpu.yaml", overrides)
+    stages = plan.analytic_parameters(cfg.model, cfg.actor.parallel)
+    n = sum(c for c, _ in stages[0].values())
+    mem = plan.role_memory(cfg, "actor", stages)
+    assert mem.weights == 2 * n and mem.grads == 4 * n
+    assert mem.optimizer == pytest.approx(12 * n / 4) and mem.optimizer_alt == 12 * n
+    m, seq = cfg.model, 4096
+    per_layer = 2 * (2 * seq * m.hidden_size + seq * m.head_dim * (48 + 2 * 40 + 32))  # attention, TP 1
+    per_layer += 2 * (2 * seq * m.hidden_size + 3 * seq * m.ffn_hidden_size)  # SwiGLU MLP
+    micro_in_flight = 1  # PP 1
+    assert mem.activations == pytest.approx(per_layer * m.num_layers * micro_in_flight)
+    recompute = 2 * seq * m.hidden_size * m.num_layers + per_layer
+    assert mem.activations_alt == pytest.approx(recompute)
+    assert mem.logits == plan.LOGIT_BYTES * seq * m.vocab_size
+    assert mem.total == pytest.approx(mem.weights + mem.grads + mem.optimizer + mem.activations + mem.logits
+                                      + plan.RESERVED_GIB * GiB)  # fmt: skip
+
+
+def test_engine_kv_cache_by_hand():
+    result = _plan("configs/qwen3_30b_a3b_math.yaml")
+    e, m = result.engine, result.cfg.model
+    attn_tp = result.cfg.rollout.tensor_parallel // result.cfg.cluster.engine_dp_attention
+    assert e.kv_bytes_per_token == m.num_layers * 2 * (m.num_query_groups / attn_tp) * m.head_dim * 2
+    assert abs(e.tokens_per_pool - math.floor((0.85 * 80 * GiB - e.weights) / e.kv_bytes_per_token)) <= 1
+    assert e.sync_bytes == 2 * result.counts["total"]
+
+
+def test_a_role_that_does_not_fit_is_rejected_with_the_gb_it_is_short(capsys):
+    args = [
+        "plan",
+        "--analytic",
+        "configs/qwen3_30b_a3b_math.yaml",
+        "actor.parallel.recompute_activations=false",
+    ]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    result = _plan("configs/qwen3_30b_a3b_math.yaml", "actor.parallel.recompute_activations=false")
+    actor = next(r for r in result.roles if r.role == "actor")
+    short = (actor.total - 80 * GiB) / GiB
+    assert short > 1
+    assert f"plan error: actor does not fit: {actor.total / GiB:.1f} GB per GPU needed on 80 GB GPUs" in err
+    assert f"short by {short:.1f} GB" in err and "recompute_activations=true" in err
+    assert "critic does not fit" not in err
+
+
+def test_an_engine_that_cannot_hold_its_weights_is_rejected(capsys):
+    assert cli.main(["plan", "--analytic", "configs/moe_750b_a40b.yaml", "rollout.tensor_parallel=8",
+                     "rollout.expert_parallel=8", "cluster.engine_dp_attention=1"]) == 1  # fmt: skip
+    assert "plan error: rollout does not fit" in capsys.readouterr().err
+
+
+def test_bigger_gpus_fit(capsys):
+    args = ["plan", "--analytic", "configs/qwen3_30b_a3b_math.yaml", "actor.parallel.recompute_activations=false",
+            "cluster.gpu_memory_gb=1000"]  # fmt: skip
+    assert cli.main(args) == 0
+    assert "| yes |" in capsys.readouterr().out
+
+
+def test_cpu_configs_are_not_checked_against_gpu_memory():
+    result = _plan("configs/tiny_cpu.yaml", "rollout.max_context_tokens=100000000")
+    assert not result.failures()
+    assert "n/a (CPU)" in plan.render(result)
+
+
+def test_node_groups_follow_the_cluster_section():
+    cfg = load_config("configs/moe_750b_a40b.yaml")
+    assert plan.role_nodes(cfg) == {"actor": 32, "critic": 32, "rollout": 32}
+    cfg = load_config("configs/moe_750b_a40b.yaml", ["cluster.critic_nodes=40"])
+    assert plan.role_nodes(cfg)["critic"] == 40
+    assert plan.role_nodes(load_config("configs/tiny_cpu.yaml")) == {"actor": 0, "critic": 0, "rollout": 0}
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("cluster.critic_nodes=2", "cluster.critic_nodes=2"),
+        ("cluster.engine_dp_attention=3", "cluster.engine_dp_attention=3"),
+        ("cluster.engine_mem_fraction=1.5", "cluster.engine_mem_fraction=1.5"),
+        ("rollout.tensor_parallel=3", "rollout.tensor_parallel=3"),
+    ],
+)
+def test_cluster_section_errors_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/moe_750b_a40b.yaml", [override])
+
+
+@pytest.mark.slow
+def test_plan_cli_meta_build_of_the_large_configs_matches_the_closed_form(capsys):
+    for path in ("configs/qwen3_30b_a3b_math.yaml", "configs/moe_750b_a40b.yaml"):
+        assert cli.main(["plan", path]) == 0
+        captured = capsys.readouterr()
+        assert "per-rank counts by meta-device build" in captured.out
+        assert "disagrees" not in captured.err
