@@ -1,7 +1,9 @@
 SHELL := /bin/bash
 # Two set-up commands: `make run` (train the tiny default on CPU) and `make test`.
 # Both build .venv from the pinned requirements when it is missing or stale.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || echo $$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3)
+# A real 3.12 interpreter: pyenv's install when present (its python3.12 shim may refuse), else PATH.
+PYENV_ROOT_DIR := $(shell pyenv root 2>/dev/null)
+PYTHON312 ?= $(firstword $(wildcard $(PYENV_ROOT_DIR)/versions/3.12*/bin/python3) $(shell command -v python3.12 2>/dev/null))
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -10,7 +12,9 @@ PYTEST_ARGS ?=
 .PHONY: venv run test test-fast lint format clean-venv
 
 $(STAMP): requirements/base.txt requirements/sglang-cpu.txt requirements/sglang-nodeps.txt pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it (e.g. pyenv install 3.12) or pass PYTHON312=/path/to/python3.12" >&2; exit 1; }
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	@$(PY) -c 'import sys; assert sys.version_info[:2] >= (3, 12), f"{sys.executable} is Python {sys.version.split()[0]}; rm -rf $(VENV) and pass PYTHON312=/path/to/python3.12"' 
 	$(PY) -m pip install --quiet -r requirements/base.txt 2>&1 | grep -v "is ignored" ; test $${PIPESTATUS[0]} -eq 0
 	$(PY) -m pip install --quiet -r requirements/sglang-cpu.txt 2>&1 | grep -v "is ignored" ; test $${PIPESTATUS[0]} -eq 0
 	$(PY) -m pip install --quiet --no-deps -r requirements/sglang-nodeps.txt 2>&1 | grep -v "is ignored" ; test $${PIPESTATUS[0]} -eq 0

@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 PY=${PY:-.venv/bin/python}
+[[ -x "$PY" ]] || { echo "ci/slurm: $PY missing; run make test (it builds .venv) first" >&2; exit 1; }
 work=$(mktemp -d /tmp/sao-slurm-ci.XXXXXX)
 pids=()
 
