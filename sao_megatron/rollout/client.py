@@ -1,8 +1,9 @@
 """Async client for SGLang's native HTTP API (token-in / token-out, with logprobs and versions).
 
-``/generate`` may go through an ``sglang-router``; control calls (pause, continue, abort,
-weight updates, cache flush) go to each engine directly because the router does not proxy
-them (measured on sglang-router 0.3.2).
+``/generate`` may go through an ``sglang-router`` (see :class:`~sao_megatron.rollout.engine.RouterProcess`);
+control calls (pause, continue, abort, weight updates) go to each engine directly because the
+router does not proxy them (measured on sglang-router 0.3.2; it does proxy ``/flush_cache``,
+but send that to each engine too, so that every engine is flushed).
 
 Every response is parsed into typed records; transport errors, timeouts and non-200 answers
 raise :class:`EngineError` with the endpoint, status and body, which the agent loop turns into
@@ -12,10 +13,16 @@ a per-episode status.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineError(RuntimeError):
@@ -103,8 +110,31 @@ def parse_generation(body: dict, latency_s: float = 0.0) -> Generation:
     )
 
 
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's ``MultiprocessingSerializer`` (base64 string) under the ``file_system`` sharing strategy.
+
+    The strategy is switched only while pickling (it decides how storages are shared) and then
+    restored, so the rest of the process keeps its own setting.
+    """
+    import torch.multiprocessing as mp
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        return MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+    finally:
+        mp.set_sharing_strategy(previous)
+
+
+_NOT_FLUSHED = "cache was not flushed"
+
+
 class EngineClient:
     """Calls one engine (or a router for ``/generate``). Use as ``async with EngineClient(url):``."""
+
+    FLUSH_RETRY_S = 10.0
+    """How long a disk/tensor weight load is repeated while the engine refuses its cache flush."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, max_connections: int = 1024):
         self.url = url.rstrip("/")
@@ -138,11 +168,16 @@ class EngineClient:
                 text = await resp.text()
                 if resp.status != 200:
                     raise EngineError(endpoint, text[:500], resp.status)
-                return await resp.json(content_type=None) if text else {}
         except TimeoutError as err:
             raise EngineError(endpoint, f"timed out after {timeout.total:.0f} s") from err
         except aiohttp.ClientError as err:
             raise EngineError(endpoint, f"{type(err).__name__}: {err}") from err
+        if not text:
+            return {}
+        try:
+            return json.loads(text)
+        except ValueError:  # a few control endpoints answer plain text (e.g. /flush_cache)
+            return {"text": text}
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
                        timeout_s: float | None = None) -> Generation:  # fmt: skip
@@ -199,15 +234,72 @@ class EngineClient:
             raise EngineError(endpoint, str(body.get("message", "refused")))
         return body
 
+    async def _load_update(self, endpoint: str, payload: dict, timeout_s: float | None = None) -> dict:
+        """A weight load that flushes the cache, repeated while the flush is refused for running requests.
+
+        The engine refuses the flush (HTTP 400, "cache was not flushed because requests are still
+        running") when a request is still in its batch, including one whose answer the caller has
+        already received (seen right after a ``/generate`` returned); the weights are then loaded
+        but the version is not recorded. Loading again is idempotent, so the call is repeated for
+        up to ``FLUSH_RETRY_S`` (requests that really keep running still fail it).
+        """
+        deadline = asyncio.get_running_loop().time() + self.FLUSH_RETRY_S
+        while True:
+            try:
+                return await self._update(endpoint, payload, timeout_s)
+            except EngineError as err:
+                if _NOT_FLUSHED not in str(err) or asyncio.get_running_loop().time() >= deadline:
+                    raise
+            await asyncio.sleep(0.2)
+
     async def update_weights_from_disk(self, model_path: str, version: str) -> dict:
-        return await self._update("/update_weights_from_disk",
-                                  {"model_path": model_path, "weight_version": version, "flush_cache": True})  # fmt: skip
+        return await self._load_update("/update_weights_from_disk",
+                                       {"model_path": model_path, "weight_version": version, "flush_cache": True})  # fmt: skip
 
     async def begin_weight_update(self) -> None:
         await self._update("/begin_weight_update", {})
 
     async def end_weight_update(self) -> None:
         await self._update("/end_weight_update", {})
+
+    @contextlib.asynccontextmanager
+    async def weight_update_session(self) -> AsyncIterator[EngineClient]:
+        """``/begin_weight_update`` ... ``/end_weight_update`` around the body.
+
+        If the body raises, the session is still ended (an error from that is suppressed so the
+        body's error propagates).
+        """
+        await self.begin_weight_update()
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(EngineError):
+                await self.end_weight_update()
+            raise
+        await self.end_weight_update()
+
+    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: str,
+                                         flush_cache: bool = True, tp_size: int = 1,
+                                         timeout_s: float | None = None) -> dict:  # fmt: skip
+        """Load ``named_tensors`` (HF names, full unsharded tensors) into a same-host engine.
+
+        Must run inside :meth:`weight_update_session` (the engine answers HTTP 400 otherwise);
+        several calls (buckets) may share one session. Only metadata travels over HTTP: the
+        (CPU; CUDA tensors would travel as CUDA IPC handles, not measured here) tensors' storages
+        are moved into shared memory with ``torch.multiprocessing``'s
+        ``file_system`` strategy (the engine process dies on the default ``file_descriptor``
+        handles) and the engine maps them, so the engine must run on this host. The tensors stay
+        referenced until the engine has answered (it copies them into its parameters).
+        ``tp_size`` copies of the payload are sent, one per engine TP rank.
+        """
+        tensors = [(str(name), tensor) for name, tensor in named_tensors]
+        # Serialization copies every storage into shared memory: off the event loop.
+        blob = await asyncio.to_thread(serialize_named_tensors, tensors)
+        payload = {"serialized_named_tensors": [blob] * tp_size, "weight_version": str(version),
+                   "flush_cache": flush_cache}  # fmt: skip
+        if not flush_cache:
+            return await self._update("/update_weights_from_tensor", payload, timeout_s)
+        return await self._load_update("/update_weights_from_tensor", payload, timeout_s)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> dict:  # fmt: skip

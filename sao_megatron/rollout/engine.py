@@ -5,12 +5,17 @@ On a GPU machine this runs SGLang as installed. Without CUDA it runs SGLang's CP
 ``sgl_kernel`` stand-in from ``rollout/sglang_cpu`` on the subprocess's PYTHONPATH (and only
 there), and refuses any SGLang version other than the one the stand-in was measured on.
 
-Each server runs in its own session; :meth:`EngineProcess.stop` ends that process group by
-the PID this module started, never by name.
+:class:`RouterProcess` optionally puts an ``sglang-router`` (0.3.2) in front of the engines. It
+proxies ``/generate`` (and ``/flush_cache``) but not pause, continue, abort or weight updates:
+those control calls must go to every engine directly (``EngineClient(engine.url)``).
+
+Each server runs in its own session; ``stop()`` ends that process group by the PID this
+module started, never by name.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -49,6 +54,11 @@ class EngineSpec:
     random_seed: int = 0
     log_path: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the server, e.g. ``{"OMP_NUM_THREADS": "1"}``. On a CPU
+    machine shared with other busy processes one torch thread per engine avoids thread barriers
+    waiting on a descheduled sibling (measured on 2 busy cores, tiny MoE: agent-loop throughput
+    69 -> 404 tokens/s, and identical rounds no longer vary 10x+)."""
     startup_timeout_s: float = 300.0
     watchdog_timeout_s: float = 3600.0
     """SGLang kills a server stuck this long; long weight publications must fit inside it."""
@@ -85,30 +95,39 @@ def _environment(cpu: bool) -> dict[str, str]:
     return env
 
 
-class EngineProcess:
-    """One SGLang server subprocess."""
+class _ServerProcess:
+    """A server subprocess in its own session, polled until healthy, stopped by process group."""
 
-    def __init__(self, spec: EngineSpec, cpu: bool | None = None):
-        self.spec = spec
-        self.cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    kind = "server"
+    health_path = "/health"
+
+    def __init__(self, host: str, port: int, log_path: str | None, startup_timeout_s: float):
+        self.host = host
+        self.port = port
+        self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
-        self.log_path = Path(spec.log_path or f"/tmp/sao-sglang-{spec.port}.log")
+        self.log_path = Path(log_path or f"/tmp/sao-{self.kind}-{port}.log")
 
     @property
     def url(self) -> str:
-        return f"http://{self.spec.host}:{self.spec.port}"
+        return f"http://{self.host}:{self.port}"
 
-    def start(self) -> EngineProcess:
-        if self.cpu and sglang_version() != SUPPORTED_SGLANG:
-            raise EngineStartError(
-                f"SGLang on CPU needs sglang=={SUPPORTED_SGLANG} (the sgl_kernel stand-in was measured on it), "
-                f"found {sglang_version()}; install requirements/sglang-*.txt"
-            )
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def _check(self) -> None:
+        """Raise before launching if this server cannot run here."""
+
+    def start(self):
+        self._check()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115  (owned by the child for its lifetime)
         self.proc = subprocess.Popen(
-            _command(self.spec, self.cpu), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=_environment(self.cpu), start_new_session=True,
+            self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self._environment(), start_new_session=True,
         )  # fmt: skip
         log.close()
         return self
@@ -120,28 +139,31 @@ class EngineProcess:
             return "(no log)"
         return "\n".join(lines[-n:])
 
+    def _healthy_body(self, body: bytes) -> bool:
+        return True
+
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                return response.status == 200
+            with urllib.request.urlopen(f"{self.url}{self.health_path}", timeout=2) as response:
+                return response.status == 200 and self._healthy_body(response.read())
         except (urllib.error.URLError, OSError):
             return False
 
     def wait_healthy(self, timeout_s: float | None = None) -> float:
-        """Block until ``/health`` answers 200; returns seconds waited."""
-        timeout_s = self.spec.startup_timeout_s if timeout_s is None else timeout_s
+        """Block until the health endpoint answers 200; returns seconds waited."""
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc is not None and self.proc.poll() is not None:
                 raise EngineStartError(
-                    f"SGLang engine on port {self.spec.port} exited with {self.proc.returncode}; "
+                    f"{self.kind} on port {self.port} exited with {self.proc.returncode}; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             if self.healthy():
                 return time.monotonic() - t0
             time.sleep(0.5)
         raise EngineStartError(
-            f"SGLang engine on port {self.spec.port} not healthy after {timeout_s:.0f} s; "
+            f"{self.kind} on port {self.port} not healthy after {timeout_s:.0f} s; "
             f"log {self.log_path}:\n{self.log_tail()}"
         )
 
@@ -163,7 +185,7 @@ class EngineProcess:
             pass
         self.proc.wait(timeout=grace_s)
 
-    def __enter__(self) -> EngineProcess:
+    def __enter__(self):
         self.start()
         try:
             self.wait_healthy()
@@ -174,3 +196,154 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EngineProcess(_ServerProcess):
+    """One SGLang server subprocess."""
+
+    kind = "SGLang engine"
+
+    def __init__(self, spec: EngineSpec, cpu: bool | None = None):
+        super().__init__(spec.host, spec.port, spec.log_path or f"/tmp/sao-sglang-{spec.port}.log",
+                         spec.startup_timeout_s)  # fmt: skip
+        self.spec = spec
+        self.cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+
+    def _check(self) -> None:
+        if self.cpu and sglang_version() != SUPPORTED_SGLANG:
+            raise EngineStartError(
+                f"SGLang on CPU needs sglang=={SUPPORTED_SGLANG} (the sgl_kernel stand-in was measured on it), "
+                f"found {sglang_version()}; install requirements/sglang-*.txt"
+            )
+
+    def _command(self) -> list[str]:
+        return _command(self.spec, self.cpu)
+
+    def _environment(self) -> dict[str, str]:
+        return {**_environment(self.cpu), **self.spec.env}
+
+    def start(self) -> EngineProcess:
+        return super().start()
+
+    def __enter__(self) -> EngineProcess:
+        return super().__enter__()
+
+
+# ---- sglang-router ----------------------------------------------------------------------------
+
+SUPPORTED_ROUTER = "0.3.2"
+
+# ``python -m sglang_router.launch_router`` imports ``mini_lb`` and with it all of ``sglang``
+# (~15-20 s on a busy 2-core machine). This does what its ``main()`` does (same flags, same Rust
+# router) with only ``sglang_router.router`` imported (~0.1 s).
+_FAST_ROUTER_MAIN = """
+import argparse, sys
+from sglang_router.router import Router
+from sglang_router.router_args import RouterArgs
+try:
+    import setproctitle; setproctitle.setproctitle("sglang::router")
+except ImportError:
+    pass
+parser = argparse.ArgumentParser(prog="sglang_router.launch_router")
+RouterArgs.add_cli_args(parser, use_router_prefix=False)
+args = RouterArgs.from_cli_args(parser.parse_args(sys.argv[1:]), use_router_prefix=False)
+args._validate_router_args()
+Router.from_args(args).start()
+"""
+
+
+def router_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang-router")
+
+
+@dataclass
+class RouterSpec:
+    """How to start one ``sglang-router`` in front of running engines (for ``/generate`` only)."""
+
+    worker_urls: list[str]
+    """Engine base URLs, e.g. ``[engine.url for engine in engines]``."""
+    port: int
+    host: str = "127.0.0.1"
+    policy: str = "cache_aware"
+    """``cache_aware`` (prefix affinity, good for multi-turn episodes), ``round_robin``, ``random``,
+    ``power_of_two``."""
+    prometheus_port: int | None = None
+    """Metrics port, bound on ``host``; None picks a free one (the router's default is 0.0.0.0:29000)."""
+    request_timeout_s: float = 3600.0
+    """The router cuts requests longer than this (its default: 1800 s)."""
+    health_check_timeout_s: float = 600.0
+    """An engine's ``/health`` generates one token, so it hangs while generation is paused for a weight
+    update; with the router's default (5 s) three missed checks during a long pause mark the engine
+    unhealthy and ``/generate`` answers 503 until it recovers."""
+    shutdown_grace_s: float = 5.0
+    """How long the router waits for in-flight requests on SIGTERM (its default: 180 s)."""
+    log_level: str = "warn"
+    log_path: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    fast_launch: bool = True
+    """Start the Rust router without importing ``sglang`` (see ``_FAST_ROUTER_MAIN``); False runs
+    ``python -m sglang_router.launch_router`` with the same flags."""
+    startup_timeout_s: float = 120.0
+
+
+def _router_command(spec: RouterSpec, prometheus_port: int) -> list[str]:
+    entry = ["-c", _FAST_ROUTER_MAIN] if spec.fast_launch else ["-m", "sglang_router.launch_router"]
+    return [
+        sys.executable, *entry, "--worker-urls", *spec.worker_urls, "--host", spec.host,
+        "--port", str(spec.port), "--policy", spec.policy,
+        "--prometheus-host", spec.host, "--prometheus-port", str(prometheus_port),
+        "--request-timeout-secs", str(int(spec.request_timeout_s)),
+        "--health-check-timeout-secs", str(int(spec.health_check_timeout_s)),
+        "--shutdown-grace-period-secs", str(int(spec.shutdown_grace_s)),
+        "--worker-startup-check-interval", "1", "--log-level", spec.log_level,
+        *spec.extra_args,
+    ]  # fmt: skip
+
+
+class RouterProcess(_ServerProcess):
+    """One ``sglang-router`` subprocess; healthy once every worker in the spec is registered healthy.
+
+    Send only ``/generate`` (``EngineClient(router.url).generate``) through it. Pause, continue,
+    abort and weight updates answer 404 on the router: send them to each engine's own URL.
+    """
+
+    kind = "sglang-router"
+    health_path = "/readiness"
+
+    def __init__(self, spec: RouterSpec):
+        if not spec.worker_urls:
+            raise ValueError("RouterSpec.worker_urls is empty: start the engines first")
+        super().__init__(spec.host, spec.port, spec.log_path, spec.startup_timeout_s)
+        self.spec = spec
+        if spec.prometheus_port is None:
+            from sao_megatron.spawn import free_port
+
+            self.prometheus_port = free_port()
+        else:
+            self.prometheus_port = spec.prometheus_port
+
+    def _check(self) -> None:
+        if router_version() != SUPPORTED_ROUTER:
+            raise EngineStartError(
+                f"RouterProcess was measured on sglang-router=={SUPPORTED_ROUTER}, found {router_version()}"
+            )
+
+    def _command(self) -> list[str]:
+        return _router_command(self.spec, self.prometheus_port)
+
+    def _healthy_body(self, body: bytes) -> bool:
+        # {"status": "ready", "healthy_workers": n, "total_workers": m}
+        try:
+            ready = json.loads(body)
+        except ValueError:
+            return False
+        healthy = int(ready.get("healthy_workers", 0))
+        return ready.get("status") == "ready" and healthy >= len(self.spec.worker_urls)
+
+    def start(self) -> RouterProcess:
+        return super().start()
+
+    def __enter__(self) -> RouterProcess:
+        return super().__enter__()

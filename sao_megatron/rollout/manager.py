@@ -104,7 +104,9 @@ class RolloutManager:
     def busy_seconds(self) -> float:
         """Engine-seconds with at least one episode in flight, up to now."""
         now = time.monotonic()
-        return self.stats.busy_s + sum(now - self._busy_since[i] for i in range(len(self.loops)) if self._load[i])
+        return self.stats.busy_s + sum(
+            now - self._busy_since[i] for i in range(len(self.loops)) if self._load[i]
+        )
 
     async def _episode(self, sub: Submission) -> None:
         i = self._pick_loop()

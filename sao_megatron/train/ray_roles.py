@@ -52,8 +52,11 @@ class RoleGroup:
         port = free_port()
         state_ref = ray.put(actor_state) if actor_state is not None else None
         self.kind = kind
+        # Under launch/slurm every node advertises the role it belongs to (sao_actor, sao_critic,
+        # sao_rollout: one unit per GPU); ranks then land on their role's node group.
+        resources = {f"sao_{kind}": 1 if gpus else 0.01} if os.environ.get("SAO_RAY_ADDRESS") else {}
         self.ranks = [
-            RankActor.options(num_cpus=cpus, num_gpus=gpus, name=None).remote(
+            RankActor.options(num_cpus=cpus, num_gpus=gpus, resources=resources).remote(
                 kind,
                 cfg,
                 r,

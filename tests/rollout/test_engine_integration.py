@@ -1,6 +1,10 @@
 """A real SGLang server on CPU serves the tiny model; client and agent loop run against it.
 
 One engine for the module (start-up is ~20-40 s on this machine); loopback only.
+
+Order matters: the tests run in file order against the one engine. The agent-loop tests expect
+the initial weights ("default" -> version 0); every test that loads other weights restores
+checkpoint 0 from disk before it returns.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from sao_megatron.envs.registry import make_env
 from sao_megatron.records import OBSERVATION_VERSION
 from sao_megatron.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
-from sao_megatron.rollout.engine import EngineProcess, EngineSpec
+from sao_megatron.rollout.engine import EngineProcess, EngineSpec, RouterProcess, RouterSpec
 from sao_megatron.spawn import free_port
 from sao_megatron.tokenizer import load_tokenizer
 from tests.rollout.engine_fixtures import make_tiny_hf
@@ -83,22 +87,34 @@ def test_agent_loop_multi_turn_episode(engine, env_name):
 
 
 def test_weight_update_mid_generation_gives_two_versions(engine, checkpoints):
+    """A generation that spans a pause/update/continue carries both versions (timing-dependent,
+    so up to three attempts: on a quiet machine a generation may finish before the pause)."""
+
+    async def attempt(client, label: str):
+        sampling = SamplingParams(max_new_tokens=800, seed=1, ignore_eos=True)
+        task = asyncio.create_task(client.generate([2, 50, 51, 3], sampling))
+        await asyncio.sleep(0.4)
+        await client.pause("retract")
+        await client.update_weights_from_disk(str(checkpoints[1]), label)
+        await client.resume()
+        gen = await task
+        await client.update_weights_from_disk(str(checkpoints[0]), label + "-restored")
+        return gen
+
     async def go():
         async with EngineClient(engine.url) as client:
-            task = asyncio.create_task(
-                client.generate([2, 50, 51, 3], SamplingParams(max_new_tokens=200, seed=1))
-            )
-            await asyncio.sleep(1.5)
-            await client.pause("retract")
-            await client.update_weights_from_disk(str(checkpoints[1]), "1")
-            await client.resume()
-            first = await task
-            await client.update_weights_from_disk(str(checkpoints[0]), "2")
-            return first
+            tries = []
+            for i in range(3):
+                gen = await attempt(client, f"mid{i}")
+                tries.append(gen)
+                if len(set(gen.versions)) == 2:
+                    break
+            return tries
 
-    gen = run(go())
-    assert len(gen.output_ids) > 1
-    assert gen.versions[0] == "default" and gen.versions[-1] == "1", (gen.versions[:2], gen.versions[-2:])
+    tries = run(go())
+    gen = tries[-1]
+    assert len(set(gen.versions)) == 2, [sorted(set(t.versions)) for t in tries]
+    assert gen.versions[-1] == f"mid{len(tries) - 1}" and gen.versions[0] != gen.versions[-1]
 
 
 def test_engine_errors_become_failed_episodes():
@@ -153,3 +169,55 @@ def test_distributed_weight_sync_serves_new_weights(engine, checkpoints):
     assert set(gen.versions) == {"7"}
     expected = _hf_logprobs(checkpoints[1], ids)
     assert (torch.tensor(scored) - expected).abs().max().item() <= 1e-4
+
+
+def test_tensor_weight_update_serves_new_weights(engine, checkpoints):
+    import torch
+    from safetensors.torch import load_file
+
+    new = load_file(str(checkpoints[1] / "model.safetensors"))
+    ids = [2, 60, 61, 62, 63, 64, 3, 70, 71, 72]
+
+    async def go():
+        async with EngineClient(engine.url) as client:
+            with pytest.raises(EngineError) as outside:  # refused outside begin/end
+                await client.update_weights_from_tensor(sorted(new.items())[:1], "bad")
+            async with client.weight_update_session():
+                names = sorted(new)
+                for i in range(0, len(names), 24):  # two buckets in one session
+                    await client.update_weights_from_tensor([(n, new[n]) for n in names[i : i + 24]], "9")
+            scored_v1 = await client.score(ids, start=1)
+            gen = await client.generate([2, 40, 3], SamplingParams(max_new_tokens=3))
+            await client.update_weights_from_disk(str(checkpoints[0]), "10")
+            scored_v0 = await client.score(ids, start=1)
+            assert await client.health()
+        return outside.value, scored_v1, gen, scored_v0
+
+    outside, scored_v1, gen, scored_v0 = run(go())
+    assert outside.status == 400 and "begin_weight_update" in str(outside)
+    assert set(gen.versions) == {"9"}
+    assert (torch.tensor(scored_v1) - _hf_logprobs(checkpoints[1], ids)).abs().max().item() <= 1e-4
+    assert (torch.tensor(scored_v0) - _hf_logprobs(checkpoints[0], ids)).abs().max().item() <= 1e-4
+
+
+def test_router_proxies_generate(engine, tmp_path):
+    spec = RouterSpec(worker_urls=[engine.url], port=free_port(), log_path=str(tmp_path / "router.log"))
+    prompt, greedy = [2, 40, 41, 42, 3], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def go(router_url):
+        async with EngineClient(router_url) as via_router, EngineClient(engine.url) as direct:
+            routed = await via_router.generate(prompt, greedy)
+            own = await direct.generate(prompt, greedy)
+            await via_router.flush_cache()  # proxied to every worker
+            with pytest.raises(EngineError) as refused:  # control calls: engines only
+                await via_router.pause("retract")
+            return routed, own, refused.value
+
+    with RouterProcess(spec) as router:
+        assert router.url != engine.url
+        routed, own, refused = run(go(router.url))
+    assert router.proc.poll() is not None  # stopped with its process group
+    assert routed.output_ids == own.output_ids and len(routed.output_ids) == 8
+    assert max(abs(a - b) for a, b in zip(routed.logprobs, own.logprobs, strict=True)) <= 1e-4
+    assert routed.versions == own.versions and routed.finish_reason == "length" and routed.prompt_tokens == 5
+    assert refused.status == 404
