@@ -109,7 +109,12 @@ async def rl_stage(svc: Services, state: RunState, log: RunLog) -> None:
                             "buffer/dropped_failed": float(sum(buffer.stats.dropped_failed.values())),
                             "rollout/in_flight_at_take": float(in_flight),
                             "policy_version": float(state.version)})  # fmt: skip
-            now = (time.monotonic(), manager.stats.finished, manager.stats.generated_tokens, manager.busy_seconds())
+            now = (
+                time.monotonic(),
+                manager.stats.finished,
+                manager.stats.generated_tokens,
+                manager.busy_seconds(),
+            )
             dt = max(now[0] - last[0], 1e-9)
             metrics.update({"rollout/trajectories_per_s": (now[1] - last[1]) / dt,
                             "rollout/tokens_per_s": (now[2] - last[2]) / dt,
