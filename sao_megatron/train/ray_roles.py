@@ -54,7 +54,7 @@ class RoleGroup:
         self.kind = kind
         # Under launch/slurm every node advertises the role it belongs to (sao_actor, sao_critic,
         # sao_rollout: one unit per GPU); ranks then land on their role's node group.
-        resources = {f"sao_{kind}": 1 if gpus else 0.01} if os.environ.get("SAO_RAY_ADDRESS") else {}
+        resources = {f"sao_{kind}": 1 if gpus else 0.01} if on_cluster() else {}
         self.ranks = [
             RankActor.options(num_cpus=cpus, num_gpus=gpus, resources=resources).remote(
                 kind,
@@ -84,6 +84,50 @@ class RoleGroup:
         for r in self.ranks:
             ray.kill(r)
         self.ranks = []
+
+
+def on_cluster() -> bool:
+    """True when launched by launch/slurm (the driver joined the job's Ray cluster)."""
+    return bool(os.environ.get("SAO_RAY_ADDRESS"))
+
+
+@ray.remote
+class EngineHost:
+    """Starts one SGLang server on the node Ray placed it on (the rollout node group) and owns it."""
+
+    def __init__(self, spec):
+        from sao_megatron.rollout.engine import EngineProcess
+
+        spec.host = ray.util.get_node_ip_address()
+        self.proc = EngineProcess(spec).start()
+
+    def wait_healthy(self) -> str:
+        self.proc.wait_healthy()
+        return self.proc.url
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class RemoteEngine:
+    """The driver's handle on an engine started by an :class:`EngineHost` (same API as EngineProcess)."""
+
+    def __init__(self, spec, gpus_per_engine: int):
+        resources = {"sao_rollout": gpus_per_engine if gpus_per_engine else 0.01}
+        self.host = EngineHost.options(num_cpus=0.1, num_gpus=gpus_per_engine, resources=resources).remote(
+            spec
+        )
+        self.url = ""
+
+    def wait_healthy(self) -> float:
+        self.url = ray.get(self.host.wait_healthy.remote())
+        return 0.0
+
+    def stop(self) -> None:
+        try:
+            ray.get(self.host.stop.remote(), timeout=60)
+        finally:
+            ray.kill(self.host)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:

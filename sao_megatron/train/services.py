@@ -18,7 +18,7 @@ from sao_megatron.rollout.manager import PromptCursor, RolloutManager
 from sao_megatron.spawn import free_port
 from sao_megatron.tokenizer import load_tokenizer
 from sao_megatron.train.advantages import uses_critic
-from sao_megatron.train.ray_roles import RoleGroup, init_ray
+from sao_megatron.train.ray_roles import RemoteEngine, RoleGroup, init_ray, on_cluster
 from sao_megatron.train.run_state import RunState
 
 
@@ -72,14 +72,19 @@ class Services:
         hf_dir = self.run_dir / "hf" / "policy"
         await self.actor.call("export_hf", str(hf_dir))
         r = self.cfg.rollout
-        self.engines = [
-            EngineProcess(EngineSpec(model_path=str(hf_dir), port=free_port(), tensor_parallel=r.tensor_parallel,
-                                     expert_parallel=r.expert_parallel, dtype=r.dtype,
-                                     max_total_tokens=r.max_total_tokens, random_seed=self.cfg.run.seed + i,
-                                     log_path=str(self.run_dir / "logs" / f"engine{i}.log"))).start()
-            for i in range(r.num_engines)
-        ]  # fmt: skip
+        specs = [EngineSpec(model_path=str(hf_dir), port=free_port(), tensor_parallel=r.tensor_parallel,
+                            expert_parallel=r.expert_parallel, dtype=r.dtype, max_total_tokens=r.max_total_tokens,
+                            random_seed=self.cfg.run.seed + i, log_path=str(self.run_dir / "logs" / f"engine{i}.log"))
+                 for i in range(r.num_engines)]  # fmt: skip
+        if on_cluster():  # on the rollout node group, via Ray (the run directory is on a shared filesystem)
+            gpus = r.tensor_parallel if self.cfg.cluster.gpus_per_node else 0
+            self.engines = [RemoteEngine(spec, gpus) for spec in specs]
+        else:
+            self.engines = [EngineProcess(spec).start() for spec in specs]
         await asyncio.gather(*(asyncio.to_thread(e.wait_healthy) for e in self.engines))
+        self.sync_address = "127.0.0.1"
+        if on_cluster():
+            self.sync_address = await self.actor.ranks[0].node_ip.remote()
         for i, engine in enumerate(self.engines):
             client = await EngineClient(engine.url).__aenter__()
             self.clients.append(client)
@@ -96,7 +101,8 @@ class Services:
                 *(c.update_weights_from_disk(str(hf_dir), str(version)) for c in self.clients)
             )
             return {"time/sync_s": report["seconds"]}
-        report = await self.actor.call("sync_weights", [e.url for e in self.engines], version, self.sync_port)
+        report = await self.actor.call("sync_weights", [e.url for e in self.engines], version, self.sync_port,
+                                       self.sync_address)  # fmt: skip
         return {f"time/{k}": v for k, v in report.items()}
 
     def manager(self, on_finished, cursor_state: dict, max_concurrent: int | None = None) -> RolloutManager:

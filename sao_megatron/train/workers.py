@@ -229,7 +229,8 @@ class ActorWorker:
                 shutil.copy(path, Path(out_dir) / path.name)
         return {"tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds}
 
-    def sync_weights(self, engine_urls: list[str], version: int, master_port: int) -> dict:
+    def sync_weights(self, engine_urls: list[str], version: int, master_port: int,
+                     master_address: str = "127.0.0.1") -> dict:  # fmt: skip
         """Collective: stream HF-named weights to the engines (rank 0 broadcasts), tagged ``version``."""
         import asyncio
 
@@ -246,9 +247,8 @@ class ActorWorker:
             return {}
         if getattr(self, "_sync", None) is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            self._sync = WeightSync(
-                engine_urls, engine_tp=r.tensor_parallel, backend=backend, master_port=master_port
-            )
+            self._sync = WeightSync(engine_urls, engine_tp=r.tensor_parallel, backend=backend,
+                                    master_address=master_address, master_port=master_port)  # fmt: skip
             asyncio.run(self._sync.connect())
         report = asyncio.run(self._sync.update(buckets, version))
         return {
