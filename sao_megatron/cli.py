@@ -92,7 +92,7 @@ def cmd_check(args) -> int:
     save_config(cfg, run_dir)
     print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})")
     print("foundation check: one real actor step and critic steps on a synthetic batch per role world")
-    from sao_megatron.train import smoke
+    from sao_megatron.driver import smoke
 
     t0 = time.perf_counter()
     report = smoke.run(cfg, run_dir)

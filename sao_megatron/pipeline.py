@@ -27,11 +27,11 @@ from pathlib import Path
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import SAOConfig, save_config, to_dict
 from sao_megatron.observe import RunLog
-from sao_megatron.train import stages
-from sao_megatron.train.advantages import Advantages, explained_variance
-from sao_megatron.train.batch import build_batch
-from sao_megatron.train.run_state import RunState
-from sao_megatron.train.services import Services
+from sao_megatron.driver import stages
+from sao_megatron.driver.advantages import Advantages, explained_variance
+from sao_megatron.batch import build_batch
+from sao_megatron.driver.run_state import RunState
+from sao_megatron.driver.session import Services
 
 
 async def learner_step(

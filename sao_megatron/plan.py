@@ -365,7 +365,7 @@ def engine_memory(cfg: SAOConfig) -> EngineMemory:
 # The plan
 # --------------------------------------------------------------------------------------------
 def uses_critic(cfg: SAOConfig) -> bool:
-    from sao_megatron.train.advantages import uses_critic as _uses
+    from sao_megatron.driver.advantages import uses_critic as _uses
 
     return _uses(cfg.algo)
 

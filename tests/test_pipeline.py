@@ -18,9 +18,9 @@ from sao_megatron.observe import RunLog, read_metrics
 from sao_megatron.pipeline import rl_stage, train
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.rollout.client import SamplingParams
-from sao_megatron.train.batch import build_batch
-from sao_megatron.train.run_state import RunState
-from sao_megatron.train.services import Services
+from sao_megatron.batch import build_batch
+from sao_megatron.driver.run_state import RunState
+from sao_megatron.driver.session import Services
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """math_python: tool-integrated math. The model writes Python in ``<tool>...</tool>``; the sandbox
-(:mod:`sao_megatron.rollout.sandbox`) runs it and its stdout (truncated) is the observation.
+(:mod:`sao_megatron.envs.sandbox`) runs it and its stdout (truncated) is the observation.
 The final ``<answer>`` is graded by :func:`sao_megatron.envs.answer_check.answers_match`.
 
 The bundled dataset ``data/math_python.jsonl`` has one JSON object per line:
@@ -18,7 +18,7 @@ from sao_megatron.envs.base import SPLITS, Sample, Split, Task, check_split
 from sao_megatron.envs.format import Turn, final_answer, tool_call
 from sao_megatron.envs.registry import register_env
 from sao_megatron.envs.tool_env import ToolEnv
-from sao_megatron.rollout.sandbox import SandboxLimits, arun_python, run_python
+from sao_megatron.envs.sandbox import SandboxLimits, arun_python, run_python
 
 DATA_PATH = Path(__file__).with_name("data") / "math_python.jsonl"
 _FIELDS = ("id", "question", "answer", "split")

@@ -1,6 +1,6 @@
 """Shared multi-turn protocol of the tool-using environments (arith_tool, math_python).
 
-Each action is parsed by :func:`sao_megatron.rollout.tool_parse.parse_action`:
+Each action is parsed by :func:`sao_megatron.envs.tool_parse.parse_action`:
 
 * ``<tool>code</tool>`` -> the subclass runs the tool; its output is the observation;
 * ``<answer>text</answer>`` -> the episode ends and the answer is graded;
@@ -17,7 +17,7 @@ from abc import abstractmethod
 from typing import Any
 
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
-from sao_megatron.rollout.tool_parse import Answer, Malformed, ToolCall, parse_action
+from sao_megatron.envs.tool_parse import Answer, Malformed, ToolCall, parse_action
 
 
 class ToolEnv(Env):

@@ -1,8 +1,8 @@
 """Checkpoint conversion HF safetensors <-> Megatron distributed checkpoints (``sao convert``).
 
     HF_DIR --(each rank reads its slices: load_hf_weights)--> Megatron model at TP/PP/EP
-           --(checkpoint.save_model, torch_dist)--> MCORE_DIR + model.yaml + hf/ + convert.json
-    MCORE_DIR --(checkpoint.load_model: reshards to any layout)--> Megatron model
+           --(dist_checkpoint.save_model, torch_dist)--> MCORE_DIR + model.yaml + hf/ + convert.json
+    MCORE_DIR --(dist_checkpoint.load_model: reshards to any layout)--> Megatron model
               --(save_hf_checkpoint: gather to rank 0, stream shards)--> HF_DIR
 
 A Megatron checkpoint directory holds the ``torch_dist`` files, ``model.yaml`` (our model
@@ -112,7 +112,7 @@ def _hf_to_mcore_rank(rank, world, hf_dir, stage, m_dict, p_dict, bf16, progress
 
     from sao_megatron.models.builder import build_gpt
     from sao_megatron.models.hf_weights import load_hf_weights
-    from sao_megatron.train.checkpoint import save_model
+    from sao_megatron.models.dist_checkpoint import save_model
 
     m, p = ModelConfig(**m_dict), ParallelConfig(**p_dict)
     _setup(p)
@@ -181,7 +181,7 @@ def _mcore_to_hf_rank(rank, world, mcore_dir, out_dir, m_dict, p_dict, bf16, tem
 
     from sao_megatron.models.builder import build_gpt
     from sao_megatron.models.hf_weights import save_hf_checkpoint
-    from sao_megatron.train.checkpoint import load_model
+    from sao_megatron.models.dist_checkpoint import load_model
 
     m, p = ModelConfig(**m_dict), ParallelConfig(**p_dict)
     _setup(p)

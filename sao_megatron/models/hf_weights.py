@@ -101,7 +101,7 @@ def load_hf_weights(model: torch.nn.Module, m: ModelConfig, hf_dir: str | Path, 
     dtype = hf_io.config_dtype(json.loads(config_file.read_text())) if config_file.exists() else None
     fused = any(n.endswith(bridge.FUSED_GATE_UP) for n in ckpt.names())
     jobs = []
-    for local, param in layout._unwrap(model).named_parameters():
+    for local, param in layout.unwrap(model).named_parameters():
         name = layout.global_name(model, local)
         pieces = bridge.hf_pieces(name, m, fused)
         for piece in pieces:
@@ -171,7 +171,7 @@ class HFWeightStream:
         self.model, self.m, self.dst, self.rank = model, m, dst, dist.get_rank()
         self._params: dict[tuple[str, int], torch.Tensor] = {}
         meta = []
-        for local, param in layout._unwrap(model).named_parameters():
+        for local, param in layout.unwrap(model).named_parameters():
             name = layout.global_name(model, local)
             if not bridge.is_exported(name, m):
                 continue

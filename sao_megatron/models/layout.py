@@ -48,7 +48,7 @@ def global_name(model: torch.nn.Module, local_name: str) -> str:
     name = local_name
     match = _LAYER_RE.match(name)
     if match:
-        layers = _unwrap(model).decoder.layers
+        layers = unwrap(model).decoder.layers
         layer_number = layers[int(match.group(2))].layer_number
         name = f"{match.group(1)}{layer_number - 1}{match.group(3)}"
     match = _EXPERT_RE.match(name) or _GROUPED_EXPERT_RE.match(name)
@@ -59,7 +59,7 @@ def global_name(model: torch.nn.Module, local_name: str) -> str:
     return name
 
 
-def _unwrap(model):
+def unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -67,7 +67,7 @@ def _unwrap(model):
 
 def _num_local_experts(model, local_name: str) -> int:
     match = _LAYER_RE.match(local_name)
-    layer = _unwrap(model).decoder.layers[int(match.group(2))]
+    layer = unwrap(model).decoder.layers[int(match.group(2))]
     return layer.mlp.experts.num_local_experts  # SequentialMLP and TEGroupedMLP alike
 
 
@@ -131,7 +131,7 @@ def gather_full(model: torch.nn.Module, select: Callable[[torch.nn.Parameter], t
     select = select or (lambda p: p.detach())
     local: dict[str, torch.Tensor] = {}
     expert_local: dict[str, torch.Tensor] = {}
-    for name, param in _unwrap(model).named_parameters():
+    for name, param in unwrap(model).named_parameters():
         tensor = select(param)
         if tensor is None:
             continue
@@ -149,7 +149,7 @@ def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor], strict: boo
     """Copy this rank's slices of ``full`` into ``model``'s parameters. Returns the names loaded."""
     loaded = []
     with torch.no_grad():
-        for name, param in _unwrap(model).named_parameters():
+        for name, param in unwrap(model).named_parameters():
             key = global_name(model, name)
             if key not in full:
                 if strict:

@@ -11,7 +11,7 @@ import pytest
 from sao_megatron.envs.answer_check import answers_match
 from sao_megatron.envs.format import final_answer, tool_call
 from sao_megatron.envs.math_python import DATA_PATH, MathPythonEnv, MathPythonTask
-from sao_megatron.rollout.sandbox import SandboxLimits, arun_python
+from sao_megatron.envs.sandbox import SandboxLimits, arun_python
 
 FAST = SandboxLimits(wall_s=5.0, cpu_s=5, memory_bytes=256 << 20)
 

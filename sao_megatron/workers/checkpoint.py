@@ -1,7 +1,7 @@
-"""Megatron distributed checkpoints (``torch_dist``) that reshard on load.
+"""Role checkpoints: model, optimizer, LR schedule and RNG of one rank's role (``torch_dist``).
 
-A checkpoint saved at one TP/PP/EP layout loads into any other layout of the same model
-config: Megatron's sharded state dict records each shard's global offsets.
+The model and optimizer shards reshard on load (any TP/PP/EP layout); per-rank extras
+(schedule, RNG) are restored when the layout is the same.
 """
 
 from __future__ import annotations
@@ -11,43 +11,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sao_megatron.models.dist_checkpoint import load_model, save_model
+from sao_megatron.models.layout import unwrap
 
-def save_model(model: torch.nn.Module, directory: str | Path) -> Path:
-    """Collective: every rank of the role's world writes its shards into ``directory``."""
-    from megatron.core import dist_checkpointing
-
-    directory = Path(directory)
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(_unwrap(model).sharded_state_dict(), str(directory))
-    dist.barrier()
-    return directory
-
-
-def load_model(model: torch.nn.Module, directory: str | Path) -> None:
-    """Collective: load ``directory`` into ``model`` whatever layout it was saved from."""
-    from megatron.core import dist_checkpointing
-
-    directory = Path(directory)
-    if not (directory / "metadata.json").exists():
-        raise FileNotFoundError(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
-    module = _unwrap(model)
-    state = dist_checkpointing.load(module.sharded_state_dict(), str(directory))
-    result = module.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing:
-        raise KeyError(f"checkpoint {directory} lacks tensors {missing[:5]}")
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+__all__ = ["load_model", "load_role", "save_model", "save_role"]
 
 
 def _role_sharded_state(role, is_loading: bool) -> dict:
-    model_sd = _unwrap(role.model).sharded_state_dict()
+    model_sd = unwrap(role.model).sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
     return {
         "model": model_sd,
@@ -83,7 +54,7 @@ def load_role(role, directory: str | Path) -> None:
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
     state = dist_checkpointing.load(_role_sharded_state(role, is_loading=True), str(directory))
-    result = _unwrap(role.model).load_state_dict(state["model"], strict=False)
+    result = unwrap(role.model).load_state_dict(state["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing:
         raise KeyError(f"checkpoint {directory} lacks tensors {missing[:5]}")

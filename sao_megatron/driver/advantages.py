@@ -11,7 +11,7 @@ import torch
 
 from sao_megatron import algo
 from sao_megatron.config import AlgoConfig
-from sao_megatron.train.batch import TrainBatch
+from sao_megatron.batch import TrainBatch
 
 CRITIC_ESTIMATORS = ("gae", "step_mean", "step_last")
 

@@ -9,8 +9,8 @@ import torch
 from sao_megatron import algo
 from sao_megatron.config import load_config
 from sao_megatron.records import Trajectory, Turn
-from sao_megatron.train.batch import build_batch
-from sao_megatron.train.workers import ActorWorker, CriticWorker
+from sao_megatron.batch import build_batch
+from sao_megatron.workers.roles import ActorWorker, CriticWorker
 
 
 def trajectories(n=4, seed=0):
@@ -53,7 +53,7 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     m3 = actor.update(batch, adv)  # after restore, the second step repeats exactly
     fresh = ActorWorker.__new__(ActorWorker)  # a new process's view: fresh role, no optimizer state
     fresh.cfg = cfg
-    from sao_megatron.train.engine import build_actor_role
+    from sao_megatron.workers.engine import build_actor_role
 
     fresh.role = build_actor_role(cfg.model, cfg.actor)
     fresh.load(ckpt_dir + "/actor")

@@ -17,9 +17,9 @@ from sao_megatron.rollout.engine import EngineProcess, EngineSpec
 from sao_megatron.rollout.manager import PromptCursor, RolloutManager
 from sao_megatron.spawn import free_port
 from sao_megatron.tokenizer import load_tokenizer
-from sao_megatron.train.advantages import uses_critic
-from sao_megatron.train.ray_roles import RemoteEngine, RoleGroup, init_ray, on_cluster
-from sao_megatron.train.run_state import RunState
+from sao_megatron.driver.advantages import uses_critic
+from sao_megatron.driver.roles import RemoteEngine, RoleGroup, init_ray, on_cluster
+from sao_megatron.driver.run_state import RunState
 
 
 def loop_config(cfg: SAOConfig, temperature: float | None = None) -> AgentLoopConfig:

@@ -28,7 +28,7 @@ class RankActor:
 
         warnings.filterwarnings("ignore", module="megatron")
         from sao_megatron import parallel
-        from sao_megatron.train.workers import ActorWorker, CriticWorker
+        from sao_megatron.workers.roles import ActorWorker, CriticWorker
 
         self.rank = rank
         parallel.init_distributed(rank, world, master_addr, master_port, backend=cfg.run.backend)

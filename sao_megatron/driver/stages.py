@@ -10,9 +10,9 @@ import torch
 
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.records import Trajectory
-from sao_megatron.train.advantages import Advantages, explained_variance
-from sao_megatron.train.batch import build_batch
-from sao_megatron.train.sft import demonstration_trajectory
+from sao_megatron.driver.advantages import Advantages, explained_variance
+from sao_megatron.batch import build_batch
+from sao_megatron.driver.demos import demonstration_trajectory
 
 
 async def sft(svc, state, log) -> None:

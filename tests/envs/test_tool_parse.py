@@ -7,7 +7,7 @@ import random
 import pytest
 
 from sao_megatron.envs.format import END, TAG_TOKENS
-from sao_megatron.rollout.tool_parse import Answer, Malformed, ToolCall, parse_action
+from sao_megatron.envs.tool_parse import Answer, Malformed, ToolCall, parse_action
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from sao_megatron.rollout import sandbox
-from sao_megatron.rollout.sandbox import (
+from sao_megatron.envs.sandbox import (
     REPO_ROOT,
     SandboxLimits,
     SandboxResult,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from sao_megatron import algo
 from sao_megatron.config import SAOConfig
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
-from sao_megatron.train.batch import TrainBatch
+from sao_megatron.batch import TrainBatch
 
 
 def _ps():
@@ -128,7 +128,7 @@ class ActorWorker:
 
     def __init__(self, cfg: SAOConfig):
         from sao_megatron.parallel import initialize_model_parallel, seed_everything
-        from sao_megatron.train.engine import build_actor_role
+        from sao_megatron.workers.engine import build_actor_role
 
         self.cfg = cfg
         initialize_model_parallel(cfg.actor.parallel)
@@ -263,12 +263,12 @@ class ActorWorker:
         return layout.gather_full(self.role.module)
 
     def save(self, directory: str) -> None:
-        from sao_megatron.train import checkpoint
+        from sao_megatron.workers import checkpoint
 
         checkpoint.save_role(self.role, Path(directory))
 
     def load(self, directory: str) -> None:
-        from sao_megatron.train import checkpoint
+        from sao_megatron.workers import checkpoint
 
         checkpoint.load_role(self.role, Path(directory))
 
@@ -278,7 +278,7 @@ class CriticWorker:
 
     def __init__(self, cfg: SAOConfig, actor_state: dict | None = None):
         from sao_megatron.parallel import initialize_model_parallel, seed_everything
-        from sao_megatron.train.engine import build_critic_role
+        from sao_megatron.workers.engine import build_critic_role
 
         self.cfg = cfg
         initialize_model_parallel(cfg.critic.parallel)
@@ -324,11 +324,11 @@ class CriticWorker:
         return {**metrics, **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr}
 
     def save(self, directory: str) -> None:
-        from sao_megatron.train import checkpoint
+        from sao_megatron.workers import checkpoint
 
         checkpoint.save_role(self.role, Path(directory))
 
     def load(self, directory: str) -> None:
-        from sao_megatron.train import checkpoint
+        from sao_megatron.workers import checkpoint
 
         checkpoint.load_role(self.role, Path(directory))
