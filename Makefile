@@ -36,6 +36,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sao_megatron tests tools benchmarks
 	$(VENV)/bin/ruff format --check sao_megatron tests tools benchmarks
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix sao_megatron tests tools benchmarks

@@ -7,9 +7,9 @@ equal up to float64 rounding); ``--dtype float32`` feeds float32 to everyone (ou
 float64 internally and returns float32; verl then computes in float32).
 
 Rows timed:
-* ours, lam == lambda_critic (one recurrence: the same work as verl);
-* ours, decoupled lambda_critic = 1.0 (two recurrences, the SAO default);
-* ours, length-adaptive lambda (alpha = 1.5) with lambda_critic = 1.0;
+* ours, lam == lam_critic (one recurrence: the same work as verl);
+* ours, decoupled lam_critic = 1.0 (two recurrences, the SAO default);
+* ours, length-adaptive lambda (alpha = 1.5) with lam_critic = 1.0;
 * ``gae_reference`` (python loop) timed on the first ``--ref-rows`` rows and scaled to the full batch;
 * verl (optional, installed with ``pip install --no-deps --target`` into a throwaway dir at run time;
   never vendored). verl always whitens the advantages: we compare our advantages after the same
@@ -123,10 +123,10 @@ def main() -> None:
     kw = {"gamma": args.gamma, "lam": args.lam}
     lam_ada = length_adaptive_lambda(mask, 1.5)
     fns: dict[str, Callable[[], Any]] = {
-        "same": lambda: gae(rewards, values, mask, lambda_critic=args.lam, **kw),
-        "dec": lambda: gae(rewards, values, mask, lambda_critic=1.0, **kw),
+        "same": lambda: gae(rewards, values, mask, lam_critic=args.lam, **kw),
+        "dec": lambda: gae(rewards, values, mask, lam_critic=1.0, **kw),
         "ada": lambda: gae(rewards, values, mask, gamma=args.gamma, lam=length_adaptive_lambda(mask, 1.5)),
-        "ref": lambda: gae_reference(rewards[:r], values[:r], mask[:r], lambda_critic=args.lam, **kw),
+        "ref": lambda: gae_reference(rewards[:r], values[:r], mask[:r], lam_critic=args.lam, **kw),
     }
     if not args.no_peer:
         verl_gae = load_peer()
@@ -145,8 +145,8 @@ def main() -> None:
     d_ada = (out["ada"][0][:r] - adv_ada_ref)[m].abs().max().item()
     t_ref = sec["ref"] * b / r
     rows = [
-        ("ours vectorised, lambda_critic = lam", sec["same"], f"{d_ref:.1e} (ref, {r} rows)"),
-        ("ours vectorised, lambda_critic = 1.0", sec["dec"], "-"),
+        ("ours vectorised, lam_critic = lam", sec["same"], f"{d_ref:.1e} (ref, {r} rows)"),
+        ("ours vectorised, lam_critic = 1.0", sec["dec"], "-"),
         ("ours vectorised, adaptive lam (alpha 1.5)", sec["ada"], f"{d_ada:.1e} (ref, {r} rows)"),
         (f"reference loop ({r} rows timed, x{b / r:g})", t_ref, "0 (oracle)"),
     ]
@@ -164,7 +164,7 @@ def main() -> None:
         print(f"| {name} | {s:.3f} | {b * t / s:.3g} | {t_ref / s:.1f}x | {diff} |")
     if not args.no_peer:
         print(
-            f"\nours (lambda_critic = lam) is {sec['verl'] / sec['same']:.1f}x faster than verl at equal results"
+            f"\nours (lam_critic = lam) is {sec['verl'] / sec['same']:.1f}x faster than verl at equal results"
         )
 
 

@@ -1,6 +1,7 @@
 #!/bin/bash
 # SAO on one machine: `sao train` with signal forwarding (SIGTERM, SIGUSR1 or SIGINT to this
-# script make the driver checkpoint and stop). Arguments go to `sao train` unchanged ("$@").
+# script make the driver checkpoint and stop). Arguments go to `sao train` unchanged ("$@"),
+# followed by cluster.ray_address=127.0.0.1:<port> when this script started a Ray head.
 #
 #   launch/local.sh                                   the tiny CPU default (configs/tiny_cpu.yaml)
 #   SAO_RAY_HEAD=1 launch/local.sh configs/x.yaml     first start a Ray head on 127.0.0.1
@@ -12,8 +13,8 @@
 #   SAO_STOP_SIGNAL    signal the driver gets on SIGUSR1/SIGTERM/SIGINT [INT]
 #   SAO_TRAIN_LOG      driver log file [- : this terminal]
 #   SAO_RAY_HEAD=1     start a Ray head (resources sao_actor/sao_critic/sao_rollout, like one
-#                      shared Slurm node) and export SAO_RAY_ADDRESS for the driver [0: the
-#                      driver starts a private Ray instance itself]
+#                      shared Slurm node) and pass its address to the driver as the override
+#                      cluster.ray_address [0: the driver starts a private Ray instance itself]
 #   SAO_RAY_PORT, SAO_RAY_TMP, SAO_GPUS_PER_NODE, SAO_RAY_ARGS, SAO_LOG_DIR   as in
 #                      launch/slurm/sao.sbatch [6379, /tmp/ray-sao-local-<pid>, autodetect, -,
 #                      $SAO_ROOT/logs/local]
@@ -26,6 +27,7 @@ if [[ -z ${SAO_VENV:-} && -x $SAO_ROOT/.venv/bin/sao ]]; then SAO_VENV=$SAO_ROOT
 if [[ -n ${SAO_VENV:-} ]]; then export PATH="$SAO_VENV/bin:$PATH"; fi
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 read -r -a train <<<"${SAO_TRAIN:-sao train}"
+cluster=() # overrides appended to the driver's arguments
 
 if [[ ${SAO_RAY_HEAD:-0} == 1 ]]; then
   port=${SAO_RAY_PORT:-6379}
@@ -40,8 +42,8 @@ if [[ ${SAO_RAY_HEAD:-0} == 1 ]]; then
     --include-dashboard=false --temp-dir="${SAO_RAY_TMP:-/tmp/ray-sao-local-$$}" --disable-usage-stats \
     --resources="$(sao_ray_resources shared "$units")" "${gpus[@]}" --block "${ray_extra[@]}"
   sao_wait_ray "127.0.0.1:$port" 1 "${SAO_RAY_WAIT_S:-120}" "${SAO_PIDS[@]}"
-  export SAO_RAY_ADDRESS=127.0.0.1:$port
-  sao_log "Ray head at $SAO_RAY_ADDRESS (log $log_dir/ray-head.log)"
+  cluster+=("cluster.ray_address=127.0.0.1:$port")
+  sao_log "Ray head at 127.0.0.1:$port (log $log_dir/ray-head.log)"
 fi
 
-sao_run_driver "${SAO_TRAIN_LOG:--}" "${train[@]}" "$@"
+sao_run_driver "${SAO_TRAIN_LOG:--}" "${train[@]}" "$@" "${cluster[@]}"

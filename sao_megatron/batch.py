@@ -6,10 +6,16 @@ Everything per action token therefore lives at position ``p = len(prompt) + j - 
 response token j: its label, behavior logprob, version, value V(s) and advantage. Rows are
 right-padded to the longest sequence in the batch; ``action_mask`` is 0 on prompt,
 observation and padding positions.
+
+The driver builds one :class:`TrainBatch` per learner step and splits it into one
+:class:`BatchShard` per data-parallel replica of a role (rows ``dp_rank::dp_size``, which
+spreads long and short trajectories evenly). A shard carries the whole batch's token and
+sequence counts, so every replica normalises its loss by the *global* batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +42,18 @@ class TrainBatch:
 
     def select(self, rows: slice | list[int]) -> TrainBatch:
         return TrainBatch(**{k: v[rows] for k, v in self.__dict__.items()})
+
+    def shard(self, dp_size: int) -> list[BatchShard]:
+        """One shard per data-parallel replica: replica ``d`` gets rows ``d::dp_size``."""
+        if not 1 <= dp_size <= self.size:
+            raise ValueError(f"cannot split a batch of {self.size} trajectories over {dp_size} DP replicas; "
+                             f"make algo.batch_size a multiple of the data-parallel size")  # fmt: skip
+        tokens, seqs = float(self.action_mask.sum()), float((self.action_mask.sum(-1) > 0).sum())
+        out = []
+        for d in range(dp_size):
+            rows = list(range(d, self.size, dp_size))
+            out.append(BatchShard(self.select(rows), rows, tokens, seqs))
+        return out
 
     def micro_batches(self, micro_batch_size: int) -> list[dict]:
         """Dicts for the engine's schedule, each trimmed to its own longest row."""
@@ -72,3 +90,45 @@ def build_batch(trajectories: list[Trajectory]) -> TrainBatch:
     return TrainBatch(tokens, positions, labels, mask, behavior, versions,
                       torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
                       torch.tensor(lengths, dtype=torch.long))  # fmt: skip
+
+
+@dataclass
+class BatchShard:
+    """The rows of a :class:`TrainBatch` that one data-parallel replica trains on."""
+
+    batch: TrainBatch
+    """This replica's rows, ``[b, T]`` (T of the whole batch)."""
+    rows: list[int]
+    """Their indices in the whole batch (to put per-row outputs back in place)."""
+    num_tokens_global: float
+    """Action tokens of the whole batch (all replicas): the ``token_mean`` normaliser."""
+    num_seqs_global: float
+    """Trajectories with at least one action token in the whole batch: the ``seq_mean`` normaliser."""
+
+    def take(self, per_row: torch.Tensor) -> torch.Tensor:
+        """This replica's rows of a whole-batch ``[B, ...]`` tensor (advantages, returns, values)."""
+        return per_row[self.rows]
+
+
+@dataclass
+class RowOutputs:
+    """Per-position outputs (logprobs, values) of some rows, returned by one rank."""
+
+    rows: list[int]
+    values: torch.Tensor  # [len(rows), t] with t <= T
+
+
+def assemble_rows(parts: Sequence[RowOutputs | None], size: int, width: int) -> torch.Tensor:
+    """``[size, width]`` from the row outputs of the ranks that hold them (others give None)."""
+    out = torch.zeros(size, width)
+    seen: set[int] = set()
+    for part in parts:
+        if part is None:
+            continue
+        out[part.rows, : part.values.shape[1]] = part.values.float()
+        seen.update(part.rows)
+    if len(seen) != size:
+        raise RuntimeError(
+            f"row outputs cover {len(seen)} of {size} rows; a data-parallel replica reported nothing"
+        )
+    return out

@@ -10,16 +10,21 @@ episodes are dropped with their reason. Batches:
   eligible once all G siblings are admitted, and the time its first finished member waited
   for the last one is recorded as *group wait*.
 
+The learner awaits :meth:`get` (no polling): admission wakes it once a batch is complete.
 A trajectory is handed out at most once (checked). :meth:`state_dict` captures everything
 needed to resume: waiting trajectories, incomplete groups and counters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
+from sao_megatron import algo
 from sao_megatron.records import Trajectory
 
 
@@ -36,6 +41,7 @@ class BufferStats:
 
 class ReadyBuffer:
     def __init__(self, batch_size: int, group_size: int = 1, max_policy_lag: int | None = None):
+        """``max_policy_lag`` None: no staleness bound."""
         if batch_size < 1 or group_size < 1 or batch_size % group_size:
             raise ValueError(
                 f"batch_size={batch_size} must be a positive multiple of group_size={group_size}"
@@ -49,6 +55,7 @@ class ReadyBuffer:
         self._groups: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self._group_first_finish: dict[str, float] = {}
         self._handed: set[tuple[str, str, int]] = set()
+        self._admitted = asyncio.Event()
 
     @staticmethod
     def key(t: Trajectory) -> tuple[str, str, int]:
@@ -56,8 +63,10 @@ class ReadyBuffer:
         return (t.group_id or t.prompt_id, t.prompt_id, int(t.reward_details.get("group_index", 0)))
 
     def lag(self, t: Trajectory, current_version: int) -> int:
-        """Versions between the oldest action token and the current policy."""
-        return current_version - max(t.min_version, 0)
+        """Versions between the oldest action token and the current policy (:func:`algo.policy_lag`)."""
+        versions, mask = torch.tensor([t.policy_versions]), torch.tensor([t.action_mask])  # [1, T]
+        token_lag = algo.policy_lag(current_version, versions, mask)
+        return int(token_lag.max()) if token_lag.numel() else 0
 
     def admit(self, t: Trajectory, current_version: int) -> bool:
         """Add a finished trajectory; False when it is dropped (failed or too stale)."""
@@ -73,6 +82,7 @@ class ReadyBuffer:
         self._groups.setdefault(group, []).append(t)
         self._group_first_finish.setdefault(group, t.finished_at or time.time())
         self.stats.admitted += 1
+        self._admitted.set()
         return True
 
     def __len__(self) -> int:
@@ -103,6 +113,25 @@ class ReadyBuffer:
                 raise AssertionError(f"trajectory {k} handed out twice")
             self._handed.add(k)
         self.stats.handed_out += len(batch)
+        return batch
+
+    def put_back(self, batch: list[Trajectory]) -> None:
+        """Undo :meth:`take` for a batch that was never trained (a stop arrived in between)."""
+        groups: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        for t in batch:
+            self._handed.discard(self.key(t))
+            groups.setdefault(t.group_id or t.prompt_id, []).append(t)
+            self._group_first_finish.setdefault(t.group_id or t.prompt_id, t.finished_at)
+        for group, members in self._groups.items():
+            groups.setdefault(group, []).extend(members)
+        self._groups = groups
+        self.stats.handed_out -= len(batch)
+
+    async def get(self) -> list[Trajectory]:
+        """The next batch, as soon as enough complete groups are waiting."""
+        while (batch := self.take()) is None:
+            self._admitted.clear()
+            await self._admitted.wait()
         return batch
 
     def discard_stale(self, current_version: int) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from sao_megatron.config import ConfigError, SAOConfig, load_config, save_config, to_dict
+from sao_megatron.logs import quiet_third_party
 
 EPILOG = """examples:
   sao train                                   # tiny MoE on CPU, configs/tiny_cpu.yaml
@@ -55,11 +56,12 @@ def _run_dir(cfg: SAOConfig) -> Path:
 def cmd_train(args) -> int:
     if args.resume:
         run_dir = Path(args.resume)
-        cfg = (
-            load_config(run_dir / "config.yaml", _split_config_arg(args)[1])
-            if args.config is None
-            else _load(args)
-        )
+        path, overrides = _split_config_arg(args)
+        if path is None:
+            # The run's own config; the Ray cluster it ran on is gone (the launchers pass the new one).
+            cfg = load_config(run_dir / "config.yaml", ["cluster.ray_address=", *overrides])
+        else:
+            cfg = load_config(path, overrides)
     else:
         cfg = _load(args)
         run_dir = _run_dir(cfg)
@@ -294,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party()  # before anything imports Megatron: some notices fire at import time
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):

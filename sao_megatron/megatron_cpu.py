@@ -46,6 +46,7 @@ import importlib
 import inspect
 import textwrap
 import types
+from typing import Any, cast
 
 import torch
 
@@ -218,7 +219,7 @@ def _patch_current_device() -> None:
 def _patch_cuda_device_literals() -> None:
     cpu_torch = _CpuTorch()
     for name in _CUDA_LITERAL_MODULES:
-        module = importlib.import_module(name)
+        module: Any = importlib.import_module(name)  # Any: its `torch` global is reassigned below
         if getattr(module, "torch", None) is not torch:
             raise RuntimeError(f"megatron_cpu: {name}.torch is not the torch module; re-measure the patch")
         module.torch = cpu_torch
@@ -255,7 +256,9 @@ def _without_cuda_type_strings(fn, module):
         raise RuntimeError(f"megatron_cpu: no CUDA type string left in {fn.__qualname__}; re-measure")
     lines = [ln for ln in patched.splitlines() if ln.strip() not in ("@staticmethod", "@classmethod")]
     namespace: dict = {}
-    exec(compile("\n".join(lines), inspect.getsourcefile(fn), "exec"), module.__dict__, namespace)
+    filename = inspect.getsourcefile(fn)
+    assert filename is not None, f"megatron_cpu: no source file for {fn.__qualname__}"  # getsource found it
+    exec(compile("\n".join(lines), filename, "exec"), module.__dict__, namespace)
     return namespace[fn.__name__]
 
 
@@ -282,11 +285,12 @@ def _patch_local_norm_sp() -> None:
         sequence_parallel = config.sequence_parallel
         config.sequence_parallel = False
         try:
-            norm = original_new(cls, config, hidden_size, eps, *args, **kwargs)
+            # A torch LayerNorm/RMSNorm module; Megatron annotates a forward-only protocol.
+            norm = cast(torch.nn.Module, original_new(cls, config, hidden_size, eps, *args, **kwargs))
         finally:
             config.sequence_parallel = sequence_parallel
         for param in norm.parameters():
-            param.sequence_parallel = sequence_parallel
+            param.sequence_parallel = sequence_parallel  # pyright: ignore[reportAttributeAccessIssue]  # Megatron's flag
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)

@@ -11,8 +11,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sao_megatron.records import Trajectory
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 
 def render_trajectory(t: Trajectory, tokenizer) -> str:
@@ -55,7 +59,7 @@ class RunLog:
         self.wandb = None
         if wandb_project:
             try:
-                import wandb
+                import wandb  # pyright: ignore[reportMissingImports]  # optional, not in the pinned env
             except ImportError as err:
                 raise RuntimeError(f"run.wandb_project={wandb_project!r} but wandb is not installed; "
                                    "pip install wandb or leave run.wandb_project empty") from err  # fmt: skip
@@ -63,7 +67,7 @@ class RunLog:
                                     name=self.dir.name, resume="allow", id=self.dir.name)  # fmt: skip
         self.console = console
         self._progress = None
-        self._tasks: dict[str, int] = {}
+        self._tasks: dict[str, TaskID] = {}
 
     def set_total(self, stage: str, total: int) -> None:
         """Show a live progress bar for ``stage`` (terminals only; logs stay line-based)."""

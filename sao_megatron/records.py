@@ -74,9 +74,13 @@ class Trajectory:
         return len(self.turns)
 
     @property
+    def action_versions(self) -> list[int]:
+        """The policy version of each action token, in order."""
+        return [v for v, m in zip(self.policy_versions, self.action_mask, strict=True) if m]
+
+    @property
     def min_version(self) -> int:
-        versions = [v for v, m in zip(self.policy_versions, self.action_mask, strict=True) if m]
-        return min(versions) if versions else OBSERVATION_VERSION
+        return min(self.action_versions, default=OBSERVATION_VERSION)
 
     @property
     def max_version(self) -> int:

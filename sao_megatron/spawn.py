@@ -5,12 +5,18 @@ importable by name (spawn pickles it); it receives ``(rank, world_size, *args)``
 ``torch.distributed`` initialised and returns a JSON-serialisable value. A failure in any
 rank raises :class:`WorldFailed` with that rank's traceback; a hang past ``timeout_s`` kills
 the processes this call started (by PID) and raises ``TimeoutError``.
+
+Each rank calls :func:`sao_megatron.logs.quiet_third_party` before it unpickles ``fn`` and its
+arguments (which imports Megatron), so import-time notices are filtered too. With ``log_to``
+(a path with ``{rank}``, e.g. ``run_dir / "logs" / "convert_rank{rank}.log"``) each rank's
+stdout and stderr go to its own file instead of the console.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -28,11 +34,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, backend, out_dir, args):
+def _entry(rank, payload, world_size, port, backend, out_dir, log_to):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from sao_megatron.logs import quiet_third_party, redirect_process_output
+
+    if log_to is not None:
+        redirect_process_output(log_to.format(rank=rank))
+    quiet_third_party()
     from sao_megatron import parallel
 
     try:
+        fn, args = pickle.loads(payload)  # only now: unpickling imports fn's module (and Megatron)
         parallel.init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=300)
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except Exception:
@@ -44,15 +56,25 @@ def _entry(rank, fn, world_size, port, backend, out_dir, args):
         pass
 
 
-def run_world(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = 900.0) -> list:
-    import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException
+def run_world(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = 900.0,
+              log_to: str | os.PathLike | None = None) -> list:  # fmt: skip
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their return values in rank order.
 
+    ``log_to``: a path containing ``{rank}``; each rank appends its stdout and stderr there
+    (parent directories are created). None keeps them on this process's stdout/stderr.
+    """
+    from torch.multiprocessing.spawn import ProcessException, start_processes
+
+    log = None if log_to is None else str(log_to)
+    if log is not None and "{rank}" not in log:
+        raise ValueError(f"log_to={log!r} must contain '{{rank}}' (one file per rank)")
+    payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="sao-world-") as out_dir:
-        ctx = mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), backend, out_dir, args), nprocs=world_size,
+        ctx = start_processes(
+            _entry, args=(payload, world_size, free_port(), backend, out_dir, log), nprocs=world_size,
             join=False, start_method="spawn",
         )  # fmt: skip
+        assert ctx is not None  # join=False returns the process context
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=0.5):
@@ -61,8 +83,8 @@ def run_world(fn, world_size: int, *args, backend: str = "auto", timeout_s: floa
         except ProcessException as err:
             raise WorldFailed(str(err)) from None
         finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
+            for proc in ctx.processes:  # torch builds it from [None] * nprocs, hence the None check
+                if proc is not None and proc.is_alive():
                     proc.kill()
         results = []
         for rank in range(world_size):
@@ -71,6 +93,7 @@ def run_world(fn, world_size: int, *args, backend: str = "auto", timeout_s: floa
                 raise WorldFailed(f"rank {rank} of {fn.__name__} exited without a result")
             data = json.loads(path.read_text())
             if not data["ok"]:
-                raise WorldFailed(f"rank {rank} of {fn.__name__} failed:\n{data['error']}")
+                where = "" if log is None else f" (its output: {log.format(rank=rank)})"
+                raise WorldFailed(f"rank {rank} of {fn.__name__} failed{where}:\n{data['error']}")
             results.append(data["value"])
         return results

@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +46,7 @@ class Job:
         return f"{assigns} {shlex.join(self.sbatch + [str(SBATCH_SCRIPT)] + self.train_args)}"
 
 
-def render(config: str | None, overrides: list[str], sbatch_args: list[str] = (),
+def render(config: str | None, overrides: list[str], sbatch_args: Sequence[str] = (),
            resume: str | None = None) -> Job:  # fmt: skip
     """Resolve the config (validating it) and build the ``sbatch`` command line.
 

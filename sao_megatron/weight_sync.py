@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -40,19 +41,22 @@ class SyncReport:
 
 
 def new_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-              group_name: str, timeout_s: float = 300.0):  # fmt: skip
+              group_name: str, timeout_s: float = 300.0) -> dist.ProcessGroup:  # fmt: skip
     """A process group outside the default world (SGLang engines join it from their side).
 
     torch has no public API for a second, independent world in one process; this builds it
     from a TCP store the same way ``init_process_group`` does, under a prefix of its own.
     """
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
 
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
+    # torch.distributed re-exports TCPStore from torch._C without marking it public.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),  # pyright: ignore[reportPrivateImportUsage]
                           timeout=timedelta(seconds=timeout_s))  # fmt: skip
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
-                                         group_name=group_name, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+                                         group_name=GroupName(group_name), timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    # No global ranks given: the default-group path, which never returns the non-member sentinel.
+    group = cast(dist.ProcessGroup, group)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
@@ -71,7 +75,7 @@ class WeightSync:
         self.master_address = master_address
         self.master_port = master_port
         self.group_name = group_name
-        self.group = None
+        self.group: dist.ProcessGroup | None = None
 
     @property
     def world_size(self) -> int:

@@ -30,3 +30,81 @@ def test_algo_sources_do_not_mention_heavy_packages():
         for name in ("megatron", "ray", "sglang", "transformers"):
             assert f"import {name}" not in text and f"from {name}" not in text, f"{path} imports {name}"
     assert HEAVY
+
+
+# Layers, lowest first. A module may import (at module level or inside a function) only from
+# its own layer or a lower one; within a layer, packages must not import each other in a cycle.
+LAYERS: list[set[str]] = [
+    {"algo", "records", "megatron_cpu", "logs"},
+    {"config", "tokenizer"},
+    {"parallel", "spawn", "batch", "envs"},
+    {"models", "rollout", "buffer"},
+    {"weight_sync", "workers"},
+    {"observe", "plan", "submit"},
+    {"driver"},
+    {"pipeline", "report"},
+    {"cli"},
+]
+DRIVER_ONLY = {"ray"}  # the driver is the only place that knows about Ray
+
+
+def _imports():
+    """(importing unit, imported unit, file, line) for every sao_megatron import in the package."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "sao_megatron"
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        unit = rel.parts[0] if len(rel.parts) > 1 else rel.name
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                base = node.module.split(".")
+                if base[0] == "sao_megatron":
+                    names = [f"{node.module}.{a.name}" if len(base) == 1 else node.module for a in node.names]
+                elif base[0] in DRIVER_ONLY:
+                    names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] in ("sao_megatron", *DRIVER_ONLY)]
+            for name in names:
+                parts = name.split(".")
+                target = parts[1] if parts[0] == "sao_megatron" and len(parts) > 1 else parts[0]
+                yield unit, target, path.relative_to(root.parent), node.lineno
+
+
+def _layer(unit: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if unit in layer:
+            return i
+    raise AssertionError(f"sao_megatron/{unit} is in no layer of tests/test_layering.py: place it")
+
+
+def test_imports_point_down_the_layers():
+    bad = []
+    for unit, target, path, line in _imports():
+        if target in DRIVER_ONLY:
+            if unit not in ("driver", "pipeline", "cli", "submit"):
+                bad.append(f"{path}:{line} {unit} imports {target}")
+        elif target != unit and _layer(target) > _layer(unit):
+            bad.append(
+                f"{path}:{line} {unit} (layer {_layer(unit)}) imports {target} (layer {_layer(target)})"
+            )
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles_between_units():
+    import collections
+
+    graph = collections.defaultdict(set)
+    for unit, target, _, _ in _imports():
+        if target != unit and target not in DRIVER_ONLY:
+            graph[unit].add(target)
+
+    def reaches(start, goal, seen):
+        return any(
+            n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start]
+        )
+
+    cycles = sorted(u for u in list(graph) if reaches(u, u, set()))
+    assert not cycles, f"import cycles through {cycles}"

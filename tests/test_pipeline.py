@@ -13,53 +13,54 @@ import json
 import pytest
 import torch
 
+from sao_megatron.batch import build_batch
 from sao_megatron.config import load_config
+from sao_megatron.driver import stages
+from sao_megatron.driver.run_state import RunState
+from sao_megatron.driver.session import Session
 from sao_megatron.observe import RunLog, read_metrics
-from sao_megatron.pipeline import rl_stage, train
+from sao_megatron.pipeline import run_stage, train
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.rollout.client import SamplingParams
-from sao_megatron.batch import build_batch
-from sao_megatron.driver.run_state import RunState
-from sao_megatron.driver.session import Services
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 SMALL = [
     "model.num_layers=2", "algo.batch_size=4", "algo.critic_warmup_steps=0", "rollout.max_concurrent=8",
-    "rollout.max_turns=2", "rollout.env_kwargs={max_turns: 2}", "rollout.max_new_tokens=16",
-    "rollout.max_response_tokens=64", "train.eval_prompts=4", "train.value_pretrain_steps=0",
+    "rollout.loop.max_turns=2", "rollout.env_kwargs={max_turns: 2}", "rollout.loop.max_new_tokens=16",
+    "rollout.loop.max_response_tokens=64", "train.eval_prompts=4", "train.value_pretrain_steps=0",
     "train.sample_trajectories=1",
 ]  # fmt: skip
 
 
-async def engine_vs_actor(svc: Services, prompt: list[int]) -> tuple[float, int, set[str]]:
+async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, int, set[str]]:
     """Sample from the engine, then score the same tokens with the actor: max |diff| of logprobs."""
-    gen = await svc.clients[0].generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
+    gen = await session.clients[0].generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
     n = len(gen.output_ids)
     traj = Trajectory(prompt_id="probe", prompt_ids=prompt, response_ids=gen.output_ids, action_mask=[1] * n,
                       behavior_logprobs=gen.logprobs, policy_versions=[0] * n, turns=[Turn(0, n)], reward=0.0,
                       status="finished")  # fmt: skip
     batch = build_batch([traj])
-    actor = await svc.actor.call("logprobs", batch)
+    actor = await session.actor.logprobs(batch)
     mask = batch.action_mask > 0
     return (actor[mask] - batch.behavior_logprobs[mask]).abs().max().item(), n, set(gen.versions)
 
 
 def test_async_loop_versions_sync_and_buffer(tmp_path):
-    cfg = load_config(None, [*SMALL, "train.steps=3", "algo.max_policy_lag=-1", "train.sft_steps=0"])
+    cfg = load_config(None, [*SMALL, "train.steps=3", "algo.max_policy_lag=null", "train.sft_steps=0"])
 
     async def go():
         state = RunState(stage="rl")
         log = RunLog(tmp_path, tensorboard=False, console=False)
-        svc = await Services.start(cfg, tmp_path, state, log)
+        session = await Session.start(cfg, tmp_path, state)
         try:
-            await svc.start_rollouts(state)
-            before = await engine_vs_actor(svc, [2, 40, 41, 42, 3])
-            await rl_stage(svc, state, log)
-            after = await engine_vs_actor(svc, [2, 50, 51, 52, 3])
+            await session.start_rollouts(state.version)
+            before = await engine_vs_actor(session, [2, 40, 41, 42, 3])
+            await run_stage(session, state, log, stages.rl(cfg, session.critic is not None))
+            after = await engine_vs_actor(session, [2, 50, 51, 52, 3])
             return state, before, after
         finally:
-            await svc.shutdown()
+            await session.shutdown()
 
     state, before, after = asyncio.run(go())
     assert state.version == 3 and state.step == 3

@@ -110,7 +110,7 @@ def test_qwen3_counts_match_the_model_cards():
 def test_memory_model_by_hand():
     """Dense fp32 -> bf16 bytes: weights 2, fp32 grads 4, Adam 12 / DP with the distributed optimizer."""
     overrides = ["model=qwen3_8b", "actor.bf16=true", "actor.parallel.world_size=4", "algo.batch_size=8",
-                 "actor.parallel.micro_batch_size=1", "rollout.max_context_tokens=4096"]  # fmt: skip
+                 "actor.parallel.micro_batch_size=1", "rollout.loop.max_context_tokens=4096"]  # fmt: skip
     cfg = load_config("configs/tiny_cpu.yaml", overrides)
     stages = plan.analytic_parameters(cfg.model, cfg.actor.parallel)
     n = sum(c for c, _ in stages[0].values())
@@ -170,7 +170,7 @@ def test_bigger_gpus_fit(capsys):
 
 
 def test_cpu_configs_are_not_checked_against_gpu_memory():
-    result = _plan("configs/tiny_cpu.yaml", "rollout.max_context_tokens=100000000")
+    result = _plan("configs/tiny_cpu.yaml", "rollout.loop.max_context_tokens=100000000")
     assert not result.failures()
     assert "n/a (CPU)" in plan.render(result)
 

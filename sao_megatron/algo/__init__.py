@@ -1,4 +1,5 @@
-"""Pure-math layer of SAO: policy/value losses, advantage estimators, baselines, masked reductions.
+"""Pure-math layer of SAO: policy/value losses, advantage estimators, baselines, masked reductions,
+batch diagnostics, and the named choices (``choices``: ``Literal`` types the config validates with).
 
 Tensors and scalars in, ``(tensor(s), metrics)`` out; metrics are flat ``dict[str, float]`` of python
 floats. Imports only torch and the standard library: no Megatron, Ray, SGLang or CUDA at import time.
@@ -7,7 +8,6 @@ See docs/algo.md for every formula, default and how metrics reduce across data-p
 
 from sao_megatron.algo._segments import segment_ids_from_cu_seqlens
 from sao_megatron.algo.advantages import (
-    STEP_MODES,
     gae,
     gae_reference,
     length_adaptive_lambda,
@@ -15,7 +15,7 @@ from sao_megatron.algo.advantages import (
     step_gae,
     whiten_advantages,
 )
-from sao_megatron.algo.aggregation import AGG_MODES, count_sequences, loss_weights
+from sao_megatron.algo.aggregation import count_sequences, loss_weights
 from sao_megatron.algo.baselines import (
     GlobalRunningMeanBaseline,
     PromptRunningMeanBaseline,
@@ -23,6 +23,20 @@ from sao_megatron.algo.baselines import (
     grpo_advantages,
     rloo_advantages,
 )
+from sao_megatron.algo.choices import (
+    ADVANTAGE_ESTIMATORS,
+    AGG_MODES,
+    CRITIC_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    POLICY_LOSSES,
+    STEP_MODES,
+    AdvantageEstimator,
+    LossAgg,
+    PolicyLossName,
+    StepMode,
+    uses_critic,
+)
+from sao_megatron.algo.diagnostics import explained_variance, policy_lag
 from sao_megatron.algo.masked import (
     masked_mean,
     masked_quantiles,
@@ -32,7 +46,7 @@ from sao_megatron.algo.masked import (
     metrics_to_floats,
 )
 from sao_megatron.algo.policy_loss import (
-    POLICY_LOSSES,
+    dis_band,
     dis_loss,
     policy_loss,
     ppo_clip_loss,
@@ -41,14 +55,23 @@ from sao_megatron.algo.policy_loss import (
 from sao_megatron.algo.value_loss import value_loss
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "CRITIC_ESTIMATORS",
+    "GROUP_ESTIMATORS",
     "POLICY_LOSSES",
     "STEP_MODES",
+    "AdvantageEstimator",
     "GlobalRunningMeanBaseline",
+    "LossAgg",
+    "PolicyLossName",
     "PromptRunningMeanBaseline",
+    "StepMode",
     "broadcast_to_tokens",
     "count_sequences",
+    "dis_band",
     "dis_loss",
+    "explained_variance",
     "gae",
     "gae_reference",
     "grpo_advantages",
@@ -60,12 +83,14 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "metrics_to_floats",
+    "policy_lag",
     "policy_loss",
     "ppo_clip_loss",
     "reverse_discounted_cumsum",
     "rloo_advantages",
     "segment_ids_from_cu_seqlens",
     "step_gae",
+    "uses_critic",
     "vanilla_pg_loss",
     "value_loss",
     "whiten_advantages",

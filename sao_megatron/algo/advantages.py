@@ -9,14 +9,14 @@ ends a span: observation tokens in between are skipped; ``V(n(t))`` still sees t
     A_t     = delta_t + gamma * lam * A(n(t))
     A, V(n(t)) := 0 past the trajectory's last action token (terminal, no bootstrap)
 
-Critic targets use a separate ``lambda_critic`` (decoupled GAE, VAPO, Yue et al. 2025):
-``returns_t = A^{critic}_t + V(t)`` with ``A^{critic}`` the same recurrence with ``lambda_critic``
+Critic targets use a separate ``lam_critic`` (decoupled GAE, VAPO, Yue et al. 2025):
+``returns_t = A^{critic}_t + V(t)`` with ``A^{critic}`` the same recurrence with ``lam_critic``
 (default 1.0: with ``gamma = 1`` the return is the sum of future rewards, Monte Carlo).
 
 Inputs: ``rewards`` either [B] (one scalar per row, placed on the row's last action token; not
 allowed with packing) or [B, T] (per token; only action-token entries are read: a reward written on an
 observation/padding token is ignored, so put tool rewards on the preceding action token). ``values``
-[B, T] (only action-token entries are read). ``lam`` / ``lambda_critic``: a float, a [B] tensor (one per
+[B, T] (only action-token entries are read). ``lam`` / ``lam_critic``: a float, a [B] tensor (one per
 row) or a [B, T] tensor that is constant over each trajectory's action tokens (e.g. from
 ``length_adaptive_lambda``). ``segment_ids`` [B, T]: packed rows; recurrences never cross a segment.
 Outputs are [B, T] in ``values.dtype`` and exactly 0 on non-action tokens; internal arithmetic is
@@ -47,9 +47,8 @@ from sao_megatron.algo._checks import (
     row_counts,
 )
 from sao_megatron.algo._segments import TrajectoryIndex, trajectory_index
+from sao_megatron.algo.choices import STEP_MODES, StepMode
 from sao_megatron.algo.masked import masked_mean, masked_var, masked_whiten, metrics_to_floats
-
-STEP_MODES = ("step_mean", "step_last")
 
 # Chunk length of the blockwise scan: a [S, L/C, C] x [S, C, C] bmm per level, log_C(L) levels.
 SCAN_CHUNK = 16
@@ -120,7 +119,7 @@ def _validate(
         raise ValueError("`gamma` must be a python float in [0, 1].")
     check_unit_interval("gamma", gamma)
     for name, lam in lams.items():
-        _check_lambda(name, lam, shape)
+        _check_lambda(name, lam, (shape[0], shape[1]))
     check_segment_ids(segment_ids, shape)
     idx = trajectory_index(mask, segment_ids)
     if idx.num_traj == 0:
@@ -217,21 +216,21 @@ def gae(
     *,
     gamma: float = 1.0,
     lam: Lam,
-    lambda_critic: Lam = 1.0,
+    lam_critic: Lam = 1.0,
     segment_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Vectorised skip-observation token-level GAE; returns ``(advantages, returns, metrics)``, [B, T].
 
     Gathers the K action tokens in order, forms ``delta`` there, compacts each trajectory into a row
     of an [S, W] buffer (observation gaps, padding and packing disappear) and solves the recurrence
-    with ``reverse_discounted_cumsum`` (twice when ``lambda_critic`` differs from ``lam``).
+    with ``reverse_discounted_cumsum`` (twice when ``lam_critic`` differs from ``lam``).
     Memory ~ S * W floats with W the longest trajectory (in action tokens).
     """
     mask, idx = _validate(
-        rewards, values, action_mask, gamma, {"lam": lam, "lambda_critic": lambda_critic}, segment_ids
+        rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids
     )
     lam_s = _lambda_per_traj("lam", lam, idx, mask.device)
-    lamc_s = _lambda_per_traj("lambda_critic", lambda_critic, idx, mask.device)
+    lamc_s = _lambda_per_traj("lam_critic", lam_critic, idx, mask.device)
     v_k = values.reshape(-1).index_select(0, idx.positions).to(torch.float64)  # [K]
     delta = _add_rewards(_td_errors(v_k, idx, gamma), rewards, idx)  # [K]
     same = lam_s.equal(lamc_s)
@@ -257,7 +256,7 @@ def gae_reference(
     *,
     gamma: float = 1.0,
     lam: Lam,
-    lambda_critic: Lam = 1.0,
+    lam_critic: Lam = 1.0,
     segment_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Plain Python loop over tokens implementing exactly the formulas of the module docstring.
@@ -265,7 +264,7 @@ def gae_reference(
     Slow (python floats, one token at a time); it is the oracle for ``gae`` in tests and benchmarks.
     """
     mask, _ = _validate(
-        rewards, values, action_mask, gamma, {"lam": lam, "lambda_critic": lambda_critic}, segment_ids
+        rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids
     )
     b_size, t_size = mask.shape
     adv = [[0.0] * t_size for _ in range(b_size)]
@@ -289,7 +288,7 @@ def gae_reference(
                 lam_last.append(_lam_at(lam, b, t))
             delta = r[t] + gamma * next_v - v[t]
             a = delta + gamma * _lam_at(lam, b, t) * next_a
-            ac = delta + gamma * _lam_at(lambda_critic, b, t) * next_ac
+            ac = delta + gamma * _lam_at(lam_critic, b, t) * next_ac
             adv[b][t], ret[b][t] = a, ac + v[t]
             next_seg, next_v, next_a, next_ac = seg[t], v[t], a, ac
     adv_t = torch.tensor(adv, dtype=torch.float64)
@@ -346,10 +345,10 @@ def step_gae(
     values: Tensor,
     action_mask: Tensor,
     *,
-    mode: str,
+    mode: StepMode,
     gamma: float = 1.0,
     lam: Lam,
-    lambda_critic: Lam = 1.0,
+    lam_critic: Lam = 1.0,
     segment_ids: Tensor | None = None,
     turn_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
@@ -364,7 +363,7 @@ def step_gae(
     """
     check_choice("step-level mode", mode, STEP_MODES)
     mask, idx = _validate(
-        rewards, values, action_mask, gamma, {"lam": lam, "lambda_critic": lambda_critic}, segment_ids
+        rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids
     )
     if turn_ids is not None:
         check_shape("turn_ids", turn_ids, tuple(mask.shape))
@@ -384,7 +383,7 @@ def step_gae(
     end_mask[idx.positions[ends]] = True
     tidx = trajectory_index(end_mask.view(mask.shape), segment_ids)
     lam_s = _lambda_per_traj("lam", lam, idx, mask.device)
-    lamc_s = _lambda_per_traj("lambda_critic", lambda_critic, idx, mask.device)
+    lamc_s = _lambda_per_traj("lam_critic", lam_critic, idx, mask.device)
     delta = _td_errors(v_turn, tidx, gamma).add_(r_turn)  # [G] over turns
     a_turn, ac_turn = _scan_per_traj(delta, tidx, [gamma * lam_s, gamma * lamc_s])
     adv_k, ret_k = a_turn[turn], (ac_turn + v_turn)[turn]

@@ -25,8 +25,7 @@ from torch import Tensor
 
 from sao_megatron.algo._checks import check_choice, row_counts
 from sao_megatron.algo._segments import trajectory_index
-
-AGG_MODES = ("token_mean", "seq_mean")
+from sao_megatron.algo.choices import AGG_MODES, LossAgg
 
 
 def count_sequences(action_mask: Tensor, segment_ids: Tensor | None = None) -> int:
@@ -55,7 +54,7 @@ def _check_normaliser(name: str, value: float | int | Tensor | None, local: int)
 
 def loss_weights(
     action_mask: Tensor,
-    agg: str = "token_mean",
+    agg: LossAgg = "token_mean",
     *,
     num_tokens_global: float | int | Tensor | None = None,
     num_seqs_global: float | int | Tensor | None = None,

@@ -76,7 +76,8 @@ def masked_quantiles(x: Tensor, mask: Tensor, qs: Sequence[float]) -> Tensor:
 def metrics_to_floats(metrics: Mapping[str, Tensor | float | int]) -> dict[str, float]:
     """Convert a flat dict of 0-d tensors / numbers to python floats with a single device sync."""
     keys = list(metrics)
-    tensors = [metrics[k] for k in keys if isinstance(metrics[k], Tensor)]
+    tensors = [v for v in metrics.values() if isinstance(v, Tensor)]
+    values = iter([])
     if tensors:
         dev = tensors[0].device
         stacked = torch.stack([t.detach().reshape(()).to(device=dev, dtype=torch.float64) for t in tensors])

@@ -50,9 +50,8 @@ from sao_megatron.algo._checks import (
     check_shape,
 )
 from sao_megatron.algo.aggregation import aggregate, loss_weights
+from sao_megatron.algo.choices import POLICY_LOSSES, LossAgg, PolicyLossName
 from sao_megatron.algo.masked import masked_mean, masked_quantiles, masked_sum, metrics_to_floats
-
-POLICY_LOSSES = ("dis", "ppo_clip", "vanilla")
 
 # PPO-clip only: the log-ratio is clamped to this range before exp so float32 cannot overflow to inf
 # (same guard as verl's ``compute_policy_loss``); exp(20) ~ 4.9e8 is far outside any useful band.
@@ -143,6 +142,21 @@ def _metrics(
     return metrics_to_floats(out)
 
 
+def dis_band(logprobs: Tensor, behavior_logprobs: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """The tokens DIS keeps: ``1 - eps_low < rho < 1 + eps_high`` (strict) with ``rho = exp(logprobs -
+    behavior_logprobs)``; a bool tensor of their common shape, no gradient.
+
+    The log-ratio is taken in the dtype of ``logprobs`` (``behavior_logprobs`` cast to it) and
+    exponentiated in float64, so a huge ratio compares as ``inf`` (dropped) instead of overflowing.
+    Apply the action mask yourself: every position is tested, padding included.
+    """
+    _check_eps(eps_low, eps_high)
+    check_shape("behavior_logprobs", behavior_logprobs, tuple(logprobs.shape), like="logprobs")
+    log_ratio = logprobs.detach() - behavior_logprobs.detach().to(logprobs.dtype)
+    rho = torch.exp(log_ratio.to(torch.float64))
+    return (rho > 1.0 - eps_low) & (rho < 1.0 + eps_high)
+
+
 def dis_loss(
     logprobs: Tensor,
     behavior_logprobs: Tensor,
@@ -152,7 +166,7 @@ def dis_loss(
     eps_low: float,
     eps_high: float,
     detach_ratio: bool = True,
-    agg: str = "token_mean",
+    agg: LossAgg = "token_mean",
     num_tokens_global: float | int | Tensor | None = None,
     num_seqs_global: float | int | Tensor | None = None,
     segment_ids: Tensor | None = None,
@@ -181,8 +195,7 @@ def dis_loss(
         dtype=torch.float64,
     )
     log_ratio = lp - blp  # [B, T], grad through logprobs
-    rho64 = torch.exp(log_ratio.detach().to(torch.float64))
-    keep = mask & (rho64 > 1.0 - eps_low) & (rho64 < 1.0 + eps_high)  # [B, T]
+    keep = mask & dis_band(lp, blp, eps_low, eps_high)  # [B, T]
     # exp of the kept log-ratios only: out-of-band entries may be huge, and where() must not see inf.
     rho = torch.exp(torch.where(keep, log_ratio, torch.zeros_like(log_ratio)))
     coef = rho.detach() if detach_ratio else rho
@@ -200,7 +213,7 @@ def ppo_clip_loss(
     *,
     eps_low: float,
     eps_high: float,
-    agg: str = "token_mean",
+    agg: LossAgg = "token_mean",
     num_tokens_global: float | int | Tensor | None = None,
     num_seqs_global: float | int | Tensor | None = None,
     segment_ids: Tensor | None = None,
@@ -243,7 +256,7 @@ def vanilla_pg_loss(
     *,
     eps_low: float | None = None,
     eps_high: float | None = None,
-    agg: str = "token_mean",
+    agg: LossAgg = "token_mean",
     num_tokens_global: float | int | Tensor | None = None,
     num_seqs_global: float | int | Tensor | None = None,
     segment_ids: Tensor | None = None,
@@ -272,15 +285,19 @@ def vanilla_pg_loss(
     return loss, _metrics(loss, lp - blp, adv, mask, band, {})
 
 
+_LOSSES = {"dis": dis_loss, "ppo_clip": ppo_clip_loss, "vanilla": vanilla_pg_loss}
+"""One function per :data:`~sao_megatron.algo.choices.PolicyLossName`."""
+
+
 def policy_loss(
-    name: str,
+    name: PolicyLossName,
     logprobs: Tensor,
     behavior_logprobs: Tensor,
     advantages: Tensor,
     action_mask: Tensor,
     **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Dispatch on ``name`` in ``POLICY_LOSSES`` ("dis", "ppo_clip", "vanilla"); kwargs as the target."""
+    """Dispatch on ``name``, one of :data:`~sao_megatron.algo.choices.PolicyLossName`; kwargs as the target."""
     check_choice("policy loss name", name, POLICY_LOSSES)
-    fn = {"dis": dis_loss, "ppo_clip": ppo_clip_loss, "vanilla": vanilla_pg_loss}[name]
+    fn = _LOSSES[name]
     return fn(logprobs, behavior_logprobs, advantages, action_mask, **kwargs)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from sao_megatron.algo._checks import (
     check_shape,
 )
 from sao_megatron.algo.aggregation import aggregate, loss_weights
+from sao_megatron.algo.choices import LossAgg
 from sao_megatron.algo.masked import masked_mean, masked_var, metrics_to_floats
 
 
@@ -37,7 +38,7 @@ def value_loss(
     *,
     old_values: Tensor | None = None,
     clip_range: float | None = None,
-    agg: str = "token_mean",
+    agg: LossAgg = "token_mean",
     num_tokens_global: float | int | Tensor | None = None,
     num_seqs_global: float | int | Tensor | None = None,
     segment_ids: Tensor | None = None,

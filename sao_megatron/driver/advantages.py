@@ -10,27 +10,9 @@ from __future__ import annotations
 import torch
 
 from sao_megatron import algo
-from sao_megatron.config import AlgoConfig
 from sao_megatron.batch import TrainBatch
-
-CRITIC_ESTIMATORS = ("gae", "step_mean", "step_last")
-
-
-def uses_critic(a: AlgoConfig) -> bool:
-    return a.advantage in CRITIC_ESTIMATORS
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor) -> float:
-    """``1 - Var[R - V] / Var[R]`` over all action tokens of the batch (values before the update).
-
-    Over the whole batch on purpose: within one trajectory the returns of a terminal reward with
-    gamma = lambda_critic = 1 are constant, so a per-micro-batch figure is meaningless."""
-    mask = action_mask > 0
-    r, v = returns[mask].double(), values[mask].double()
-    var_r = r.var(unbiased=False)
-    if r.numel() < 2 or var_r < 1e-12:
-        return float("nan")
-    return float(1.0 - (r - v).var(unbiased=False) / var_r)
+from sao_megatron.config import AlgoConfig
+from sao_megatron.records import Trajectory
 
 
 class Advantages:
@@ -41,21 +23,26 @@ class Advantages:
         self.prompt_baseline = algo.PromptRunningMeanBaseline(a.running_mean_window)
         self.global_baseline = algo.GlobalRunningMeanBaseline(a.running_mean_window)
 
-    def __call__(self, batch: TrainBatch, values: torch.Tensor | None, prompt_ids: list[str],
-                 group_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:  # fmt: skip
+    def __call__(self, batch: TrainBatch, values: torch.Tensor | None, trajectories: list[Trajectory],
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:  # fmt: skip
+        """``[B, T]`` advantages, ``[B, T]`` critic targets (None without a critic) and metrics."""
         a = self.a
         mask = batch.action_mask > 0
-        if uses_critic(a):
-            lam = algo.length_adaptive_lambda(mask, a.lam_alpha) if a.lam < 0 else a.lam
+        if algo.uses_critic(a.advantage):
+            if values is None:
+                raise ValueError(f"algo.advantage={a.advantage!r} needs the critic's values")
+            lam = algo.length_adaptive_lambda(mask, a.lam_alpha) if a.lam == "adaptive" else a.lam
             if a.advantage == "gae":
                 adv, ret, metrics = algo.gae(batch.rewards, values, mask, gamma=a.gamma, lam=lam,
-                                             lambda_critic=a.lam_critic)  # fmt: skip
+                                             lam_critic=a.lam_critic)  # fmt: skip
             else:
+                assert a.advantage == "step_mean" or a.advantage == "step_last"
                 adv, ret, metrics = algo.step_gae(batch.rewards, values, mask, mode=a.advantage, gamma=a.gamma,
-                                                  lam=lam, lambda_critic=a.lam_critic)  # fmt: skip
+                                                  lam=lam, lam_critic=a.lam_critic)  # fmt: skip
         else:
             ret = None
             if a.advantage in ("grpo", "rloo"):
+                group_ids = [t.group_id or t.prompt_id for t in trajectories]
                 codes = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
                 gid = torch.tensor([codes[g] for g in group_ids])
                 if a.advantage == "grpo":
@@ -65,7 +52,9 @@ class Advantages:
                 else:
                     seq, metrics = algo.rloo_advantages(batch.rewards, gid)
             elif a.advantage == "running_mean_prompt":
-                seq, metrics = self.prompt_baseline.advantages(batch.rewards, prompt_ids)
+                seq, metrics = self.prompt_baseline.advantages(
+                    batch.rewards, [t.prompt_id for t in trajectories]
+                )
             else:
                 seq, metrics = self.global_baseline.advantages(batch.rewards)
             adv = algo.broadcast_to_tokens(seq.to(torch.float32), mask)

@@ -7,13 +7,13 @@ token sequences the engine will later produce; only action tokens carry the loss
 
 from __future__ import annotations
 
-from sao_megatron.envs.base import Task
+from sao_megatron.envs.base import Split, Task
 from sao_megatron.envs.format import render_observation, render_prompt
 from sao_megatron.envs.registry import make_env
 from sao_megatron.records import OBSERVATION_VERSION, Trajectory, Turn
 
 
-def demonstration_trajectory(env_name: str, task: Task, tokenizer, split: str, index: int,
+def demonstration_trajectory(env_name: str, task: Task, tokenizer, split: Split, index: int,
                              env_kwargs: dict | None = None) -> Trajectory:  # fmt: skip
     env = make_env(env_name, **(env_kwargs or {}))
     sample = task.get(split, index)

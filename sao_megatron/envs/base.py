@@ -64,7 +64,7 @@ class RewardResult:
 def check_split(split: str) -> Split:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}: use one of {SPLITS}")
-    return split  # type: ignore[return-value]
+    return split
 
 
 class Task(ABC):

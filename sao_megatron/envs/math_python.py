@@ -17,8 +17,8 @@ from sao_megatron.envs.answer_check import answers_match
 from sao_megatron.envs.base import SPLITS, Sample, Split, Task, check_split
 from sao_megatron.envs.format import Turn, final_answer, tool_call
 from sao_megatron.envs.registry import register_env
-from sao_megatron.envs.tool_env import ToolEnv
 from sao_megatron.envs.sandbox import SandboxLimits, arun_python, run_python
+from sao_megatron.envs.tool_env import ToolEnv
 
 DATA_PATH = Path(__file__).with_name("data") / "math_python.jsonl"
 _FIELDS = ("id", "question", "answer", "split")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import math
-import operator
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 
@@ -76,13 +75,14 @@ def _power(base: Number, exp: Number) -> Number:
     return result
 
 
+# Lambdas rather than operator.add & co: typeshed's overloads of those do not fit a Number union.
 _BINOPS: dict[type, Callable[[Number, Number], Number]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
     ast.Pow: _power,
 }
 

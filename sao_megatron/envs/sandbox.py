@@ -254,7 +254,8 @@ def _c_setup(argv: list) -> bytes:
 
 def _c_main(argv: list) -> None:
     """Set up, then run the code as the real ``__main__`` (so pickle/multiprocessing find it)."""
-    sys_, os_ = sys, os
+    sys_ = sys
+    os_ = os
     try:
         src = _c_setup(argv)
     except BaseException as exc:
@@ -262,8 +263,9 @@ def _c_main(argv: list) -> None:
         sys_.stderr.flush()
         os_._exit(125)
     sys_.addaudithook(_c_audit)
-    sys_.stdout.reconfigure(errors="backslashreplace")
-    sys_.stderr.reconfigure(errors="backslashreplace")
+    # typeshed says TextIO; the interpreter's own stdout/stderr are io.TextIOWrapper.
+    sys_.stdout.reconfigure(errors="backslashreplace")  # pyright: ignore[reportAttributeAccessIssue]
+    sys_.stderr.reconfigure(errors="backslashreplace")  # pyright: ignore[reportAttributeAccessIssue]
     sys_.argv = ["main.py"]
     namespace = sys_.modules["__main__"].__dict__
     for name in [n for n in namespace if n.startswith("_c_")] + ["os", "sys"]:
@@ -276,7 +278,8 @@ def _c_main(argv: list) -> None:
     except BaseException as exc:  # report without the bootstrap's own frames
         import traceback
 
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        tb = exc.__traceback__
+        traceback.print_exception(type(exc), exc, tb.tb_next if tb is not None else None)
         sys_.exit(1)
 
 

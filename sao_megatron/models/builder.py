@@ -15,6 +15,7 @@ Router: Megatron's default ``topk -> softmax over the k`` equals HF's
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    moe = {}
+    moe: dict[str, Any] = {}
     if m.num_experts:
         moe = dict(
             num_moe_experts=m.num_experts,
@@ -54,7 +55,9 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
             moe_grouped_gemm=have_transformer_engine(),
             moe_router_dtype="fp32",
         )
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recompute: dict[str, Any] = dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -114,7 +117,8 @@ def build_gpt(m: ModelConfig, p: ParallelConfig, bf16: bool = False, pre_process
         post_process = parallel_state.is_pipeline_last_stage()
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        # GPTModel annotates a ModuleSpec but hands it to TransformerBlock, which takes a block spec too.
+        transformer_layer_spec=layer_spec(config),  # pyright: ignore[reportArgumentType]
         vocab_size=m.vocab_size,
         max_sequence_length=m.max_position_embeddings,
         pre_process=pre_process,

@@ -56,7 +56,9 @@ def build_critic(m: ModelConfig, p: ParallelConfig, c: CriticConfig, pre_process
     model = build_gpt(m, p, bf16=c.bf16, pre_process=pre_process, post_process=post_process)
     if model.post_process:
         dtype = torch.bfloat16 if c.bf16 else torch.float32
-        model.output_layer = ValueHead(m.hidden_size, p.effective_sequence_parallel, c.value_head_init, dtype)
+        # A duck-typed stand-in for the LM head that GPTModel's annotation does not foresee.
+        head = ValueHead(m.hidden_size, p.effective_sequence_parallel, c.value_head_init, dtype)
+        model.output_layer = head  # pyright: ignore[reportAttributeAccessIssue]
     freeze(model, c.freeze_patterns, c.train_patterns)
     return model
 

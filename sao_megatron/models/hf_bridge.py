@@ -200,16 +200,15 @@ def hf_pieces(name: str, m: ModelConfig, fused_experts: bool = False) -> list[Pi
         gate, up = _GLU[suffix]
         rows = hf_shape(prefix + gate, m)[0]
         return [Piece(prefix + gate, 0, rows), Piece(prefix + up, 0, rows)]
-    local = _LOCAL_EXPERT_RE.match(suffix)
-    grouped = _GROUPED_EXPERT_RE.match(suffix)
-    if local or grouped:
-        expert, fc = (
-            (int(local.group(1)), local.group(2)) if local else (int(grouped.group(2)), grouped.group(1))
-        )
-        if expert >= m.num_experts:
-            raise MappingError(f"Megatron parameter '{name}': expert {expert} >= num_experts={m.num_experts}")
-        return _expert_pieces(prefix, expert, fc, m, fused_experts)
-    raise MappingError(f"Megatron parameter '{name}' has no HF counterpart")
+    if local := _LOCAL_EXPERT_RE.match(suffix):
+        expert, fc = int(local.group(1)), local.group(2)
+    elif grouped := _GROUPED_EXPERT_RE.match(suffix):
+        expert, fc = int(grouped.group(2)), grouped.group(1)
+    else:
+        raise MappingError(f"Megatron parameter '{name}' has no HF counterpart")
+    if expert >= m.num_experts:
+        raise MappingError(f"Megatron parameter '{name}': expert {expert} >= num_experts={m.num_experts}")
+    return _expert_pieces(prefix, expert, fc, m, fused_experts)
 
 
 def full_shape(name: str, m: ModelConfig) -> tuple[int, ...]:

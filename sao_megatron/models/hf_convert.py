@@ -111,8 +111,8 @@ def _hf_to_mcore_rank(rank, world, hf_dir, stage, m_dict, p_dict, bf16, progress
     import torch.distributed as dist
 
     from sao_megatron.models.builder import build_gpt
-    from sao_megatron.models.hf_weights import load_hf_weights
     from sao_megatron.models.dist_checkpoint import save_model
+    from sao_megatron.models.hf_weights import load_hf_weights
 
     m, p = ModelConfig(**m_dict), ParallelConfig(**p_dict)
     _setup(p)
@@ -180,8 +180,8 @@ def _mcore_to_hf_rank(rank, world, mcore_dir, out_dir, m_dict, p_dict, bf16, tem
     import torch.distributed as dist
 
     from sao_megatron.models.builder import build_gpt
-    from sao_megatron.models.hf_weights import save_hf_checkpoint
     from sao_megatron.models.dist_checkpoint import load_model
+    from sao_megatron.models.hf_weights import save_hf_checkpoint
 
     m, p = ModelConfig(**m_dict), ParallelConfig(**p_dict)
     _setup(p)

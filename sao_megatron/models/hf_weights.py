@@ -61,7 +61,7 @@ def _tp(param: torch.Tensor, local_name: str) -> _TP:
     if not layout._is_tp_sharded(param):
         return _TP(1, 0, None, False)
     group = layout._tp_group_of(local_name)
-    size, rank, dim = dist.get_world_size(group), dist.get_rank(group), int(param.partition_dim)
+    size, rank, dim = dist.get_world_size(group), dist.get_rank(group), layout.partition_dim(param)
     return _TP(size, rank, dim if size > 1 else None, layout.is_glu_fc1(local_name) and dim == 0)
 
 
@@ -260,6 +260,7 @@ def _concat_tp(shards: list[torch.Tensor], tp: _TP) -> torch.Tensor:
     if tp.glu:
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards), strict=True)
         return torch.cat([*gates, *ups], dim=0)
+    assert tp.dim is not None, "several TP shards of a parameter that is not TP-sharded"
     return torch.cat(shards, dim=tp.dim)
 
 
@@ -302,8 +303,9 @@ def save_hf_checkpoint(model: torch.nn.Module, m: ModelConfig, out_dir: str | Pa
     dist.broadcast_object_list(flag, src=dst)
     if flag[0]:
         raise ValueError(flag[0])
-    if dtype is None and template_cfg is not None and hf_io.config_dtype(template_cfg):
-        dtype = hf_io.torch_dtype(hf_io.config_dtype(template_cfg))
+    template_dtype = hf_io.config_dtype(template_cfg) if template_cfg is not None else None
+    if dtype is None and template_dtype:
+        dtype = hf_io.torch_dtype(template_dtype)
     stream = HFWeightStream(model, m, dst=dst, dtype=dtype)
     stats = TransferStats()
     if dist.get_rank() != dst:
@@ -327,6 +329,7 @@ def save_hf_checkpoint(model: torch.nn.Module, m: ModelConfig, out_dir: str | Pa
         out_dtype = dtype or stream.specs[0].dtype
         dtype_name = str(out_dtype).removeprefix("torch.")
         if template is not None:
+            assert template_cfg is not None  # read above from the same template
             hf_io.copy_non_weight_files(template, stage, skip=("config.json",))
             config = dict(template_cfg)
             config["dtype"] = dtype_name

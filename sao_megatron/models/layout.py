@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,27 +60,40 @@ def global_name(model: torch.nn.Module, local_name: str) -> str:
     return name
 
 
-def unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+def unwrap(model: torch.nn.Module) -> Any:
+    """The model inside its wrappers (DDP, ``Float16Module``): a Megatron ``GPTModel`` whose
+    submodules (``decoder.layers``, ``mlp.experts``...) are only known at run time, hence ``Any``."""
+    inner: Any = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner
 
 
-def _num_local_experts(model, local_name: str) -> int:
+def _num_local_experts(model: torch.nn.Module, local_name: str) -> int:
     match = _LAYER_RE.match(local_name)
+    assert match is not None, f"expert parameter '{local_name}' is not inside a decoder layer"
     layer = unwrap(model).decoder.layers[int(match.group(2))]
     return layer.mlp.experts.num_local_experts  # SequentialMLP and TEGroupedMLP alike
 
 
-def _tp_group_of(name: str):
+def _tp_group_of(name: str) -> dist.ProcessGroup:
     ps = _groups()
     if is_expert_param(name):
-        return ps.get_expert_tensor_parallel_group()
-    return ps.get_tensor_model_parallel_group()
+        group = ps.get_expert_tensor_parallel_group()
+    else:
+        group = ps.get_tensor_model_parallel_group()
+    # parallel_state's getters are unannotated: pyright infers new_group's non-member sentinel and
+    # None, but an initialised parallel_state only keeps groups this rank belongs to.
+    return cast(dist.ProcessGroup, group)
 
 
 def _is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def partition_dim(param: torch.Tensor) -> int:
+    """The dimension a TP-sharded parameter is split along (set by Megatron on the tensor)."""
+    return int(param.partition_dim)  # pyright: ignore[reportAttributeAccessIssue]  # Megatron's runtime attribute
 
 
 def shard(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
@@ -88,7 +102,7 @@ def shard(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
         return full
     group = _tp_group_of(name)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    dim = param.partition_dim
+    dim = partition_dim(param)
     if is_glu_fc1(name) and dim == 0:
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], dim=0)
@@ -104,7 +118,7 @@ def _gather_tp(tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Te
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    dim = param.partition_dim
+    dim = partition_dim(param)
     if is_glu_fc1(name) and dim == 0:
         gates, ups = zip(*(p.chunk(2, dim=0) for p in parts), strict=True)
         return torch.cat([*gates, *ups], dim=0)

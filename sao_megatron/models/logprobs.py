@@ -46,7 +46,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return target - logsumexp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, *grad_outputs):
+        grad_logprobs, _grad_entropy = grad_outputs  # the entropy output is non-differentiable
         probs, safe, in_slice = ctx.saved_tensors
         grad = -probs
         grad.scatter_add_(-1, safe.unsqueeze(-1), in_slice.unsqueeze(-1).to(grad.dtype))

@@ -18,27 +18,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from sao_megatron.config import AgentLoopConfig
 from sao_megatron.envs.base import Env, Sample
 from sao_megatron.envs.format import END, render_observation, render_prompt
-from sao_megatron.records import OBSERVATION_VERSION, Trajectory, Turn
+from sao_megatron.records import OBSERVATION_VERSION, Status, Trajectory, Turn
 from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
 
-
-@dataclass(frozen=True)
-class AgentLoopConfig:
-    """Limits and sampling of one episode."""
-
-    max_turns: int = 4
-    """Model actions per episode (the paper: up to 50 for math, 300 for SWE)."""
-    max_new_tokens: int = 64
-    """Tokens per action."""
-    max_response_tokens: int = 512
-    """Actions plus observations after the prompt."""
-    max_context_tokens: int = 1024
-    """Prompt plus response; must fit the engine's context."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    generate_timeout_s: float = 300.0
+__all__ = ["AgentLoop", "AgentLoopConfig"]  # AgentLoopConfig: the run config's ``rollout.loop`` section
 
 
 @dataclass
@@ -108,7 +94,7 @@ class AgentLoop:
             finished_at=time.time(), engine=self.engine_name,
         )  # fmt: skip
 
-    async def _turns(self, env: Env, prompt_ids: list[int], ep: _Episode) -> tuple[str, str]:
+    async def _turns(self, env: Env, prompt_ids: list[int], ep: _Episode) -> tuple[Status, str]:
         cfg = self.cfg
         for _ in range(cfg.max_turns):
             budget = min(cfg.max_new_tokens, cfg.max_response_tokens - len(ep.response_ids),

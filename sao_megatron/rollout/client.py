@@ -17,7 +17,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 
@@ -122,7 +122,8 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
     previous = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")
     try:
-        return MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+        # Unannotated in SGLang: bytes, or the base64 str with output_str=True.
+        return cast(str, MultiprocessingSerializer.serialize(named_tensors, output_str=True))
     finally:
         mp.set_sharing_strategy(previous)
 
@@ -157,7 +158,8 @@ class EngineClient:
 
     async def _call(
         self, method: str, endpoint: str, payload: dict | None = None, timeout_s: float | None = None
-    ):
+    ) -> Any:
+        """The parsed JSON answer: ``{}`` when empty, ``{"text": ...}`` when not JSON."""
         if self._session is None:
             raise EngineError(endpoint, "client is not open; use 'async with EngineClient(url)'")
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)

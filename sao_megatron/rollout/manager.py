@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sao_megatron.envs.base import Task
+from sao_megatron.envs.base import Split, Task
 from sao_megatron.envs.registry import make_env
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
@@ -28,7 +28,7 @@ from sao_megatron.rollout.agent_loop import AgentLoop
 class PromptCursor:
     """Next prompt index of a split; the whole data-order state of a run."""
 
-    split: str = "train"
+    split: Split = "train"
     next_index: int = 0
 
     def advance(self) -> int:
@@ -41,7 +41,7 @@ class PromptCursor:
 class Submission:
     """One episode to run: prompt ``index`` of ``split``, member ``group_index`` of its group."""
 
-    split: str
+    split: Split
     index: int
     group_index: int
     submitted_at: float
@@ -62,7 +62,7 @@ class ManagerStats:
 
 
 class RolloutManager:
-    def __init__(self, loops: list[AgentLoop], task: Task, env_name: str, on_finished: Callable[[Trajectory], None],
+    def __init__(self, loops: list[AgentLoop], task: Task, env_name: str, on_finished: Callable[[Trajectory], object],
                  group_size: int = 1, max_concurrent: int = 64, env_kwargs: dict | None = None,
                  cursor: PromptCursor | None = None):  # fmt: skip
         if not loops:
@@ -82,6 +82,7 @@ class RolloutManager:
         self._busy_since = [0.0] * len(loops)
         self._paused = asyncio.Event()
         self._paused.set()
+        self._error: BaseException | None = None
 
     # ---- submissions ------------------------------------------------------------------------
     def _next_submissions(self) -> list[Submission]:
@@ -131,8 +132,15 @@ class RolloutManager:
     def _launch(self, sub: Submission) -> None:
         task = asyncio.create_task(self._episode(sub))
         self._in_flight[sub] = task
-        task.add_done_callback(lambda _t, s=sub: self._in_flight.pop(s, None))
+        task.add_done_callback(lambda t, s=sub: self._finished(s, t))
         self.stats.submitted += 1
+
+    def _finished(self, sub: Submission, task: asyncio.Task) -> None:
+        self._in_flight.pop(sub, None)
+        if not task.cancelled() and task.exception() is not None and self._error is None:
+            self._error = (
+                task.exception()
+            )  # a bug, not an episode failure (those are trajectories): surface it
 
     # ---- control ----------------------------------------------------------------------------
     def pause(self) -> None:
@@ -147,26 +155,35 @@ class RolloutManager:
         return len(self._in_flight)
 
     async def run(self, stop: asyncio.Event, max_prompts: int | None = None) -> None:
-        """Keep ``max_concurrent`` episodes in flight until ``stop`` is set (or ``max_prompts`` ran)."""
+        """Keep ``max_concurrent`` episodes in flight until ``stop`` is set, or until ``max_prompts``
+        prompts were submitted and have all finished. Waits on events, never polls."""
         prompts = 0
-        while not stop.is_set():
-            await self._paused.wait()
-            if len(self._in_flight) + self.group_size <= self.max_concurrent:
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                if self._error is not None:
+                    raise RuntimeError(f"an episode raised: {self._error!r}") from self._error
+                if not self._paused.is_set():
+                    resumed = asyncio.ensure_future(self._paused.wait())
+                    await asyncio.wait([stopping, resumed], return_when=asyncio.FIRST_COMPLETED)
+                    resumed.cancel()
+                    continue
+                exhausted = not self._pending and max_prompts is not None and prompts >= max_prompts
+                if exhausted and not self._in_flight:
+                    return
+                if exhausted or len(self._in_flight) + self.group_size > self.max_concurrent:
+                    await asyncio.wait(
+                        [stopping, *self._in_flight.values()], return_when=asyncio.FIRST_COMPLETED
+                    )
+                    continue
                 if not self._pending:
-                    if max_prompts is not None and prompts >= max_prompts:
-                        if not self._in_flight:
-                            return
-                        await asyncio.sleep(0.01)
-                        continue
                     self._pending = self._next_submissions()
                     prompts += 1
                 for sub in self._pending:
                     self._launch(sub)
                 self._pending = []
-                continue
-            await asyncio.wait(
-                list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED, timeout=0.5
-            )
+        finally:
+            stopping.cancel()
 
     async def drain(self, cancel: bool = False) -> None:
         """Wait for (or cancel) the episodes still in flight."""

@@ -7,6 +7,7 @@ The model and optimizer shards reshard on load (any TP/PP/EP layout); per-rank e
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ def load_role(role, directory: str | Path) -> None:
         # fills it with a zero-gradient step first (the loaded tensors then replace it).
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
-    state = dist_checkpointing.load(_role_sharded_state(role, is_loading=True), str(directory))
+    state = cast(dict, dist_checkpointing.load(_role_sharded_state(role, is_loading=True), str(directory)))
     result = unwrap(role.model).load_state_dict(state["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing:

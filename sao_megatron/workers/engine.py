@@ -9,12 +9,16 @@ engine multiplies by both, so the resulting gradient is exactly the full-batch g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from sao_megatron.config import CriticConfig, ModelConfig, OptimizerConfig, ParallelConfig
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, float]]]
 
@@ -65,7 +69,7 @@ class MegatronRole:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.parallel = parallel
-        config = model.config
+        config: TransformerConfig = model.config  # pyright: ignore[reportAssignmentType]  # Megatron modules carry it
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -99,7 +103,7 @@ class MegatronRole:
 
         scale = len(micro_batches) * ps.get_data_parallel_world_size()
 
-        def forward_step(data_iterator: Iterable, model):
+        def forward_step(data_iterator: Iterator[dict], model):
             micro = next(data_iterator)
             output = model(micro["tokens"], micro["positions"], attention_mask=None)
 
@@ -121,7 +125,7 @@ class MegatronRole:
 
     def step(self) -> StepResult:
         groups = module_group_grad_norms(self.module, self.optimizer)
-        updated, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm, _ = self.optimizer.step()  # pyright: ignore[reportGeneralTypeIssues]  # Megatron: (bool, norm, zeros)
         lr = self.optimizer.param_groups[0]["lr"]
         if updated:
             self.scheduler.step(increment=1)

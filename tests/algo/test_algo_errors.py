@@ -150,7 +150,7 @@ def test_empty_row_where_one_is_required():
         {"gamma": -0.1},
         {"lam": 1.01},
         {"lam": -1.0},
-        {"lambda_critic": 2.0},
+        {"lam_critic": 2.0},
         {"lam": torch.tensor([0.5, 1.5])},
     ],
 )

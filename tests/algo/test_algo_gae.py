@@ -32,7 +32,7 @@ def test_gae_hand_computed(impl):
     # t0: delta = 0 + 0.5*2 - 1 = 0                       A = 0 + 0.25*(-0.375) = -0.09375
     expected = torch.tensor([[-0.09375, -0.375, 0, 0, 0.5, 6.0, 0]], dtype=F64)
     assert torch.allclose(adv, expected, atol=1e-12)
-    # lambda_critic = 1: A_c = [0.25, 0.5, _, _, 2, 6]; returns = A_c + V = discounted Monte Carlo returns
+    # lam_critic = 1: A_c = [0.25, 0.5, _, _, 2, 6]; returns = A_c + V = discounted Monte Carlo returns
     assert torch.allclose(ret, torch.tensor([[1.25, 2.5, 0, 0, 5.0, 10.0, 0]], dtype=F64), atol=1e-12)
     assert m["num_traj"] == 1.0 and m["num_action_tokens"] == 4.0
     assert m["adv/max"] == pytest.approx(6.0) and m["lambda/mean"] == 0.5
@@ -93,7 +93,7 @@ def test_step_gae_hand_computed():
     adv, ret, m = step_gae(r, STEP_VALUES, STEP_MASK, mode="step_mean", gamma=1.0, lam=0.5)
     # turn values (mean) V0 = 2, V1 = 4: A1 = 10 - 4 = 6; A0 = (0 + 4 - 2) + 0.5 * 6 = 5
     assert adv.tolist() == [[5.0, 5.0, 0.0, 6.0, 6.0, 6.0, 0.0]]
-    # lambda_critic = 1: A_c1 = 6, A_c0 = 2 + 6 = 8 -> returns = A_c + V_turn = 10 for both turns
+    # lam_critic = 1: A_c1 = 6, A_c0 = 2 + 6 = 8 -> returns = A_c + V_turn = 10 for both turns
     assert ret.tolist() == [[10.0, 10.0, 0.0, 10.0, 10.0, 10.0, 0.0]]
     assert m["num_turns"] == 2.0
     adv, _, _ = step_gae(r, STEP_VALUES, STEP_MASK, mode="step_last", gamma=1.0, lam=0.5)
@@ -175,7 +175,7 @@ def _random_case(seed: int):
     kw = {
         "gamma": rng.choice([1.0, 0.99]),
         "lam": lam,
-        "lambda_critic": rng.choice([1.0, rng.random()]),
+        "lam_critic": rng.choice([1.0, rng.random()]),
         "segment_ids": seg if packed else None,
     }
     return rewards, values, mask, kw
@@ -241,7 +241,7 @@ def test_step_gae_matches_loop(seed, mode):
     rewards = torch.randn(mask.shape, generator=g, dtype=F64) * (torch.rand(mask.shape, generator=g) < 0.1)
     gamma, lam, lam_c = rng.choice([1.0, 0.99]), rng.random(), rng.choice([1.0, 0.7])
     adv, ret, _ = step_gae(
-        rewards, values, mask, mode=mode, gamma=gamma, lam=lam, lambda_critic=lam_c, segment_ids=seg
+        rewards, values, mask, mode=mode, gamma=gamma, lam=lam, lam_critic=lam_c, segment_ids=seg
     )
     adv_ref, ret_ref = _step_reference(rewards, values, mask, seg, mode, gamma, lam, lam_c)
     assert (adv - adv_ref).abs().max().item() <= 1e-9

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sao_megatron.rollout import sandbox
+from sao_megatron.envs import sandbox
 from sao_megatron.envs.sandbox import (
     REPO_ROOT,
     SandboxLimits,

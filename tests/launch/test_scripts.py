@@ -91,16 +91,32 @@ def test_submit_dry_run_prints_every_node_group(tmp_path):
     assert all("--address=HEAD_IP:6379" in line for line in (actor, critic, rollout))
     assert "export SAO_CRITIC_NODELIST=" + ",".join(f"node{i:02d}" for i in range(33, 65)) in lines
     driver = next(line for line in lines if line.startswith("env --default-signal=INT sao train "))
-    assert f"run.run_dir={tmp_path}/run > {tmp_path}/run/slurm/job-dry-run/train.log" in driver
+    assert (
+        f"run.run_dir={tmp_path}/run cluster.ray_address=HEAD_IP:6379 > {tmp_path}/run/slurm/job-dry-run/train.log"
+        in driver
+    )
+    assert "export SAO_HEAD_ADDRESS=HEAD_IP:6379" in lines
+    assert not any("SAO_RAY_ADDRESS" in line for line in lines)  # the driver gets the address as an override
 
 
 def test_submit_dry_run_cpu_config_is_one_shared_node(tmp_path):
     text = _submit_dry_run("configs/tiny_cpu.yaml", "train.steps=2", f"run.run_dir={tmp_path}/run")
     assert "--nodes=1 " in text and "--gpus-per-node" not in text
-    assert "export SAO_RAY_ADDRESS=127.0.0.1:6379" in text
+    assert "export SAO_HEAD_ADDRESS=127.0.0.1:6379" in text
+    assert "sao train " in text and " cluster.ray_address=127.0.0.1:6379 > " in text
     sruns = [line for line in text.splitlines() if line.startswith("srun ")]
     assert len(sruns) == 1
     assert '{"sao_actor": 1, "sao_critic": 1, "sao_rollout": 1}' in sruns[0]
+
+
+def test_local_launcher_without_a_head_passes_the_arguments_unchanged(tmp_path):
+    """Without ``SAO_RAY_HEAD=1`` the driver starts its own Ray: no ``cluster.ray_address`` is added."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
+    env.update(SAO_TRAIN="echo driver-args:", SAO_LOG_DIR=str(tmp_path))
+    out = subprocess.run(["bash", "launch/local.sh", "cfg.yaml", "train.steps=2"], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "driver-args: cfg.yaml train.steps=2"
 
 
 def _free_port() -> int:
@@ -114,9 +130,9 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_local_launcher_starts_a_ray_head_and_stops_it_by_pid(tmp_path):
     """``SAO_RAY_HEAD=1 launch/local.sh``: head on 127.0.0.1, SIGTERM -> driver SIGINT -> head stopped."""
-    marker, ray_tmp = tmp_path / "marker", f"/tmp/ray-sao-t{os.getpid()}"
+    marker, ray_tmp, port = tmp_path / "marker", f"/tmp/ray-sao-t{os.getpid()}", _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
-    env.update(SAO_RAY_HEAD="1", SAO_RAY_PORT=str(_free_port()), SAO_RAY_TMP=ray_tmp, SAO_LOG_DIR=str(tmp_path),
+    env.update(SAO_RAY_HEAD="1", SAO_RAY_PORT=str(port), SAO_RAY_TMP=ray_tmp, SAO_LOG_DIR=str(tmp_path),
                SAO_RAY_ARGS=f"--ray-client-server-port={_free_port()} --dashboard-agent-listen-port={_free_port()} "
                             f"--num-cpus=1 --object-store-memory={128 << 20}",
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", SAO_TRAIN=f"{sys.executable} {STUB} {marker}")  # fmt: skip
@@ -135,6 +151,7 @@ def test_local_launcher_starts_a_ray_head_and_stops_it_by_pid(tmp_path):
         assert proc.returncode == 0, out
         assert marker.read_text().strip() == "SIGINT", out
         assert "Ray head at 127.0.0.1:" in out and "received SIGTERM" in out
+        assert f"{marker} cfg.yaml cluster.ray_address=127.0.0.1:{port}" in out  # the driver's command line
         assert list(tmp_path.glob("*/ray-head.log"))
         import psutil
 

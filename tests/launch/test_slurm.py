@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 STUB = Path(__file__).with_name("stub_driver.py")
 TINY = ["configs/tiny_cpu.yaml", "train.sft_steps=5", "train.value_pretrain_steps=0", "train.eval_prompts=4",
-        "train.eval_every=0", "train.sample_trajectories=1"]  # fmt: skip
+        "train.eval_every=0", "train.sample_trajectories=1", "cluster.cpus_per_rank=0.5"]  # fmt: skip
 JOB_TIMEOUT_S = float(os.environ.get("SAO_SLURM_JOB_TIMEOUT_S", "1500"))
 
 
@@ -48,7 +48,6 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
             f"--metrics-export-port={ports[3]} --object-store-memory={256 << 20}"
         ),  # fmt: skip
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # Ray advertises 127.0.0.1, not the host's address
-        SAO_RAY_CPUS_PER_RANK="0.5",
         **extra,
     )
     return env
@@ -126,7 +125,7 @@ def test_tiny_run_finishes_and_writes_its_report(tmp_path):
     job_dir = run_dir / "slurm" / f"job-{job_id}"
     assert (run_dir / "report.md").exists(), logs
     assert "report.md" in (job_dir / "train.log").read_text()
-    assert "SAO_RAY_ADDRESS=127.0.0.1:" in (job_dir / "topology.env").read_text()
+    assert "SAO_HEAD_ADDRESS=127.0.0.1:" in (job_dir / "topology.env").read_text()
     assert list(job_dir.glob("ray-head-*.log")), logs
     _assert_ray_gone(env)
     print(f"\nslurm tiny run: job {job_id} wall {wall:.0f} s (submit to COMPLETED)")

@@ -3,7 +3,7 @@
 import pytest
 
 from tests.distributed import run_distributed
-from tests.train import train_cases
+from tests.workers import train_cases
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,12 @@ import dataclasses
 import torch
 
 from sao_megatron import algo
+from sao_megatron.batch import assemble_rows, build_batch
 from sao_megatron.config import load_config
 from sao_megatron.records import Trajectory, Turn
-from sao_megatron.batch import build_batch
-from sao_megatron.workers.roles import ActorWorker, CriticWorker
+from sao_megatron.workers.actor import ActorWorker
+from sao_megatron.workers.common import coordinates
+from sao_megatron.workers.critic import CriticWorker
 
 
 def trajectories(n=4, seed=0):
@@ -40,32 +42,40 @@ def config(world, **overrides):
 
 
 def case_actor_critic(rank, world, ckpt_dir, tp):
+    import torch.distributed as dist
+
     cfg = config(world, **{"actor.parallel.tensor_parallel": tp, "critic.parallel.tensor_parallel": tp})
     batch = build_batch(trajectories())
     actor = ActorWorker(cfg)
     state = actor.full_state()
+    c = coordinates()
+    shard = batch.shard(c.dp_size)[c.dp_rank]  # what the driver places for this rank's replica
     adv = torch.where(batch.action_mask > 0, torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
                       torch.zeros(()))  # fmt: skip
-    m1 = actor.update(batch, adv)
+    m1 = actor.update(shard, shard.take(adv), 0)
     actor.save(ckpt_dir + "/actor")
-    m2 = actor.update(batch, adv)
+    m2 = actor.update(shard, shard.take(adv), 0)
     actor.load(ckpt_dir + "/actor")
-    m3 = actor.update(batch, adv)  # after restore, the second step repeats exactly
+    m3 = actor.update(shard, shard.take(adv), 0)  # after restore, the second step repeats exactly
     fresh = ActorWorker.__new__(ActorWorker)  # a new process's view: fresh role, no optimizer state
     fresh.cfg = cfg
     from sao_megatron.workers.engine import build_actor_role
 
     fresh.role = build_actor_role(cfg.model, cfg.actor)
     fresh.load(ckpt_dir + "/actor")
-    m4 = fresh.update(batch, adv)
+    m4 = fresh.update(shard, shard.take(adv), 0)
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
     critic = CriticWorker(cfg, state)
-    values = critic.values(batch)
-    vals = values if values is not None else torch.zeros_like(batch.action_mask)
+    c = coordinates()
+    shard = batch.shard(c.dp_size)[c.dp_rank]
+    mine = critic.values(shard)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)  # the driver's view: every reporting rank's rows
+    vals = assemble_rows(parts, batch.size, batch.tokens.shape[1])
     adv2, returns, _ = algo.gae(batch.rewards, vals, batch.action_mask > 0, gamma=1.0, lam=0.95)
-    c1 = critic.update(batch, returns, vals)
-    c2 = critic.update(batch, returns, vals)
+    c1 = critic.update(shard, shard.take(returns), shard.take(vals))
+    c2 = critic.update(shard, shard.take(returns), shard.take(vals))
     return {"actor": [m1, m2, m3, m4], "critic": [c1, c2], "values_zero": float(vals.abs().max()),
-            "values_rank0": values is not None}  # fmt: skip
+            "reports": mine is not None, "rows": mine.rows if mine is not None else None}  # fmt: skip

@@ -1,0 +1,41 @@
+"""The named choices of the algorithm, as ``typing.Literal`` types: one list per choice.
+
+The same types annotate the config fields (``sao_megatron.config``: the loader rejects any other
+value, naming the allowed ones) and the algo functions that dispatch on them; the tuples below are
+derived from the types, never written out twice. Standard library only.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+PolicyLossName = Literal["dis", "ppo_clip", "vanilla"]
+"""``dis``: direct double-sided importance sampling (SAO); ``ppo_clip``; ``vanilla`` policy gradient."""
+
+LossAgg = Literal["token_mean", "seq_mean"]
+"""How per-token losses are averaged: over the batch's action tokens, or per trajectory then over them."""
+
+StepMode = Literal["step_mean", "step_last"]
+"""Turn value of step-level GAE: the mean of the turn's action-token values, or its last one."""
+
+AdvantageEstimator = Literal[
+    "gae", "step_mean", "step_last", "grpo", "rloo", "running_mean_prompt", "running_mean_global"
+]
+"""``gae`` (token level), ``step_mean`` / ``step_last`` (turn level, see :data:`StepMode`), ``grpo``,
+``rloo``, ``running_mean_prompt`` or ``running_mean_global`` (running-mean reward baselines)."""
+
+POLICY_LOSSES: tuple[PolicyLossName, ...] = get_args(PolicyLossName)
+AGG_MODES: tuple[LossAgg, ...] = get_args(LossAgg)
+STEP_MODES: tuple[StepMode, ...] = get_args(StepMode)
+ADVANTAGE_ESTIMATORS: tuple[AdvantageEstimator, ...] = get_args(AdvantageEstimator)
+
+CRITIC_ESTIMATORS: tuple[AdvantageEstimator, ...] = ("gae", *STEP_MODES)
+"""The estimators that bootstrap from a learned value function (the others need no critic)."""
+
+GROUP_ESTIMATORS: tuple[AdvantageEstimator, ...] = ("grpo", "rloo")
+"""The estimators that compare rollouts of the same prompt (they need ``group_size >= 2``)."""
+
+
+def uses_critic(estimator: str) -> bool:
+    """Whether advantage estimator ``estimator`` needs a critic (value model): GAE, token or step level."""
+    return estimator in CRITIC_ESTIMATORS

@@ -1,0 +1,376 @@
+"""Loading, overriding and validating a config (the schema is :mod:`sao_megatron.config.schema`).
+
+Values are checked against the field annotations (:func:`_coerce`: types, ``Literal`` choices,
+``X | None``), then across fields (:func:`validate`: parallel layouts, ranges, node groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sao_megatron.algo.choices import GROUP_ESTIMATORS
+from sao_megatron.config.schema import (
+    DEFAULT_RUN_CONFIG,
+    MODEL_CONFIG_DIR,
+    AlgoConfig,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+    SAOConfig,
+)
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _choices(options: tuple) -> str:
+    return ", ".join(repr(o) for o in options)
+
+
+def _describe(annotation: Any) -> str:
+    """What a value of ``annotation`` looks like, for error messages."""
+    if typing.get_origin(annotation) is typing.Literal:
+        options = typing.get_args(annotation)
+        return repr(options[0]) if len(options) == 1 else f"one of {_choices(options)}"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
+             type(None): "null"}  # fmt: skip
+    if annotation in names:
+        return names[annotation]
+    return (
+        "a list"
+        if typing.get_origin(annotation) is list
+        else getattr(annotation, "__name__", str(annotation))
+    )
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check ``value`` against a field annotation, converting int -> float where harmless."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{key}: expected {' or '.join(map(_describe, options))}, got {value!r}")
+    if origin is typing.Literal:
+        options = typing.get_args(annotation)
+        if any(value == o and type(value) is type(o) for o in options):
+            return value
+        raise ConfigError(f"{key}: {value!r} is not one of {_choices(options)}")
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}; write it as [a, b, ...]")
+        return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {annotation.__name__} fields, got {value!r}")
+        return _build(annotation, value, key)
+    if annotation is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}; quote it")
+    raise ConfigError(f"{key}: unsupported field type {annotation!r}")
+
+
+def _unknown_key(cls, key: str, name: str) -> ConfigError:
+    known = [f.name for f in dataclasses.fields(cls)]
+    for sub, annotation in _field_types(cls).items():  # a key that lives one section down, e.g. rollout.loop
+        if dataclasses.is_dataclass(annotation) and name in _field_types(annotation):
+            return ConfigError(f"unknown config key '{key}'; it is '{key[: -len(name)]}{sub}.{name}'")
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
+    return ConfigError(f"unknown config key '{key}'; {hint}")
+
+
+def _build(cls, values: dict[str, Any], prefix: str = "", base=None):
+    """Instantiate ``cls`` from ``values`` on top of ``base`` (or the defaults)."""
+    obj = base if base is not None else cls()
+    hints = _field_types(cls)
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in hints:
+            raise _unknown_key(cls, key, name)
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation) and isinstance(value, dict) and annotation is not dict:
+            setattr(obj, name, _build(annotation, value, key, base=getattr(obj, name)))
+        else:
+            setattr(obj, name, _coerce(value, annotation, key))
+    return obj
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as err:
+        raise ConfigError(f"config file {path} not found; pass an existing YAML file") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML ({err.__class__.__name__}); fix the syntax") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of keys to values")
+    return data
+
+
+def resolve_model_file(name_or_path: str) -> Path:
+    """``tiny_moe`` -> ``configs/models/tiny_moe.yaml``; a path is returned as is."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml"):
+        return candidate
+    path = MODEL_CONFIG_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        available = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"model '{name_or_path}' not found in {MODEL_CONFIG_DIR}; available: {available}")
+    return path
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``actor.optim.lr=1e-5`` -> (["actor", "optim", "lr"], 1e-05)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not key=value; write e.g. actor.optim.lr=1e-5")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{text}' has an empty key part; write e.g. actor.optim.lr=1e-5")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override '{text}': value is not valid YAML; quote it") from err
+    if isinstance(value, str) and _looks_numeric(value):
+        value = float(value)  # PyYAML reads 1e-5 (no dot) as a string
+    return key.split("."), value
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return text.strip().lower() not in ("nan", "inf", "-inf", "infinity", "-infinity")
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {path[-1]: value}
+    for part in reversed(path[:-1]):
+        out = {part: out}
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SAOConfig:
+    """Defaults <- YAML run file (default ``configs/tiny_cpu.yaml``) <- ``key=value`` overrides."""
+    run_file = Path(path) if path is not None else DEFAULT_RUN_CONFIG
+    data = _read_yaml(run_file)
+    model_spec = data.pop("model", "tiny_moe")
+    model_overrides: dict[str, Any] = {}
+    if isinstance(model_spec, dict):
+        model_overrides = dict(model_spec)
+        model_spec = model_overrides.pop("from", "tiny_moe")
+    if not isinstance(model_spec, str):
+        raise ConfigError(f"{run_file}: 'model' must be a model name, a path or a mapping with 'from'")
+    try:
+        cfg = SAOConfig()
+        cfg.model = _build(ModelConfig, _read_yaml(resolve_model_file(model_spec)), "model")
+        cfg.model = _build(ModelConfig, model_overrides, "model", base=cfg.model)
+        cfg = _build(SAOConfig, data, base=cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{run_file}: {err}") from None
+    for text in overrides:
+        try:
+            keys, value = parse_override(text)
+            if keys == ["model"] and isinstance(value, str):
+                cfg.model = _build(ModelConfig, _read_yaml(resolve_model_file(value)), "model")
+                continue
+            cfg = _build(SAOConfig, _nest(keys, value), base=cfg)
+        except ConfigError as err:
+            raise ConfigError(f"override '{text}': {err}") from None
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: SAOConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: SAOConfig, run_dir: str | Path) -> Path:
+    """Write the resolved config as ``<run_dir>/config.yaml`` (loadable by :func:`load_config`)."""
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = to_dict(cfg)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_model(m: ModelConfig) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+                 "vocab_size"):  # fmt: skip
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name} must be > 0 (got {getattr(m, name)}); set it in the model file")
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(
+            f"model.num_query_groups={m.num_query_groups} must divide "
+            f"model.num_attention_heads={m.num_attention_heads}; use one of {_divisors(m.num_attention_heads)}"
+        )
+    if m.num_experts < 0:
+        raise ConfigError(f"model.num_experts must be >= 0 (got {m.num_experts}); use 0 for a dense model")
+    if m.num_experts:
+        if not 1 <= m.moe_router_topk <= m.num_experts:
+            raise ConfigError(
+                f"model.moe_router_topk={m.moe_router_topk} must be in [1, num_experts={m.num_experts}]"
+            )
+        if m.moe_ffn_hidden_size <= 0:
+            raise ConfigError("model.moe_ffn_hidden_size must be > 0 for an MoE model; set the expert width")
+    elif m.ffn_hidden_size <= 0:
+        raise ConfigError("model.ffn_hidden_size must be > 0 for a dense model; set the MLP width")
+
+
+def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
+    """Reject layouts Megatron would refuse, naming the key and the values that work."""
+    tp, pp, cp, ep, etp = (p.tensor_parallel, p.pipeline_parallel, p.context_parallel,
+                           p.expert_parallel, p.expert_tensor_parallel)  # fmt: skip
+    for name, value in (("world_size", p.world_size), ("tensor_parallel", tp), ("pipeline_parallel", pp),
+                        ("context_parallel", cp), ("expert_parallel", ep),
+                        ("expert_tensor_parallel", etp), ("micro_batch_size", p.micro_batch_size)):  # fmt: skip
+        if value < 1:
+            raise ConfigError(f"{role}.parallel.{name} must be >= 1 (got {value})")
+    key = f"{role}.parallel"
+    if m.num_attention_heads % tp or m.num_query_groups % tp:
+        options = [d for d in _divisors(m.num_query_groups) if m.num_attention_heads % d == 0]
+        raise ConfigError(
+            f"{key}.tensor_parallel={tp} does not divide model.num_attention_heads={m.num_attention_heads} "
+            f"and model.num_query_groups={m.num_query_groups}; use one of {options}"
+        )
+    if m.vocab_size % tp:
+        raise ConfigError(f"{key}.tensor_parallel={tp} does not divide model.vocab_size={m.vocab_size}; "
+                          f"use one of {_divisors(m.vocab_size)[:8]} or pad the vocabulary")  # fmt: skip
+    if m.num_layers % pp:
+        raise ConfigError(f"{key}.pipeline_parallel={pp} does not divide model.num_layers={m.num_layers}; "
+                          f"use one of {_divisors(m.num_layers)}")  # fmt: skip
+    if p.world_size % (tp * pp * cp):
+        raise ConfigError(f"{key}.world_size={p.world_size} is not a multiple of tensor_parallel*"
+                          f"pipeline_parallel*context_parallel={tp * pp * cp}; change world_size or the layout")  # fmt: skip
+    if m.num_experts:
+        if m.num_experts % ep:
+            raise ConfigError(f"{key}.expert_parallel={ep} does not divide model.num_experts={m.num_experts}; "
+                              f"use one of {_divisors(m.num_experts)}")  # fmt: skip
+        if (p.world_size // pp) % (ep * etp):
+            raise ConfigError(f"{key}.expert_parallel*expert_tensor_parallel={ep * etp} must divide "
+                              f"world_size/pipeline_parallel={p.world_size // pp}; lower expert_parallel")  # fmt: skip
+        if tp > 1 and p.sequence_parallel is False:
+            raise ConfigError(f"{key}.sequence_parallel=false with tensor_parallel={tp}: Megatron MoE "
+                              "training needs sequence parallelism with TP > 1; set it true or null")  # fmt: skip
+    elif ep > 1:
+        raise ConfigError(f"{key}.expert_parallel={ep} but the model is dense (num_experts=0); set it to 1")
+
+
+def validate(cfg: SAOConfig) -> None:
+    validate_model(cfg.model)
+    validate_parallel(cfg.actor.parallel, cfg.model, "actor")
+    validate_parallel(cfg.critic.parallel, cfg.model, "critic")
+    if cfg.critic.updates_per_step < 1:
+        raise ConfigError(f"critic.updates_per_step={cfg.critic.updates_per_step}; K must be >= 1")
+    for role in (cfg.actor, cfg.critic):
+        if role.optim.lr < 0 or role.optim.clip_grad < 0:
+            raise ConfigError("optim.lr and optim.clip_grad must be >= 0")
+    for pattern in [*cfg.critic.freeze_patterns, *cfg.critic.train_patterns]:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(
+                f"critic.freeze_patterns/train_patterns: bad regex {pattern!r} ({err})"
+            ) from None
+    validate_algo(cfg.algo)
+    validate_rollout(cfg.rollout)
+    validate_cluster(cfg)
+
+
+def validate_algo(a: AlgoConfig) -> None:
+    if a.eps_low < 0 or a.eps_high < 0:
+        raise ConfigError(f"algo.eps_low={a.eps_low}, eps_high={a.eps_high} must be >= 0")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lam_critic <= 1:
+        raise ConfigError(f"algo.gamma={a.gamma}, algo.lam_critic={a.lam_critic} must be in [0, 1]")
+    if a.lam != "adaptive" and not 0 <= a.lam <= 1:
+        raise ConfigError(f"algo.lam={a.lam} must be in [0, 1], or adaptive for length-adaptive "
+                          "1 - 1/(lam_alpha * l) (formerly any negative value)")  # fmt: skip
+    if a.batch_size < 1 or a.group_size < 1 or a.batch_size % a.group_size:
+        raise ConfigError(f"algo.batch_size={a.batch_size} must be a positive multiple of "
+                          f"algo.group_size={a.group_size}")  # fmt: skip
+    if a.advantage in GROUP_ESTIMATORS and a.group_size < 2:
+        raise ConfigError(f"algo.advantage={a.advantage} needs algo.group_size >= 2 (same-prompt groups)")
+    if a.max_policy_lag is not None and a.max_policy_lag < 0:
+        raise ConfigError(f"algo.max_policy_lag={a.max_policy_lag}; use null (unbounded) or >= 0")
+
+
+def validate_rollout(r: RolloutConfig) -> None:
+    for name in ("num_engines", "max_concurrent"):
+        if getattr(r, name) < 1:
+            raise ConfigError(f"rollout.{name} must be >= 1 (got {getattr(r, name)})")
+    for name in ("max_turns", "max_new_tokens"):
+        if getattr(r.loop, name) < 1:
+            raise ConfigError(f"rollout.loop.{name} must be >= 1 (got {getattr(r.loop, name)})")
+
+
+def validate_cluster(cfg: SAOConfig) -> None:
+    """Node groups must hold their role's GPUs; SGLang engines must tile whole nodes."""
+    c, r = cfg.cluster, cfg.rollout
+    for name in ("gpus_per_node", "actor_nodes", "critic_nodes", "rollout_nodes"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"cluster.{name} must be >= 0 (got {getattr(c, name)})")
+    if c.gpu_memory_gb <= 0:
+        raise ConfigError(f"cluster.gpu_memory_gb={c.gpu_memory_gb} must be > 0; e.g. 80 (H100), 141 (H200)")
+    if not 0 < c.engine_mem_fraction < 1:
+        raise ConfigError(f"cluster.engine_mem_fraction={c.engine_mem_fraction} must be in (0, 1), e.g. 0.85")
+    if c.cpus_per_rank < 0:
+        raise ConfigError(f"cluster.cpus_per_rank={c.cpus_per_rank} must be >= 0 (Ray CPUs per trainer rank)")
+    if c.engine_dp_attention < 1 or r.tensor_parallel % c.engine_dp_attention:
+        raise ConfigError(f"cluster.engine_dp_attention={c.engine_dp_attention} must divide "
+                          f"rollout.tensor_parallel={r.tensor_parallel}; use 1 (off) or a divisor")  # fmt: skip
+    g = c.gpus_per_node
+    if not g:
+        return
+    if r.tensor_parallel % g and g % r.tensor_parallel:
+        raise ConfigError(f"rollout.tensor_parallel={r.tensor_parallel} GPUs per engine must divide or be a "
+                          f"multiple of cluster.gpus_per_node={g}; engines cannot straddle part nodes")  # fmt: skip
+    for key, nodes, gpus in (("actor_nodes", c.actor_nodes, cfg.actor.parallel.world_size),
+                             ("critic_nodes", c.critic_nodes, cfg.critic.parallel.world_size),
+                             ("rollout_nodes", c.rollout_nodes, r.num_engines * r.tensor_parallel)):  # fmt: skip
+        if nodes and nodes * g < gpus:
+            raise ConfigError(f"cluster.{key}={nodes} x gpus_per_node={g} < {gpus} GPUs the role needs; set it "
+                              f"to {-(-gpus // g)} or 0 (derived)")  # fmt: skip

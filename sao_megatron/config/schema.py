@@ -1,0 +1,348 @@
+"""The configuration schema: nested dataclasses, a docstring under every field.
+
+Field annotations drive validation (:mod:`sao_megatron.config.load`): ``int``, ``float``, ``bool``,
+``str``, lists, ``X | None`` and ``typing.Literal`` choices, whose allowed values are the only ones
+accepted. The algorithm's choices are the types of :mod:`sao_megatron.algo.choices`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from sao_megatron.algo.choices import AdvantageEstimator, LossAgg, PolicyLossName
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "configs"
+MODEL_CONFIG_DIR = CONFIG_DIR / "models"
+DEFAULT_RUN_CONFIG = CONFIG_DIR / "tiny_cpu.yaml"
+
+TokenDispatcher = Literal["alltoall", "allgather"]
+"""Megatron MoE token dispatchers this stack supports."""
+ValueHeadInit = Literal["zero", "normal"]
+"""Initialisation of the critic's scalar value head."""
+EngineDtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+"""SGLang ``--dtype`` values."""
+WeightSync = Literal["distributed", "disk"]
+"""``distributed``: broadcast group trainer rank 0 -> engines; ``disk``: engines load a saved copy."""
+Backend = Literal["auto", "nccl", "gloo"]
+"""torch.distributed backend of the trainer ranks."""
+
+
+class ConfigError(ValueError):
+    """A configuration problem, stated in one line with the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# Model shape (configs/models/*.yaml)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """Shape of a Qwen3-MoE-family decoder (dense Qwen3 when ``num_experts == 0``)."""
+
+    name: str = ""
+    """Human-readable name, e.g. ``tiny_moe`` or ``qwen3_30b_a3b``."""
+    num_layers: int = 0
+    """Transformer layers (HF ``num_hidden_layers``)."""
+    hidden_size: int = 0
+    """Residual stream width (HF ``hidden_size``)."""
+    num_attention_heads: int = 0
+    """Query heads (HF ``num_attention_heads``)."""
+    num_query_groups: int = 0
+    """Key/value heads for GQA (HF ``num_key_value_heads``)."""
+    head_dim: int = 0
+    """Per-head width (HF ``head_dim``); may differ from hidden_size / heads in Qwen3."""
+    ffn_hidden_size: int = 0
+    """Dense MLP width (HF ``intermediate_size``), used by dense layers and dense models."""
+    vocab_size: int = 0
+    """Embedding rows; must equal the tokenizer's vocabulary (plus any padding you choose)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 builds a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int = 0
+    """Expert MLP width (HF ``moe_intermediate_size``)."""
+    moe_shared_expert_intermediate_size: int = 0
+    """Shared-expert width; 0 means no shared expert (Qwen3-MoE has none)."""
+    moe_layer_freq: int = 1
+    """Every n-th layer is MoE (HF ``decoder_sparse_step``)."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Layer indices forced dense (HF ``mlp_only_layers``)."""
+    moe_aux_loss_coeff: float = 0.001
+    """Load-balancing auxiliary loss coefficient (HF ``router_aux_loss_coef``)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the RoPE tables are built for."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base (HF ``rope_theta``)."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon (HF ``rms_norm_eps``)."""
+    qk_layernorm: bool = True
+    """RMSNorm on per-head queries and keys (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """Share input embedding and LM head (Qwen3-MoE: untied)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Roles: parallel layout and optimizer
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ParallelConfig:
+    """Megatron parallel layout of one role (actor or critic). DP is world / (TP * PP * CP)."""
+
+    world_size: int = 1
+    """Processes (GPUs, or CPU processes locally) of this role."""
+    tensor_parallel: int = 1
+    """TP: splits attention heads, MLP width and the vocabulary."""
+    pipeline_parallel: int = 1
+    """PP: splits layers into stages."""
+    context_parallel: int = 1
+    """CP: splits the sequence (long-context runs)."""
+    expert_parallel: int = 1
+    """EP: splits the routed experts across ranks."""
+    expert_tensor_parallel: int = 1
+    """Expert TP: splits each expert's width."""
+    sequence_parallel: bool | None = None
+    """Megatron sequence parallelism; None means on exactly when TP > 1 (required by MoE)."""
+    moe_token_dispatcher: TokenDispatcher = "alltoall"
+    """Megatron's token dispatch for MoE layers: ``alltoall`` or ``allgather``."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over DP ranks (ZeRO-1)."""
+    recompute_activations: bool = False
+    """Full-layer activation recompute (memory for time)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on one rank."""
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel)
+
+    @property
+    def effective_sequence_parallel(self) -> bool:
+        return self.tensor_parallel > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam optimizer and schedule of one role."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decay schedule."""
+    warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+
+
+@dataclass
+class ActorConfig:
+    """The policy model's role."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    bf16: bool = False
+    """bf16 weights and compute (GPU runs); float32 otherwise."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model's role: same architecture as the actor with a scalar value head."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
+    bf16: bool = False
+    """bf16 weights and compute (GPU runs); float32 otherwise."""
+    init_from_actor: bool = True
+    """Initialise the trunk from the actor's weights (paper: both from the SFT checkpoint)."""
+    freeze_patterns: list[str] = field(default_factory=lambda: [r"\.self_attention\."])
+    """Regexes over parameter names to freeze (paper: critic attention frozen)."""
+    train_patterns: list[str] = field(default_factory=list)
+    """Regexes that un-freeze parameters matched by ``freeze_patterns`` (applied after)."""
+    value_head_init: ValueHeadInit = "zero"
+    """Initialisation of the value head: ``zero`` or ``normal``."""
+    updates_per_step: int = 2
+    """K: critic optimizer steps per actor step (paper: 2)."""
+
+
+@dataclass
+class AlgoConfig:
+    """The RL algorithm: policy loss, advantages, batching and staleness (defaults: SAO)."""
+
+    policy_loss: PolicyLossName = "dis"
+    """``dis`` (SAO), ``ppo_clip`` or ``vanilla`` (GRPO baselines)."""
+    eps_low: float = 0.3
+    """DIS keeps ``1 - eps_low < rho``; PPO clips at ``1 - eps_low`` (paper, math: 0.3)."""
+    eps_high: float = 5.0
+    """DIS keeps ``rho < 1 + eps_high``; PPO clips at ``1 + eps_high`` (paper, math: 5.0)."""
+    detach_ratio: bool = True
+    """DIS weight as a stop-gradient (truncated IS); false gives the paper's literal formula."""
+    loss_agg: LossAgg = "token_mean"
+    """``token_mean`` over the global batch's action tokens or ``seq_mean``."""
+    advantage: AdvantageEstimator = "gae"
+    """``gae`` (token level), ``step_mean`` / ``step_last`` (turn level), ``grpo``, ``rloo``,
+    ``running_mean_prompt`` or ``running_mean_global``."""
+    gamma: float = 1.0
+    lam: float | Literal["adaptive"] = "adaptive"
+    """Policy GAE lambda in [0, 1], or ``adaptive``: length-adaptive ``1 - 1/(alpha * l)`` per trajectory
+    (VAPO), with alpha = ``lam_alpha`` and l its number of action tokens."""
+    lam_alpha: float = 1.5
+    """alpha of length-adaptive lambda (VAPO; the paper uses 1.5)."""
+    lam_critic: float = 1.0
+    """Lambda of the critic's targets (decoupled GAE)."""
+    whiten_advantages: bool = False
+    """Normalise advantages over the batch (paper silent; off)."""
+    grpo_std_normalize: bool = True
+    running_mean_window: int = 8
+    """Rewards per prompt (or globally) in running-mean baselines (paper ablation: 8)."""
+    value_clip: float = 0.0
+    """PPO-style value clipping range; 0 disables."""
+    batch_size: int = 128
+    """Trajectories per learner step (paper: 128)."""
+    group_size: int = 1
+    """Rollouts per prompt: 1 for SAO, G for GRPO (batch = batch_size / G prompts x G)."""
+    max_policy_lag: int | None = 4
+    """Drop trajectories whose oldest action token is more than this many versions old; null: unbounded."""
+    synchronous: bool = False
+    """Batch barrier: rollouts of the next batch start only after the weight update (sync baseline)."""
+    critic_warmup_steps: int = 10
+    """Critic-only steps before the actor trains (paper: 10)."""
+
+
+@dataclass
+class AgentLoopConfig:
+    """Limits and sampling of one episode (``sao_megatron.rollout.agent_loop``)."""
+
+    max_turns: int = 4
+    """Model actions per episode (the paper: up to 50 for math, 300 for SWE)."""
+    max_new_tokens: int = 64
+    """Tokens per action."""
+    max_response_tokens: int = 512
+    """Actions plus observations after the prompt."""
+    max_context_tokens: int = 1024
+    """Prompt plus response; must fit the engine's context (``sao plan`` sizes memory for it)."""
+    temperature: float = 1.0
+    """Sampling temperature of training episodes (evaluation uses ``train.eval_temperature``)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1 samples from the whole distribution."""
+    generate_timeout_s: float = 300.0
+    """Seconds one engine call may take before the episode fails."""
+
+
+@dataclass
+class RolloutConfig:
+    """Environment, engines and the agent loop."""
+
+    env: str = "arith_tool"
+    """Registered environment name or ``package.module:Class``."""
+    env_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the Env class (one instance per episode), e.g. ``max_turns``."""
+    task_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the environment's Task (the prompt source), e.g. difficulty knobs."""
+    num_engines: int = 1
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    dtype: EngineDtype = "auto"
+    """SGLang ``--dtype``: ``float32`` on CPU (engine logprobs then match the trainer's); ``auto`` on GPU."""
+    max_total_tokens: int = 32768
+    max_concurrent: int = 64
+    """Episodes in flight per manager."""
+    loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    """Turn and token limits and sampling of every episode."""
+    weight_sync: WeightSync = "distributed"
+    """``distributed`` (broadcast group trainer rank 0 -> engines) or ``disk``."""
+    weight_sync_bucket_mb: int = 512
+
+
+@dataclass
+class TrainConfig:
+    """Stages and loop length."""
+
+    sft_steps: int = 0
+    """Supervised warm-start steps on demonstrations (0 skips the stage)."""
+    sft_batch_size: int = 32
+    """Demonstrations per SFT step."""
+    sft_lr: float = 1e-3
+    """Actor learning rate during SFT (RL then uses ``actor.optim.lr``)."""
+    value_pretrain_steps: int = 0
+    """Critic-only steps on rollouts of the frozen SFT policy (0 skips)."""
+    value_pretrain_target_ev: float = 0.5
+    """Stop value pretraining early once explained variance reaches this."""
+    steps: int = 100
+    """Learner steps of RL."""
+    eval_every: int = 0
+    eval_prompts: int = 64
+    """Held-out prompts per evaluation."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of evaluation episodes (0: greedy)."""
+    save_every: int = 0
+    """Checkpoint every n steps (0: only at the end)."""
+    sample_trajectories: int = 4
+    """Trajectories per step written as text to the run directory."""
+
+
+@dataclass
+class RunConfig:
+    """Where and how a run executes."""
+
+    name: str = "sao"
+    """Run name; the run directory is ``<output_dir>/<name>-<timestamp>`` unless ``run_dir`` is set."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    run_dir: str = ""
+    """Explicit run directory (resume uses it)."""
+    seed: int = 1234
+    """Seed of every RNG (torch, python, data order)."""
+    backend: Backend = "auto"
+    """torch.distributed backend: ``auto`` (nccl with CUDA, gloo otherwise), ``nccl`` or ``gloo``."""
+    wandb_project: str = ""
+    """Also log metrics to this Weights & Biases project (needs ``wandb`` installed); empty: off."""
+
+
+@dataclass
+class ClusterConfig:
+    """Hardware and node placement of a run, read by ``sao submit`` (Slurm + Ray) and ``sao plan``.
+
+    Node groups are disjoint and ordered actor, critic, rollout; the first actor node hosts the
+    Ray head and the driver (``sao train``). See docs/launch.md."""
+
+    gpus_per_node: int = 0
+    """GPUs per node; 0 for CPU-only runs, where every role shares one node (laptop, CI)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB (H100: 80, H200: 141); ``sao plan`` rejects roles that do not fit."""
+    actor_nodes: int = 0
+    """Nodes of the actor group; 0 derives ceil(actor.parallel.world_size / gpus_per_node)."""
+    critic_nodes: int = 0
+    """Nodes of the critic group; 0 derives ceil(critic.parallel.world_size / gpus_per_node)."""
+    rollout_nodes: int = 0
+    """Nodes of the SGLang engines; 0 derives ceil(num_engines * rollout.tensor_parallel / gpus_per_node)."""
+    engine_dp_attention: int = 1
+    """Data-parallel attention ranks per SGLang engine (``--dp-size`` with ``--enable-dp-attention``;
+    attention TP = rollout.tensor_parallel / this); 1 turns DP attention off."""
+    engine_mem_fraction: float = 0.85
+    """Share of GPU memory an SGLang engine takes for weights and KV cache (``--mem-fraction-static``)."""
+    ray_address: str = ""
+    """Join this Ray cluster (``host:port``); empty: start a local one. launch/slurm/sao.sbatch and
+    ``SAO_RAY_HEAD=1 launch/local.sh`` set it for the Ray cluster they started."""
+    cpus_per_rank: float = 0.5
+    """Ray CPUs each trainer rank (actor or critic) reserves."""
+
+
+@dataclass
+class SAOConfig:
+    """A whole run: model shape, roles and run settings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -1,0 +1,67 @@
+"""One learner step: values -> advantages -> K critic updates || one actor update -> weight sync."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sao_megatron.batch import TrainBatch, build_batch
+from sao_megatron.driver.advantages import Advantages
+from sao_megatron.driver.session import Session
+from sao_megatron.records import Trajectory
+
+
+@dataclass
+class StepOutcome:
+    """What one learner step did; :mod:`sao_megatron.driver.observer` turns it into metrics."""
+
+    trajectories: list[Trajectory]
+    batch: TrainBatch
+    version: int
+    """Policy version after the step (unchanged when the actor did not train)."""
+    trained_actor: bool
+    advantages: dict[str, float]
+    """Estimator metrics."""
+    values: torch.Tensor | None
+    """``[B, T]`` critic values before its updates (None without a critic)."""
+    returns: torch.Tensor | None
+    """``[B, T]`` critic targets."""
+    critic: dict[str, float] = field(default_factory=dict)
+    actor: dict[str, float] = field(default_factory=dict)
+    sync: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+async def learner_step(s: Session, estimator: Advantages, trajectories: list[Trajectory], version: int,
+                       train_actor: bool) -> StepOutcome:  # fmt: skip
+    """Train on one batch. The critic's K updates run concurrently with the actor's update
+    (separate worlds); the engines get the new weights as ``version + 1``."""
+    t0 = time.perf_counter()
+    batch = build_batch(trajectories)
+    critic, actor = s.critic, s.actor
+    critic_batch = critic.place(batch) if critic else None
+    values = None
+    if critic and critic_batch is not None:
+        values = await critic.values(critic_batch, batch.size, batch.tokens.shape[1])
+    advantages, returns, adv_metrics = estimator(batch, values, trajectories)
+    out = StepOutcome(trajectories, batch, version, train_actor, adv_metrics, values, returns)
+
+    async def critic_updates() -> None:
+        if critic is None or critic_batch is None or returns is None or values is None:
+            return
+        for _ in range(s.cfg.critic.updates_per_step):
+            out.critic = await critic.update(critic_batch, returns, values)
+
+    async def actor_update() -> None:
+        if train_actor:
+            out.actor = await actor.update(actor.place(batch), advantages, version)
+
+    await asyncio.gather(critic_updates(), actor_update())
+    if train_actor:
+        out.version = version + 1
+        out.sync = await s.sync_weights(out.version)
+    out.seconds = time.perf_counter() - t0
+    return out

@@ -1,0 +1,90 @@
+"""Per-step metrics: the learner's outcome, the batch, the buffer and the rollout throughput.
+
+Names are ``group/name``: ``adv/``, ``critic/``, ``actor/``, ``dis/``, ``rollout/``, ``lag/``,
+``buffer/``, ``time/``; values are python floats (see ``observe.RunLog``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sao_megatron import algo
+from sao_megatron.buffer import ReadyBuffer
+from sao_megatron.driver.learner import StepOutcome
+from sao_megatron.records import Trajectory
+from sao_megatron.rollout.manager import RolloutManager
+
+
+def learner_metrics(o: StepOutcome) -> dict[str, float]:
+    out = {f"adv/{k}": v for k, v in o.advantages.items()}
+    out |= {f"critic/{k}": v for k, v in o.critic.items()}
+    if o.values is not None and o.returns is not None:
+        out["critic/explained_var"] = algo.explained_variance(o.values, o.returns, o.batch.action_mask)
+    out |= {(k if k.startswith("dis/") else f"actor/{k}"): v for k, v in o.actor.items()}
+    out |= o.sync
+    out["time/step_s"] = o.seconds
+    return out
+
+
+def batch_metrics(
+    trajectories: list[Trajectory], token_lag: torch.Tensor, action_mask: torch.Tensor
+) -> dict[str, float]:
+    """Reward, accuracy, lengths, turns and policy lag of a training batch.
+
+    ``token_lag`` ``[B, T]``: :func:`algo.policy_lag` against the policy the batch trained."""
+    n = len(trajectories)
+    mask = action_mask > 0
+    lags = token_lag.amax(dim=-1).float()  # a trajectory's lag is its oldest action token's
+    now = time.time()
+    out = {
+        "rollout/reward": sum(t.reward for t in trajectories) / n,
+        "rollout/accuracy": sum(bool(t.correct) for t in trajectories) / n,
+        "rollout/response_tokens": sum(len(t.response_ids) for t in trajectories) / n,
+        "rollout/action_tokens": sum(t.num_action_tokens for t in trajectories) / n,
+        "rollout/turns": sum(t.num_turns for t in trajectories) / n,
+        "rollout/truncated": sum(t.status == "truncated" for t in trajectories) / n,
+        "rollout/multi_version": sum(len(set(t.action_versions)) > 1 for t in trajectories) / n,
+        "rollout/episode_s": sum(t.finished_at - t.started_at for t in trajectories) / n,
+        "buffer/wait_s": sum(now - t.finished_at for t in trajectories) / n,
+        "lag/mean": float(lags.mean()),
+        "lag/max": float(lags.max()),
+        "lag/token_mean": float(token_lag[mask].float().mean()) if mask.any() else 0.0,
+    }
+    for k in range(4):
+        sel = lags >= 3 if k == 3 else lags == k
+        out[f"lag/hist{k if k < 3 else '3+'}"] = float(sel.float().mean())
+    return out
+
+
+class StepObserver:
+    """Assembles one step's metrics; keeps the counters that rates are computed from."""
+
+    def __init__(self, manager: RolloutManager, buffer: ReadyBuffer, num_engines: int):
+        self.manager = manager
+        self.buffer = buffer
+        self.num_engines = max(num_engines, 1)
+        self._last = self._counters()
+
+    def _counters(self) -> tuple[float, int, int, float]:
+        m = self.manager
+        return time.monotonic(), m.stats.finished, m.stats.generated_tokens, m.busy_seconds()
+
+    def step(self, o: StepOutcome, waited_s: float, in_flight: int) -> dict[str, float]:
+        trained = o.version - 1 if o.trained_actor else o.version
+        lag = algo.policy_lag(trained, o.batch.policy_versions, o.batch.action_mask)
+        out = learner_metrics(o) | batch_metrics(o.trajectories, lag, o.batch.action_mask)
+        b = self.buffer.stats
+        out |= {"time/learner_wait_s": waited_s, "buffer/waiting": float(len(self.buffer)),
+                "buffer/dropped_stale": float(b.dropped_stale), "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
+                "rollout/in_flight_at_take": float(in_flight), "policy_version": float(o.version)}  # fmt: skip
+        if b.group_waits_s:
+            out["buffer/group_wait_s"] = sum(b.group_waits_s) / len(b.group_waits_s)
+        now = self._counters()
+        dt = max(now[0] - self._last[0], 1e-9)
+        out["rollout/trajectories_per_s"] = (now[1] - self._last[1]) / dt
+        out["rollout/tokens_per_s"] = (now[2] - self._last[2]) / dt
+        out["rollout/engine_util"] = (now[3] - self._last[3]) / (dt * self.num_engines)
+        self._last = now
+        return out

@@ -1,0 +1,68 @@
+"""A stage's stream of training batches: the rollout manager feeding the ready buffer.
+
+The learner awaits :meth:`RolloutSource.next_batch`; it returns as soon as the buffer holds a
+batch (no polling) and raises if the manager died. In synchronous mode (``algo.synchronous``)
+exactly one batch of prompts is submitted at a time, after the previous weight update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+from sao_megatron.buffer import ReadyBuffer
+from sao_megatron.records import Trajectory
+from sao_megatron.rollout.manager import RolloutManager
+
+
+class RolloutSource:
+    def __init__(self, manager: RolloutManager, buffer: ReadyBuffer, prompts_per_batch: int | None = None):
+        """``prompts_per_batch`` set: synchronous (one batch of prompts submitted per request)."""
+        self.manager = manager
+        self.buffer = buffer
+        self.prompts_per_batch = prompts_per_batch
+        self._stop = asyncio.Event()
+        self._runner: asyncio.Task | None = None
+
+    def _start(self) -> None:
+        self._runner = asyncio.create_task(self.manager.run(self._stop, max_prompts=self.prompts_per_batch))
+
+    async def __aenter__(self) -> RolloutSource:
+        self._start()
+        return self
+
+    async def next_batch(self) -> list[Trajectory]:
+        """The next batch of finished trajectories, in the order they became ready."""
+        assert self._runner is not None, "use `async with RolloutSource(...)`"
+        get = asyncio.ensure_future(self.buffer.get())
+        try:
+            while True:
+                await asyncio.wait([get, self._runner], return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    return get.result()
+                self._runner.result()  # surfaces a manager crash
+                if self.prompts_per_batch is None:
+                    raise RuntimeError("the rollout manager stopped before a batch was ready")
+                self._start()  # synchronous: the submitted prompts were not enough (failed, stale): more
+        except asyncio.CancelledError:
+            if get.done() and not get.cancelled() and get.exception() is None:
+                self.buffer.put_back(get.result())  # taken but never returned: it waits for the resumed run
+            raise
+        finally:
+            get.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        await self.close()
+
+    def stop(self) -> None:
+        """Stop submitting; episodes in flight keep running (and count as unfinished in a checkpoint)."""
+        self._stop.set()
+        self.manager.pause()
+
+    async def close(self) -> None:
+        """Stop and cancel the episodes in flight (a resumed run resubmits them)."""
+        self.stop()
+        await self.manager.drain(cancel=True)
+        if self._runner is not None and not self._runner.done():
+            self._runner.cancel()

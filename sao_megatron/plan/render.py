@@ -1,0 +1,70 @@
+"""``sao plan`` output: Markdown tables (also used verbatim in docs/launch.md) and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sao_megatron.plan.fit import Plan, role_nodes
+from sao_megatron.plan.memory import RESERVED_GIB, GiB
+
+
+def _gb(x: float) -> str:
+    return f"{x / GiB:,.1f}" if x >= 0.05 * GiB or x == 0 else f"{x / 2**20:,.1f} MB"
+
+
+def _billions(n: float) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e8 else f"{n / 1e6:,.3f} M"
+
+
+def _millions(n: float) -> str:
+    return f"{n / 1e6:,.1f}" if n >= 1e7 else f"{n / 1e6:,.3f}"
+
+
+def render(plan: Plan) -> str:
+    """Markdown tables (also used verbatim in docs/launch.md)."""
+    cfg, c = plan.cfg, plan.cfg.cluster
+    nodes = role_nodes(cfg)
+    lines = [
+        f"model `{cfg.model.name}`: {_billions(plan.counts['total'])} parameters, "
+        f"{_billions(plan.counts['active'])} active per token; sequence {cfg.rollout.loop.max_context_tokens:,} "
+        f"tokens, batch {cfg.algo.batch_size}; per-rank counts by {plan.method}",
+        "",
+        "| role | GPUs | nodes | layout | params/GPU (M) | weights | grads | optimizer (other) | "
+        "activations (other) | logits | total GB | fits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cap = c.gpu_memory_gb * GiB
+    for r in plan.roles:
+        p = getattr(cfg, r.role).parallel
+        opt = "dist" if p.use_distributed_optimizer else "full"
+        act = "recompute" if p.recompute_activations else "stored"
+        fits = "n/a (CPU)" if not c.gpus_per_node else ("yes" if r.total <= cap else "**no**")
+        lines.append(
+            f"| {r.role} (stage {r.stage}) | {r.gpus} | {nodes[r.role]} | {r.layout} | {_millions(r.params)} "
+            f"({_millions(r.trainable)} trainable) | {_gb(r.weights)} | {_gb(r.grads)} | "
+            f"{_gb(r.optimizer)} {opt} ({_gb(r.optimizer_alt)}) | {_gb(r.activations)} {act} "
+            f"({_gb(r.activations_alt)}) | {_gb(r.logits)} | {_gb(r.total)} | {fits} |"
+        )  # fmt: skip
+    e = plan.engine
+    seq = cfg.rollout.loop.max_context_tokens
+    lines += [
+        "",
+        "| rollout | engines x GPUs | nodes | layout | weights/GPU GB | KV budget/GPU GB | KV KB/token/GPU | "
+        "KV tokens/engine | full contexts/engine | weight sync/step GB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| SGLang | {e.engines} x {e.gpus_per_engine} | {nodes['rollout']} | {e.layout} | {_gb(e.weights)} | "
+        f"{_gb(e.kv_budget)} | {e.kv_bytes_per_token / 1024:,.1f} | {e.tokens_per_engine:,} | "
+        f"{e.tokens_per_engine / seq:,.1f} | {_gb(e.sync_bytes)} |",
+        "",
+        f"GPU memory {c.gpu_memory_gb:g} GB (GiB) per GPU, {c.gpus_per_node} GPUs per node; "
+        f"{RESERVED_GIB:g} GB reserved per training GPU; optimizer/activations in parentheses: the "
+        "other use_distributed_optimizer / recompute_activations setting.",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan) -> dict:
+    return {"counts": plan.counts, "method": plan.method, "mismatches": plan.mismatches,
+            "roles": [dataclasses.asdict(r) | {"total": r.total} for r in plan.roles],
+            "engine": dataclasses.asdict(plan.engine) | {"tokens_per_engine": plan.engine.tokens_per_engine},
+            "nodes": role_nodes(plan.cfg), "failures": plan.failures()}  # fmt: skip

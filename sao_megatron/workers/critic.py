@@ -1,0 +1,64 @@
+"""The value model on one Megatron rank: values V(s) and value-loss updates (frozen attention)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sao_megatron import algo
+from sao_megatron.batch import BatchShard, RowOutputs
+from sao_megatron.config import SAOConfig
+from sao_megatron.workers import checkpoint
+from sao_megatron.workers.common import init_rank, micro_batches, reduce_metrics, row_outputs, seq_length
+from sao_megatron.workers.engine import build_critic_role
+
+
+class CriticWorker:
+    """The value model on this rank."""
+
+    def __init__(self, cfg: SAOConfig, actor_state: dict | None = None):
+        self.cfg = cfg
+        init_rank(cfg.critic.parallel, cfg.run.seed)
+        self.role = build_critic_role(cfg.model, cfg.critic, actor_state)
+
+    @torch.no_grad()
+    def values(self, shard: BatchShard) -> RowOutputs | None:
+        """``[b, T]`` values V(s) at each position (zero off actions), on reporting ranks."""
+        collected: list[torch.Tensor] = []
+
+        def loss_fn(values, mb):
+            collected.append(values.squeeze(-1).float() * mb["action_mask"])
+            return values.sum() * 0.0, {}
+
+        micro = micro_batches(shard, {}, self.cfg.critic.parallel.micro_batch_size)
+        self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard), forward_only=True)
+        return row_outputs(collected, shard)
+
+    def update(self, shard: BatchShard, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        """One optimizer step of the value loss on the whole batch (``returns``, ``old_values``: ``[b, T]``)."""
+        a = self.cfg.algo
+        micro = micro_batches(shard, {"returns": returns, "old_values": old_values},
+                              self.cfg.critic.parallel.micro_batch_size)  # fmt: skip
+        token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
+
+        def loss_fn(values, mb):
+            mask = mb["action_mask"] > 0
+            clipped = a.value_clip > 0
+            loss, metrics = algo.value_loss(values.squeeze(-1).float(), mb["returns"], mask, agg=a.loss_agg,
+                                            old_values=mb["old_values"] if clipped else None,
+                                            clip_range=a.value_clip if clipped else None,
+                                            num_tokens_global=shard.num_tokens_global if token_mean else None,
+                                            num_seqs_global=None if token_mean else shard.num_seqs_global)  # fmt: skip
+            metrics["micro_tokens"] = float(mask.sum())
+            return loss, metrics
+
+        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard))
+        step = self.role.step()
+        return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr}
+
+    def save(self, directory: str) -> None:
+        checkpoint.save_role(self.role, Path(directory))
+
+    def load(self, directory: str) -> None:
+        checkpoint.load_role(self.role, Path(directory))

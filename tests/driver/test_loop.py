@@ -1,0 +1,338 @@
+"""The learner loop (``pipeline.run_stage``) on fakes: real RolloutManager, ReadyBuffer, learner_step,
+Advantages (GAE) and StepObserver; scripted episodes and recording role handles (tests/driver/fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from sao_megatron.config import SAOConfig, load_config
+from sao_megatron.driver.run_state import RunState
+from sao_megatron.driver.stages import Stage, rl, value_pretraining
+from sao_megatron.observe import RunLog, read_metrics
+from sao_megatron.pipeline import run_stage
+from tests.driver.fakes import Checkpoint, FakeActor, FakeCritic, FakeSession, ScriptedLoop
+
+pytestmark = pytest.mark.timeout(30)
+
+# No staleness bound unless the test is about it (the buffer order and synchronous tests set one).
+BASE = ["algo.batch_size=4", "algo.group_size=1", "rollout.max_concurrent=8", "algo.critic_warmup_steps=0",
+        "algo.max_policy_lag=null", "algo.synchronous=false", "critic.updates_per_step=2", "train.eval_every=0",
+        "train.save_every=0", "train.sample_trajectories=0"]  # fmt: skip
+
+
+def config(*overrides: str) -> SAOConfig:
+    return load_config(None, [*BASE, *overrides])
+
+
+async def watch(s: FakeSession, *aws, timeout: float = 10.0) -> set[asyncio.Future]:
+    """Wait for the first of ``aws`` to finish; fail at once if admitting a trajectory raised (in the
+    real manager that only kills the episode's task, and the learner would wait forever)."""
+    futures = [asyncio.ensure_future(a) for a in aws]
+    deadline = time.monotonic() + timeout
+    while True:
+        done, _ = await asyncio.wait(futures, timeout=0.02, return_when=asyncio.FIRST_COMPLETED)
+        if s.errors:
+            raise AssertionError(f"ReadyBuffer.admit raised {s.errors[0]!r}") from s.errors[0]
+        if done:
+            return done
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing finished within {timeout} s")
+
+
+async def _finish(task: asyncio.Task) -> None:
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def run(
+    s: FakeSession, stage: Stage, run_dir: Path, state: RunState | None = None
+) -> tuple[RunState, list[dict]]:
+    """One stage to its end (deadline 10 s); the state and the metrics lines written."""
+    state = state if state is not None else RunState(stage="rl")
+    log = RunLog(run_dir, tensorboard=False, console=False)
+
+    async def go() -> None:
+        task = asyncio.create_task(run_stage(s, state, log, stage))
+        try:
+            await watch(s, task)
+            task.result()
+        finally:
+            await _finish(task)
+
+    try:
+        asyncio.run(go())
+    finally:
+        log.close()
+    return state, read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+
+
+def cancel_when(s: FakeSession, stage: Stage, run_dir: Path, state: RunState, ready) -> float:
+    """Run ``stage`` in a task, cancel it once ``await ready(task)`` returns; expects CancelledError.
+    Returns the time of the cancel (monotonic)."""
+    log = RunLog(run_dir, tensorboard=False, console=False)
+
+    async def go() -> float:
+        task = asyncio.create_task(run_stage(s, state, log, stage))
+        try:
+            waiting = asyncio.ensure_future(ready(task))
+            done = await watch(s, waiting, task)
+            if waiting not in done:
+                waiting.cancel()
+                raise AssertionError(f"run_stage ended before the stop: {task!r}")
+            cancelled_at = time.monotonic()
+            task.cancel()
+            await watch(s, asyncio.wait([task]))
+            with pytest.raises(asyncio.CancelledError):
+                task.result()
+            return cancelled_at
+        finally:
+            await _finish(task)
+
+    try:
+        return asyncio.run(go())
+    finally:
+        log.close()
+
+
+def trained(s: FakeSession) -> list[int]:
+    return [i for u in s.actor.updates for i in u.indices]
+
+
+def assert_accounted(ckpt: Checkpoint, trained_indices: list[int], first: int = 0) -> None:
+    """No drops: every prompt the cursor passed is trained, waiting in the buffer or to be resubmitted."""
+    assert ckpt.cursor is not None and ckpt.buffer is not None
+    waiting = [t["sample_index"] for t in ckpt.buffer["waiting"]]
+    resubmit = [index for _, index, _ in ckpt.cursor["resubmit"]]
+    everything = trained_indices + waiting + resubmit
+    assert sorted(everything) == list(range(first, ckpt.cursor["next_index"])), (
+        trained_indices,
+        waiting,
+        resubmit,
+    )
+    assert ckpt.buffer["stats"]["handed_out"] == len(trained_indices)
+
+
+def test_batches_are_handed_out_as_they_become_ready(tmp_path):
+    """Every 4th prompt takes 2 s: batches of fast ones train long before the slow ones finish."""
+    cfg = config("train.steps=3")
+    s = FakeSession(cfg, ScriptedLoop(duration=lambda i: 2.0 if i % 4 == 0 else 0.01))
+    t0 = time.monotonic()
+    state, rows = run(s, rl(cfg, True), tmp_path)
+    batches = [u.indices for u in s.actor.updates]
+    assert len(batches) == 3 and [r["step"] for r in rows] == [1, 2, 3]
+    assert s.actor.updates[0].start - t0 < 1.0, "the first batch waited for the 2 s episodes"
+    assert s.actor.updates[-1].end - t0 < 1.8
+    for batch in batches:
+        assert len(batch) == len(set(batch)) == cfg.algo.batch_size
+        assert all(i % 4 for i in batch), f"a slow prompt in {batch}"
+    flat = [i for b in batches for i in b]
+    assert len(set(flat)) == len(flat), "a trajectory was trained twice"
+    assert [c.indices for c in s.critic.values_calls] == batches  # critic and actor saw the same batch
+    assert state.step == 3 and state.version == 3 and s.syncs == [1, 2, 3]
+    assert state.trained_prompts == [[k + 1, "train", i, 0] for k, b in enumerate(batches) for i in b]
+    assert all(r["rollout/in_flight_at_take"] > 0 for r in rows)  # slow episodes still running
+
+
+def test_buffer_order_backpressure_and_lag_bound(tmp_path):
+    """Slow learner (0.25 s updates), max_policy_lag=1, every 5th episode 0.9 s: trajectories train in
+    admission order, at most max_concurrent episodes run, stale ones are dropped (on admission and
+    while waiting) and none beyond the bound is trained."""
+    cfg = config("train.steps=5", "algo.max_policy_lag=1")
+    loop = ScriptedLoop(duration=lambda i: 0.9 if i % 5 == 0 else 0.05)
+    s = FakeSession(cfg, loop, actor=FakeActor(update_s=0.25))
+    state, rows = run(s, rl(cfg, True), tmp_path)
+    updates = s.actor.updates
+    assert len(updates) == 5
+
+    assert loop.max_running == cfg.rollout.max_concurrent  # saturated, never above
+
+    admitted = [a.index for a in s.admissions if a.admitted]
+    position = {index: k for k, index in enumerate(admitted)}
+    order = [position[i] for i in trained(s)]
+    assert order == sorted(order) and len(set(order)) == len(order), "not trained in admission order"
+    assert updates[0].indices == admitted[:4]
+
+    # the buffer kept accepting while the learner was busy
+    assert any(u.start < a.at < u.end for u in updates for a in s.admissions if a.admitted)
+
+    b = s.buffer
+    assert b is not None
+    dropped_on_admission = sum(not a.admitted for a in s.admissions)  # no failures here: all stale
+    discarded_waiting = b.stats.dropped_stale - dropped_on_admission
+    assert dropped_on_admission > 0 and discarded_waiting > 0, (dropped_on_admission, discarded_waiting)
+    assert max(r["buffer/dropped_stale"] for r in rows) > 0
+    assert len(admitted) == len(trained(s)) + len(b) + discarded_waiting  # nothing else got lost
+
+    started = {e.index: e.version for e in loop.episodes}
+    assert all(u.version - started[i] <= 1 for u in updates for i in u.indices)
+    assert all(u.max_lag <= 1 for u in updates) and any(u.max_lag == 1 for u in updates)
+    assert max(r["lag/max"] for r in rows) <= 1
+    assert not any(i % 5 == 0 for i in trained(s))  # the 0.9 s episodes all arrived too stale
+
+
+def test_critic_warmup(tmp_path):
+    cfg = config("algo.critic_warmup_steps=2", "train.steps=4")
+    s = FakeSession(cfg)
+    state, rows = run(s, rl(cfg, True), tmp_path)
+    assert [u.step for u in s.actor.updates] == [3, 4]
+    assert [u.version for u in s.actor.updates] == [0, 1]
+    assert [u.indices for u in s.actor.updates] == [c.indices for c in s.critic.values_calls[2:]]
+    assert [r["policy_version"] for r in rows] == [0, 0, 1, 2]
+    assert s.syncs == [1, 2]
+    assert [c.step for c in s.critic.updates] == [1, 1, 2, 2, 3, 3, 4, 4]  # K = 2 per step, every step
+    assert state.step == 4 and state.version == 2
+    assert not any(k.startswith("actor/") for r in rows[:2] for k in r)
+    assert all("actor/loss" in r for r in rows[2:])
+
+
+def test_value_pretraining_stops_at_target_explained_variance(tmp_path):
+    """Values exact from the critic's 3rd update on (K = 1): EV 0, 0, 0, then 1 at step 4 -> stop."""
+    cfg = config(
+        "train.value_pretrain_steps=10", "train.value_pretrain_target_ev=0.5", "critic.updates_per_step=1"
+    )
+    s = FakeSession(cfg, critic=FakeCritic(accurate_after=3))
+    state = RunState(stage="value_pretrain")
+    state, rows = run(s, value_pretraining(cfg), tmp_path, state)
+    rows = [r for r in rows if r["stage"] == "value_pretrain"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["critic/explained_var"] for r in rows] == pytest.approx([0.0, 0.0, 0.0, 1.0])
+    assert len(s.critic.updates) == 4
+    assert s.actor.started == [] and s.syncs == []
+    assert [r["policy_version"] for r in rows] == [0, 0, 0, 0]
+    assert state.version == 0 and state.step == 0 and state.trained_prompts == [] and state.cursor == {}
+    assert s.checkpoints == []  # not resumable
+    assert all(i >= 1 << 40 for c in s.critic.values_calls for i in c.indices)  # beyond the RL cursor
+
+
+def test_stop_during_actor_update_completes_the_step(tmp_path):
+    cfg = config("train.steps=10")
+    s = FakeSession(cfg, actor=FakeActor(update_s=0.4))
+    state = RunState(stage="rl")
+
+    async def in_second_update(task):
+        while len(s.actor.started) < 2:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # well inside the 0.4 s update
+
+    cancelled_at = cancel_when(s, rl(cfg, True), tmp_path, state, in_second_update)
+    updates = s.actor.updates
+    assert len(s.actor.started) == len(updates) == 2, "the interrupted update did not finish"
+    assert updates[1].start < cancelled_at < updates[1].end
+    assert s.syncs == [1, 2] and state.version == 2 and state.step == 2
+    assert state.trained_prompts == [[k + 1, "train", i, 0] for k, u in enumerate(updates) for i in u.indices]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["policy_version"] == 2
+    assert [(c.step, c.version) for c in s.checkpoints] == [(2, 2)]
+    ckpt = s.checkpoints[0]
+    assert ckpt.at >= updates[1].end and ckpt.trained_prompts == state.trained_prompts
+    assert_accounted(ckpt, trained(s))
+
+
+def test_stop_while_waiting_for_a_batch(tmp_path):
+    """Prompts 0-3 are fast, the rest take 5 s: after step 1 the learner waits; a stop checkpoints
+    step 1 with the in-flight episodes to resubmit, and does not wait for them."""
+    cfg = config("train.steps=10")
+    loop = ScriptedLoop(duration=lambda i: 0.01 if i < 4 else 5.0)
+    s = FakeSession(cfg, loop)
+    state = RunState(stage="rl")
+
+    async def waiting(task):
+        while not (state.step == 1 and loop.running == cfg.rollout.max_concurrent):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
+
+    t0 = time.monotonic()
+    cancel_when(s, rl(cfg, True), tmp_path, state, waiting)
+    assert time.monotonic() - t0 < 3.0
+    assert state.step == 1 and state.version == 1 and len(s.actor.updates) == 1
+    assert [(c.step, c.version) for c in s.checkpoints] == [(1, 1)]
+    ckpt = s.checkpoints[0]
+    assert ckpt.cursor == {
+        "split": "train",
+        "next_index": 12,
+        "resubmit": [["train", i, 0] for i in range(4, 12)],
+    }
+    assert_accounted(ckpt, trained(s))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+@pytest.mark.parametrize(
+    ("failing", "expected"),
+    [(None, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]),
+     # 2 fails: 4 completes step 1's batch; 5-7 were submitted before update 1, so are dropped (lag 0)
+     (2, [[0, 1, 3, 4], [8, 9, 10, 11], [12, 13, 14, 15]])],
+)  # fmt: skip
+def test_synchronous_batches_are_the_prompts_submitted_after_the_last_update(tmp_path, failing, expected):
+    cfg = config("algo.synchronous=true", "algo.max_policy_lag=0", "train.steps=3")
+    loop = ScriptedLoop(duration=lambda i: 0.01 * (1 + i % 4), failed=lambda i: i == failing)
+    s = FakeSession(cfg, loop, actor=FakeActor(update_s=0.05))
+    state, rows = run(s, rl(cfg, True), tmp_path)
+    updates = s.actor.updates
+    assert [sorted(u.indices) for u in updates] == expected
+    assert [u.max_lag for u in updates] == [0, 0, 0]
+    assert [r["lag/max"] for r in rows] == [0, 0, 0]
+    start = {e.index: e.start for e in loop.episodes}
+    for before, u in zip(updates, updates[1:], strict=False):
+        assert all(start[i] > before.end for i in u.indices)
+    assert not any(u.start < e.start < u.end for u in updates for e in loop.episodes), "submitted mid-update"
+    assert s.buffer is not None
+    assert sum(s.buffer.stats.dropped_failed.values()) == (failing is not None)
+    assert s.buffer.stats.dropped_stale == (3 if failing is not None else 0)
+    assert failing not in trained(s)
+
+
+def test_stop_right_after_a_batch_is_taken_loses_nothing(tmp_path):
+    """The stop lands in the event-loop turn after the batch became ready: the batch may already be
+    taken from the buffer, but it is never trained; it must wait in the checkpoint, not vanish."""
+    cfg = config("train.steps=10")
+    s = FakeSession(cfg)
+    state = RunState(stage="rl")
+    holder: dict = {}
+
+    def cancel_once_ready(buffer, admission):
+        if buffer.ready() and "task" in holder and not holder.get("fired"):
+            holder["fired"] = True
+            asyncio.get_running_loop().call_soon(holder["task"].cancel)
+
+    s.on_admit = cancel_once_ready
+    log = RunLog(tmp_path, tensorboard=False, console=False)
+
+    async def go() -> None:
+        holder["task"] = task = asyncio.create_task(run_stage(s, state, log, rl(cfg, True)))
+        try:
+            await watch(s, asyncio.wait([task]))
+            with pytest.raises(asyncio.CancelledError):
+                task.result()
+        finally:
+            await _finish(task)
+
+    try:
+        asyncio.run(go())
+    finally:
+        log.close()
+    assert holder.get("fired")
+    assert trained(s) == []
+    ckpt = s.checkpoints[-1]
+    assert_accounted(ckpt, trained(s))
+    assert len(ckpt.buffer["waiting"]) >= cfg.algo.batch_size
+
+
+def test_stop_during_evaluation_still_logs_the_step(tmp_path):
+    cfg = config("train.steps=10", "train.eval_every=1")
+    s = FakeSession(cfg, eval_s=0.5)
+    state = RunState(stage="rl")
+
+    async def evaluating(task):
+        while not (state.step == 1):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+
+    cancel_when(s, rl(cfg, True), tmp_path, state, evaluating)
+    assert [(c.step, c.version) for c in s.checkpoints] == [(1, 1)]
+    rows = read_metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []
+    assert [r["step"] for r in rows] == [1]
