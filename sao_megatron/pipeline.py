@@ -22,35 +22,20 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
-from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import SAOConfig, save_config, to_dict
-from sao_megatron.driver.advantages import Advantages
-from sao_megatron.driver.learner import learner_step
-from sao_megatron.driver.observer import StepObserver
-from sao_megatron.driver.rollouts import RolloutSource
+from sao_megatron.driver.learner import learner_step, run_whole
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
-from sao_megatron.driver.stages import Stage, rl, sft, value_pretraining
+from sao_megatron.driver.stages import Stage, open_stage, rl, sft, value_pretraining
 from sao_megatron.observe import RunLog
 from sao_megatron.records import Trajectory
-from sao_megatron.rollout.manager import PromptCursor
 
 
 async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> None:
     """Take batches as they become ready and train on each; a stop signal never splits a step."""
-    a = s.cfg.algo
-    estimator, buffer = Advantages(a), ReadyBuffer(a.batch_size, a.group_size, a.max_policy_lag)
-    manager = s.manager(buffer, lambda: state.version, PromptCursor("train", stage.first_prompt))
-    if stage.resumable and state.cursor:
-        estimator.load_state_dict(state.advantages)
-        buffer.load_state_dict(state.buffer)
-        manager.load_state_dict(state.cursor)
-    source = RolloutSource(manager, buffer, a.batch_size // a.group_size if stage.synchronous else None)
-    observer = StepObserver(manager, buffer, len(s.engines))
+    estimator, buffer, manager, source, observer = open_stage(s, state, stage)
     step = state.step if stage.resumable else 0
 
     async def train_on(trajectories: list[Trajectory], waited: float, in_flight: int) -> dict[str, float]:
@@ -72,12 +57,12 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> N
         return metrics
 
     log.set_total(stage.name, stage.steps)
-    await source.__aenter__()
+    source.start()
     try:
         while step < stage.steps:
             waited = time.perf_counter()
             trajectories = await source.next_batch()
-            metrics, stopping = await _whole(
+            metrics, stopping = await run_whole(
                 train_on(trajectories, time.perf_counter() - waited, manager.in_flight)
             )
             step += 1
@@ -90,15 +75,6 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> N
         if stage.resumable:  # in-flight episodes are recorded for resubmission before they are cancelled
             await s.checkpoint(state, manager, buffer, estimator)
         await source.close()
-
-
-async def _whole[R](step: Coroutine[Any, Any, R]) -> tuple[R, bool]:
-    """Run ``step`` to completion even if cancelled meanwhile; True when it was."""
-    task = asyncio.ensure_future(step)
-    try:
-        return await asyncio.shield(task), False
-    except asyncio.CancelledError:
-        return await task, True
 
 
 async def train(cfg: SAOConfig, run_dir: Path, resume: bool = False) -> dict:

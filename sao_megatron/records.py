@@ -49,7 +49,7 @@ class Trajectory:
     correct: bool | None = None
     reward_details: dict[str, Any] = field(default_factory=dict)
     split: str = "train"
-    sample_index: int = -1
+    sample_index: int | None = None
     """The task index of the prompt (the dataset cursor position it came from)."""
     group_id: str = ""
     """Prompts sampled G times share a group id (GRPO); empty for single rollouts (SAO)."""

@@ -38,12 +38,12 @@ async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, i
     gen = await session.clients[0].generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
     n = len(gen.output_ids)
     traj = Trajectory(prompt_id="probe", prompt_ids=prompt, response_ids=gen.output_ids, action_mask=[1] * n,
-                      behavior_logprobs=gen.logprobs, policy_versions=[0] * n, turns=[Turn(0, n)], reward=0.0,
+                      behavior_logprobs=gen.behavior_logprobs, policy_versions=[0] * n, turns=[Turn(0, n)], reward=0.0,
                       status="finished")  # fmt: skip
     batch = build_batch([traj])
     actor = await session.actor.logprobs(batch)
     mask = batch.action_mask > 0
-    return (actor[mask] - batch.behavior_logprobs[mask]).abs().max().item(), n, set(gen.versions)
+    return (actor[mask] - batch.behavior_logprobs[mask]).abs().max().item(), n, set(gen.weight_versions)
 
 
 def test_async_loop_versions_sync_and_buffer(tmp_path):

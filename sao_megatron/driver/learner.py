@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,3 +67,13 @@ async def learner_step(s: Session, estimator: Advantages, trajectories: list[Tra
         out.sync = await s.sync_weights(out.version)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+async def run_whole[R](work: Coroutine[Any, Any, R]) -> tuple[R, bool]:
+    """Run ``work`` to completion even if cancelled meanwhile; True when it was (a stop signal
+    arrived): a learner step and its bookkeeping are never split."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task), False
+    except asyncio.CancelledError:
+        return await task, True

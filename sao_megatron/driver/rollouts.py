@@ -8,7 +8,6 @@ exactly one batch of prompts is submitted at a time, after the previous weight u
 from __future__ import annotations
 
 import asyncio
-from types import TracebackType
 
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.records import Trajectory
@@ -24,16 +23,13 @@ class RolloutSource:
         self._stop = asyncio.Event()
         self._runner: asyncio.Task | None = None
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start (or, in synchronous mode, restart) submitting episodes."""
         self._runner = asyncio.create_task(self.manager.run(self._stop, max_prompts=self.prompts_per_batch))
-
-    async def __aenter__(self) -> RolloutSource:
-        self._start()
-        return self
 
     async def next_batch(self) -> list[Trajectory]:
         """The next batch of finished trajectories, in the order they became ready."""
-        assert self._runner is not None, "use `async with RolloutSource(...)`"
+        assert self._runner is not None, "call start() first"
         get = asyncio.ensure_future(self.buffer.get())
         try:
             while True:
@@ -43,17 +39,13 @@ class RolloutSource:
                 self._runner.result()  # surfaces a manager crash
                 if self.prompts_per_batch is None:
                     raise RuntimeError("the rollout manager stopped before a batch was ready")
-                self._start()  # synchronous: the submitted prompts were not enough (failed, stale): more
+                self.start()  # synchronous: the submitted prompts were not enough (failed, stale): more
         except asyncio.CancelledError:
             if get.done() and not get.cancelled() and get.exception() is None:
                 self.buffer.put_back(get.result())  # taken but never returned: it waits for the resumed run
             raise
         finally:
             get.cancel()
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
-        await self.close()
 
     def stop(self) -> None:
         """Stop submitting; episodes in flight keep running (and count as unfinished in a checkpoint)."""

@@ -12,10 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sao_megatron.batch import build_batch
+from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import SAOConfig
+from sao_megatron.driver.advantages import Advantages
 from sao_megatron.driver.demos import demonstration_trajectory
+from sao_megatron.driver.observer import StepObserver
+from sao_megatron.driver.rollouts import RolloutSource
+from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
 from sao_megatron.observe import RunLog
+from sao_megatron.rollout.manager import PromptCursor, RolloutManager
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,21 @@ def rl(cfg: SAOConfig, has_critic: bool) -> Stage:
     return Stage("rl", cfg.train.steps, trains_actor=lambda step: step >= warmup, done=lambda m: False,
                  resumable=True, first_prompt=0, synchronous=cfg.algo.synchronous,
                  eval_every=cfg.train.eval_every, save_every=cfg.train.save_every)  # fmt: skip
+
+
+def open_stage(s: Session, state: RunState, stage: Stage,
+               ) -> tuple[Advantages, ReadyBuffer, RolloutManager, RolloutSource, StepObserver]:  # fmt: skip
+    """The estimator, buffer, manager, batch source and observer of one stage; a resumable stage
+    continues from the run state (cursor, waiting trajectories, baselines)."""
+    a = s.cfg.algo
+    estimator, buffer = Advantages(a), ReadyBuffer(a.batch_size, a.group_size, a.max_policy_lag)
+    manager = s.manager(buffer, lambda: state.version, PromptCursor("train", stage.first_prompt))
+    if stage.resumable and state.cursor:
+        estimator.load_state_dict(state.advantages)
+        buffer.load_state_dict(state.buffer)
+        manager.load_state_dict(state.cursor)
+    source = RolloutSource(manager, buffer, a.batch_size // a.group_size if stage.synchronous else None)
+    return estimator, buffer, manager, source, StepObserver(manager, buffer, len(s.engines))
 
 
 async def sft(s: Session, log: RunLog) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 
@@ -101,7 +102,9 @@ def evaluate(
     if len(expr) > MAX_EXPR_CHARS:
         raise EvalError(f"expression longer than {MAX_EXPR_CHARS} characters")
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
+        with warnings.catch_warnings():  # e.g. "invalid decimal literal" on model text such as "2x"
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expr.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise EvalError(f"invalid expression: {getattr(exc, 'msg', exc)}") from None
     try:

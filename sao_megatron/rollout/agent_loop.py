@@ -31,23 +31,23 @@ __all__ = ["AgentLoop", "AgentLoopConfig"]  # AgentLoopConfig: the run config's 
 class _Episode:
     response_ids: list[int]
     action_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
+    behavior_logprobs: list[float]
+    policy_versions: list[int]
     turns: list[Turn]
 
-    def add_action(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def add_action(self, ids: list[int], behavior_logprobs: list[float], policy_versions: list[int]) -> None:
         start = len(self.response_ids)
         self.response_ids += ids
         self.action_mask += [1] * len(ids)
-        self.logprobs += logprobs
-        self.versions += versions
+        self.behavior_logprobs += behavior_logprobs
+        self.policy_versions += policy_versions
         self.turns.append(Turn(start, len(self.response_ids)))
 
     def add_observation(self, ids: list[int]) -> None:
         self.response_ids += ids
         self.action_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [OBSERVATION_VERSION] * len(ids)
+        self.behavior_logprobs += [0.0] * len(ids)
+        self.policy_versions += [OBSERVATION_VERSION] * len(ids)
 
 
 def _version(label: str) -> int:
@@ -70,7 +70,7 @@ class AgentLoop:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def run(self, env: Env, sample: Sample, split: str = "train", index: int = -1,
+    async def run(self, env: Env, sample: Sample, split: str = "train", index: int | None = None,
                   submitted_at: float | None = None) -> Trajectory:  # fmt: skip
         started = time.time()
         prompt_ids: list[int] = []
@@ -87,7 +87,7 @@ class AgentLoop:
             status, reason, reward, correct, details = "failed", f"{type(err).__name__}: {err}", 0.0, None, {}
         return Trajectory(
             prompt_id=sample.prompt_id, prompt_ids=prompt_ids, response_ids=ep.response_ids,
-            action_mask=ep.action_mask, behavior_logprobs=ep.logprobs, policy_versions=ep.versions,
+            action_mask=ep.action_mask, behavior_logprobs=ep.behavior_logprobs, policy_versions=ep.policy_versions,
             turns=ep.turns, reward=float(reward), status=status, status_reason=reason, correct=correct,
             reward_details=details, split=split, sample_index=index,
             submitted_at=submitted_at if submitted_at is not None else started, started_at=started,
@@ -110,7 +110,7 @@ class AgentLoop:
                 return "failed", "generation aborted by the engine"
             if not gen.output_ids:
                 return "failed", "engine returned no tokens"
-            ep.add_action(gen.output_ids, gen.logprobs, [_version(v) for v in gen.versions])
+            ep.add_action(gen.output_ids, gen.behavior_logprobs, [_version(v) for v in gen.weight_versions])
             step = await env.astep(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False))
             if step.done:
                 return "finished", ""

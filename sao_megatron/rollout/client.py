@@ -68,10 +68,11 @@ class Generation:
     """One ``/generate`` answer: new tokens with their behavior logprobs and weight versions."""
 
     output_ids: list[int]
-    logprobs: list[float]
+    behavior_logprobs: list[float]
     """Per output token: log p(token | prefix) under the engine's sampling distribution."""
-    versions: list[str]
-    """Per output token: the weight version that produced it (a span may cross an update)."""
+    weight_versions: list[str]
+    """Per output token: the engine's label of the weights that produced it (a span may cross an
+    update); the agent loop turns labels into integer ``policy_versions``."""
     finish_reason: str
     """``stop`` (stop token/string), ``length`` (max_new_tokens) or ``abort``."""
     prompt_tokens: int
@@ -100,8 +101,8 @@ def parse_generation(body: dict, latency_s: float = 0.0) -> Generation:
     reason = meta.get("finish_reason") or {}
     return Generation(
         output_ids=output_ids,
-        logprobs=[float(e[0]) for e in entries],
-        versions=expand_versions(
+        behavior_logprobs=[float(e[0]) for e in entries],
+        weight_versions=expand_versions(
             meta.get("weight_versions"), len(output_ids), str(meta.get("weight_version"))
         ),
         finish_reason=str(reason.get("type", "unknown")) if isinstance(reason, dict) else str(reason),

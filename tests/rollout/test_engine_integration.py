@@ -51,8 +51,8 @@ def test_generate_returns_logprobs_and_versions(engine):
 
     gen = run(go())
     assert 1 <= len(gen.output_ids) <= 12
-    assert len(gen.logprobs) == len(gen.output_ids) == len(gen.versions)
-    assert all(lp <= 0.0 for lp in gen.logprobs)
+    assert len(gen.behavior_logprobs) == len(gen.output_ids) == len(gen.weight_versions)
+    assert all(lp <= 0.0 for lp in gen.behavior_logprobs)
     assert gen.finish_reason in ("stop", "length")
 
 
@@ -107,14 +107,17 @@ def test_weight_update_mid_generation_gives_two_versions(engine, checkpoints):
             for i in range(3):
                 gen = await attempt(client, f"mid{i}")
                 tries.append(gen)
-                if len(set(gen.versions)) == 2:
+                if len(set(gen.weight_versions)) == 2:
                     break
             return tries
 
     tries = run(go())
     gen = tries[-1]
-    assert len(set(gen.versions)) == 2, [sorted(set(t.versions)) for t in tries]
-    assert gen.versions[-1] == f"mid{len(tries) - 1}" and gen.versions[0] != gen.versions[-1]
+    assert len(set(gen.weight_versions)) == 2, [sorted(set(t.weight_versions)) for t in tries]
+    assert (
+        gen.weight_versions[-1] == f"mid{len(tries) - 1}"
+        and gen.weight_versions[0] != gen.weight_versions[-1]
+    )
 
 
 def test_engine_errors_become_failed_episodes():
@@ -166,7 +169,7 @@ def test_distributed_weight_sync_serves_new_weights(engine, checkpoints):
 
     report, scored, gen = run(go())
     assert report.tensors == len(names) and report.bytes > 0
-    assert set(gen.versions) == {"7"}
+    assert set(gen.weight_versions) == {"7"}
     expected = _hf_logprobs(checkpoints[1], ids)
     assert (torch.tensor(scored) - expected).abs().max().item() <= 1e-4
 
@@ -195,7 +198,7 @@ def test_tensor_weight_update_serves_new_weights(engine, checkpoints):
 
     outside, scored_v1, gen, scored_v0 = run(go())
     assert outside.status == 400 and "begin_weight_update" in str(outside)
-    assert set(gen.versions) == {"9"}
+    assert set(gen.weight_versions) == {"9"}
     assert (torch.tensor(scored_v1) - _hf_logprobs(checkpoints[1], ids)).abs().max().item() <= 1e-4
     assert (torch.tensor(scored_v0) - _hf_logprobs(checkpoints[0], ids)).abs().max().item() <= 1e-4
 
@@ -218,6 +221,12 @@ def test_router_proxies_generate(engine, tmp_path):
         routed, own, refused = run(go(router.url))
     assert router.proc.poll() is not None  # stopped with its process group
     assert routed.output_ids == own.output_ids and len(routed.output_ids) == 8
-    assert max(abs(a - b) for a, b in zip(routed.logprobs, own.logprobs, strict=True)) <= 1e-4
-    assert routed.versions == own.versions and routed.finish_reason == "length" and routed.prompt_tokens == 5
+    assert (
+        max(abs(a - b) for a, b in zip(routed.behavior_logprobs, own.behavior_logprobs, strict=True)) <= 1e-4
+    )
+    assert (
+        routed.weight_versions == own.weight_versions
+        and routed.finish_reason == "length"
+        and routed.prompt_tokens == 5
+    )
     assert refused.status == 404
