@@ -4,6 +4,7 @@
     sao config [CONFIG] [key=value ...]      print the resolved configuration
     sao plan [CONFIG] [key=value ...]        parameter counts and parallel layouts per role
     sao convert ...                          HF <-> Megatron checkpoints
+    sao export RUN_DIR [--step N] OUT_DIR     a run's actor as an HF checkpoint
 
 Configuration errors exit with status 2 and one line naming the key and the fix, before any
 process starts.
@@ -20,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from sao_megatron.config import ConfigError, SAOConfig, load_config, save_config, to_dict
+from sao_megatron.config.load import check_init_from
 from sao_megatron.logs import quiet_third_party
 
 EPILOG = """examples:
@@ -53,6 +55,19 @@ def _run_dir(cfg: SAOConfig) -> Path:
     return Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _tools_from(cfg: SAOConfig) -> str:
+    """What declares tools for this run (``rollout.env=NAME`` / ``data.tools_field=F``), or ''."""
+    if cfg.data.train and cfg.data.tools_field:
+        return f"data.tools_field={cfg.data.tools_field}"
+    from sao_megatron.envs.registry import make_env
+
+    try:
+        env = make_env(cfg.rollout.env, **cfg.rollout.env_kwargs)
+    except Exception:  # reported where the run builds its environments
+        return ""
+    return f"rollout.env={cfg.rollout.env}" if getattr(env, "tools", None) else ""
+
+
 def cmd_train(args) -> int:
     if args.resume:
         run_dir = Path(args.resume)
@@ -64,7 +79,13 @@ def cmd_train(args) -> int:
             cfg = load_config(path, overrides)
     else:
         cfg = _load(args)
+        check_init_from(cfg, _tools_from(cfg))  # a bad checkpoint fails before a run directory is made
         run_dir = _run_dir(cfg)
+    if cfg.data.train:  # every row, before any process starts (ConfigError: file:line and the fix)
+        from sao_megatron.envs.dataset import check_data
+
+        rows = check_data(cfg.data)
+        print("data: " + ", ".join(f"{split} {n} rows" for split, n in rows.items()))
     print(f"run directory: {run_dir}")
     import asyncio
 
@@ -81,6 +102,9 @@ def cmd_train(args) -> int:
     initial, final = result["initial"] or {}, result["final"] or {}
     print(f"done in {wall / 60:.1f} min: held-out accuracy {initial.get('eval/accuracy', float('nan')):.3f} "
           f"(start of RL) -> {final.get('eval/accuracy', float('nan')):.3f} (end); report: sao report {run_dir}")  # fmt: skip
+    for key in sorted(k for k in {*initial, *final} if k.startswith(("eval/mean_accuracy@", "eval/pass@"))):
+        print(f"  held-out {key.removeprefix('eval/')} at temperature {cfg.train.eval_sample_temperature:g}: "
+              f"{initial.get(key, float('nan')):.3f} (start of RL) -> {final.get(key, float('nan')):.3f} (end)")  # fmt: skip
     if args.report:
         from sao_megatron.report import write_report
 
@@ -165,6 +189,128 @@ def cmd_submit(args) -> int:
     return 0
 
 
+class ExportError(ValueError):
+    """A run directory that cannot be exported, stated in one line with the fix."""
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, world: int | None = None,
+               tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None, max_shard_bytes: int = 5 << 30,
+               overwrite: bool = False, progress: bool = False):  # fmt: skip
+    """The run's actor (``RUN_DIR/checkpoint/actor``) as an HF checkpoint in ``out_dir``.
+
+    Reuses ``sao convert mcore-to-hf``'s rank body: a spawned gloo world of ``world`` ranks at
+    TP/PP/EP builds the run's model (``RUN_DIR/config.yaml``), loads only the model tensors of the
+    role checkpoint (which also holds optimizer state) and streams safetensors shards from rank 0.
+    Config, generation config, tokenizer files and chat template come from the run's last policy
+    export ``RUN_DIR/hf/policy`` when present, else config.json is generated and the tokenizer
+    files of ``actor.init_from`` (an HF directory) or of the bundled ``sao_megatron/tokenizer``
+    are copied. Runs keep only their latest checkpoint, so ``step`` must equal its step
+    (``checkpoint/state.json``)."""
+    import dataclasses
+    import shutil
+
+    from sao_megatron.config import validate_parallel
+    from sao_megatron.models import hf_convert
+    from sao_megatron.spawn import run_world
+
+    t0 = time.perf_counter()
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ExportError(
+            f"{run_dir} is not a run directory (no config.yaml); pass the directory sao train wrote"
+        )
+    actor_dir = run_dir / "checkpoint" / "actor"
+    if not (actor_dir / "metadata.json").is_file():
+        raise ExportError(f"{run_dir} has no actor checkpoint ({actor_dir} is missing); runs write it every "
+                          "train.save_every steps and at the end: resume with 'sao train --resume RUN_DIR'")  # fmt: skip
+    state_file = run_dir / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    saved = state.get("step")
+    if step is not None and saved is None:
+        raise ExportError(
+            f"{state_file} is missing, so the checkpoint's step is unknown; export without --step"
+        )
+    if step is not None and step != saved:
+        raise ExportError(f"{run_dir} keeps only its latest checkpoint (stage {state.get('stage', '?')}, step "
+                          f"{saved}; {state_file}); step {step} is not stored: export without --step, or set "
+                          "train.save_every and copy checkpoint/ aside to keep earlier steps")  # fmt: skip
+    cfg = load_config(run_dir / "config.yaml", ["cluster.ray_address="])
+    m = cfg.model
+    template = run_dir / "hf" / "policy"
+    if not (template / "config.json").is_file():
+        template = None
+    else:
+        from sao_megatron.config import hf as hf_config
+
+        diff = hf_config.same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
+        if diff:
+            raise ExportError(f"{template}/config.json disagrees with {run_dir / 'config.yaml'} on {diff}; "
+                              "remove the stale hf/policy directory")  # fmt: skip
+    if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty; choose another directory or pass --overwrite"
+        )
+    p = hf_convert.parallel_config(world, tp, pp, ep)
+    validate_parallel(p, m, "export")
+    results = run_world(hf_convert._mcore_to_hf_rank, p.world_size, str(actor_dir.resolve()), str(out_dir.resolve()),
+                        dataclasses.asdict(m), dataclasses.asdict(p), cfg.actor.bf16,
+                        str(template) if template else None, dtype, max_shard_bytes, overwrite, progress,
+                        backend="gloo")  # fmt: skip
+    if template is None:  # no policy export yet (stopped during SFT): the run's tokenizer source
+        from sao_megatron.tokenizer import tokenizer_files, tokenizer_source
+
+        for path in tokenizer_files(tokenizer_source(cfg.actor.init_from)):
+            shutil.copy(path, out_dir / path.name)
+    r0 = results[0]
+    phases = {
+        "load_torch_dist": max(r["load_s"] for r in results),
+        "export_hf": max(r["export_s"] for r in results),
+    }
+    return hf_convert.ConvertSummary("run actor -> HF", r0["tensors"], r0["bytes"], time.perf_counter() - t0,
+                                     max(r["copy_s"] for r in results), phases)  # fmt: skip
+
+
+def cmd_export(args) -> int:
+    """``sao export RUN_DIR [--step N] OUT_DIR``; errors exit 1 with one line."""
+    from sao_megatron.models.hf_io import CheckpointError
+    from sao_megatron.spawn import WorldFailed
+
+    try:
+        summary = export_run(args.run_dir, args.out_dir, args.step, world=args.world, tp=args.tp, pp=args.pp,
+                             ep=args.ep, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                             overwrite=args.overwrite, progress=True)  # fmt: skip
+    except (ExportError, CheckpointError, FileExistsError, FileNotFoundError) as err:
+        print(f"export error: {err}", file=sys.stderr)
+        return 1
+    except WorldFailed as err:
+        last = [ln for ln in str(err).splitlines() if ln.strip()][-1]
+        print(f"export error (a rank failed): {last}", file=sys.stderr)
+        return 1
+    _print_summary(summary, "sao export")
+    print(f"wrote {args.out_dir} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def _add_export_parser(sub) -> None:
+    text = "write a run's actor as an HF checkpoint (safetensors, config, tokenizer, chat template)"
+    p = sub.add_parser("export", help=text, description=text + ". Runs keep only their latest checkpoint.",
+                       epilog="example:\n  sao export runs/tiny_cpu-20260101-120000 hf_out\nsee docs/training.md",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--step", type=int, default=None,
+                   help="expected step of the checkpoint (runs keep only the latest; a mismatch is an error)")  # fmt: skip
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks of the export world")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel ranks")
+    p.add_argument("--world", type=int, default=None, help="processes (default: PP * lcm(TP, EP))")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="HF weight dtype (default: that of the run's policy export, else the weights')")  # fmt: skip
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.set_defaults(fn=cmd_export)
+
+
 CONVERT_EPILOG = """examples:
   sao convert hf-config ~/Qwen3-30B-A3B --out configs/models/qwen3_30b_a3b.yaml
   sao convert hf-to-mcore ~/Qwen3-30B-A3B ckpt/qwen3_30b_a3b --world 2 --ep 2
@@ -173,11 +319,11 @@ see docs/convert.md
 """
 
 
-def _print_summary(summary) -> None:
+def _print_summary(summary, command: str = "sao convert") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"sao convert {summary.direction}")
+    table = Table(title=f"{command} {summary.direction}")
     for column in ("tensors", "MB", "wall s", "copy s", "GB/s (copy)", "copy phases (s)"):
         table.add_column(column, justify="right")
     mb = summary.bytes / 1e6
@@ -189,7 +335,8 @@ def _print_summary(summary) -> None:
 
 def cmd_convert(args) -> int:
     """HF <-> Megatron checkpoint conversion; errors about the checkpoint exit 1 with one line."""
-    from sao_megatron.models import hf_config, hf_convert
+    from sao_megatron.config import hf as hf_config
+    from sao_megatron.models import hf_convert
     from sao_megatron.spawn import WorldFailed
 
     try:
@@ -292,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
     _add_convert_parser(sub)
+    _add_export_parser(sub)
     return parser
 
 

@@ -14,7 +14,7 @@ from sao_megatron.observe import read_metrics
 
 PANELS = [
     ("reward and accuracy", ["rollout/reward", "rollout/accuracy"]),
-    ("held-out accuracy", ["eval/accuracy"]),
+    ("held-out accuracy", ["eval/accuracy", "eval/mean_accuracy@", "eval/pass@"]),
     ("response length (tokens) and turns", ["rollout/response_tokens", "rollout/action_tokens", "rollout/turns"]),
     ("policy lag (versions)", ["lag/mean", "lag/max", "lag/token_mean"]),
     ("lag histogram (fraction of batch)", ["lag/hist0", "lag/hist1", "lag/hist2", "lag/hist3+"]),
@@ -50,9 +50,12 @@ def _series(records: list[dict], stage: str, key: str) -> tuple[list[float], lis
 
 
 def _find(record_keys: set[str], key: str) -> str | None:
-    """Exact key, or the one metric ending with ``/key`` (algo metrics carry a prefix)."""
+    """Exact key, the first key starting with ``key`` when it ends with ``@`` (``eval/pass@`` finds
+    ``eval/pass@16``), or the one metric ending with ``/key`` (algo metrics carry a prefix)."""
     if key in record_keys:
         return key
+    if key.endswith("@"):
+        return min((k for k in record_keys if k.startswith(key)), default=None)
     matches = sorted(k for k in record_keys if k.endswith("/" + key) and "lag" not in k)
     return matches[0] if matches else None
 
@@ -120,6 +123,14 @@ def summary(records: list[dict]) -> str:
     if evals:
         head.append(f"held-out accuracy: {evals[0]['eval/accuracy']:.3f} (start of RL, step {evals[0]['step']}) -> "
                     f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})")  # fmt: skip
+        for prefix, what in (("eval/mean_accuracy@", "mean accuracy over {k} samples"),
+                             ("eval/pass@", "pass@{k}")):  # fmt: skip
+            key = _find({k for r in evals for k in r}, prefix)
+            if key is None:
+                continue
+            with_key = [r for r in evals if key in r]
+            head.append(f"held-out {what.format(k=key.split('@')[1])}: {with_key[0][key]:.3f} (step "
+                        f"{with_key[0]['step']}) -> {with_key[-1][key]:.3f} (step {with_key[-1]['step']})")  # fmt: skip
     if rl:
         head.append(f"wall time of RL: {rl[-1]['time'] - rl[0]['time'] + rl[0].get('time/step_s', 0):.0f} s")
     return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"

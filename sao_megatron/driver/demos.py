@@ -1,33 +1,42 @@
 """Supervised warm start (the paper's TIR-SFT stage): expert demonstrations as trajectories.
 
-A demonstration is tokenised exactly as the agent loop tokenises a live episode (prompt,
-then each action and each rendered observation encoded separately), so SFT teaches the same
-token sequences the engine will later produce; only action tokens carry the loss.
+A demonstration is tokenised exactly as the agent loop tokenises a live episode, through the
+same :class:`~sao_megatron.envs.format.ChatFormat` (the tokenizer's chat template): the prompt is
+``apply_chat_template([system?, user], tools=..., add_generation_prompt=True)``, each action is
+its text (with the template's end marker) encoded on its own, as the engine would generate it,
+and each observation is the template's suffix rendering of the tool result. SFT therefore
+teaches the same token sequences the engine will later produce; only action tokens carry the loss.
 """
 
 from __future__ import annotations
 
 from sao_megatron.envs.base import Split, Task
-from sao_megatron.envs.format import render_observation, render_prompt
+from sao_megatron.envs.format import ChatFormat, tool_format_of
 from sao_megatron.envs.registry import make_env
 from sao_megatron.records import OBSERVATION_VERSION, Trajectory, Turn
 
 
 def demonstration_trajectory(env_name: str, task: Task, tokenizer, split: Split, index: int,
-                             env_kwargs: dict | None = None) -> Trajectory:  # fmt: skip
+                             env_kwargs: dict | None = None, enable_thinking: bool | None = None) -> Trajectory:  # fmt: skip
     env = make_env(env_name, **(env_kwargs or {}))
+    env.use_tool_format(tool_format_of(getattr(tokenizer, "chat_template", None)))
+    chat = ChatFormat(tokenizer, tools=env.tools, system=env.system_prompt, enable_thinking=enable_thinking)
     sample = task.get(split, index)
     question = env.reset(sample)
-    prompt_ids = tokenizer.encode(render_prompt(question), add_special_tokens=False)
+    prompt_ids = chat.prompt_ids(question)
+    messages = chat.prompt_messages(question)
     response, mask, turns = [], [], []
     for role, text in env.demonstration(sample):
         if role == "assistant":
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            action = chat.ensure_end(text)
+            ids = chat.encode(action)
             turns.append(Turn(len(response), len(response) + len(ids)))
             mask += [1] * len(ids)
+            messages.append(chat.assistant_message(action))
         else:
-            ids = tokenizer.encode(render_observation(text), add_special_tokens=False)
+            ids = chat.observation_ids(messages, text)
             mask += [0] * len(ids)
+            messages.append(chat.tool_message(text))
         response += ids
     return Trajectory(
         prompt_id=sample.prompt_id, prompt_ids=prompt_ids, response_ids=response, action_mask=mask,

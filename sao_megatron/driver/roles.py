@@ -45,14 +45,14 @@ class RankActor:
     """One rank of one role; owns the process and its ``ActorWorker`` or ``CriticWorker``."""
 
     def __init__(self, kind: str, cfg: SAOConfig, rank: int, world: int, master_addr: str, master_port: int,
-                 log_path: str, actor_state: dict | None = None):  # fmt: skip
+                 log_path: str, init_from: str | None = None):  # fmt: skip
         from sao_megatron import parallel
         from sao_megatron.logs import quiet_third_party, redirect_process_output
 
         redirect_process_output(Path(log_path))
         quiet_third_party()
         parallel.init_distributed(rank, world, master_addr, master_port, backend=cfg.run.backend)
-        self.worker = ActorWorker(cfg) if kind == "actor" else CriticWorker(cfg, actor_state)
+        self.worker = ActorWorker(cfg) if kind == "actor" else CriticWorker(cfg, init_from)
         from sao_megatron.workers.common import coordinates
 
         self.coords = coordinates()
@@ -74,7 +74,7 @@ class RankActor:
 class RoleGroup[W: (ActorWorker, CriticWorker)]:
     """All ranks of one role (one Megatron world)."""
 
-    def __init__(self, kind: str, cfg: SAOConfig, run_dir: Path, actor_state: dict | None = None):
+    def __init__(self, kind: str, cfg: SAOConfig, run_dir: Path, init_from: str | None = None):
         role = cfg.actor if kind == "actor" else cfg.critic
         world = role.parallel.world_size
         gpus = 1 if torch.cuda.is_available() else 0
@@ -82,13 +82,12 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
         # Under launch/slurm every node advertises the role it belongs to (sao_actor, sao_critic,
         # sao_rollout: one unit per GPU); ranks then land on their role's node group.
         resources = {f"sao_{kind}": 1 if gpus else 0.01} if remote else {}
-        state_ref = ray.put(actor_state) if actor_state is not None else None
         master = ray.util.get_node_ip_address() if gpus else "127.0.0.1"
         port = free_port()
         self.kind = kind
         self.ranks: list[Any] = [  # Ray actor handles (untyped); the typed boundary is _all()
             RankActor.options(num_cpus=cfg.cluster.cpus_per_rank, num_gpus=gpus, resources=resources).remote(
-                kind, cfg, r, world, master, port, str(run_dir / "logs" / f"{kind}_rank{r}.log"), state_ref
+                kind, cfg, r, world, master, port, str(run_dir / "logs" / f"{kind}_rank{r}.log"), init_from
             )
             for r in range(world)
         ]
@@ -183,9 +182,6 @@ class ActorGroup(RoleGroup[ActorWorker]):
         """Broadcast the weights to the engines from global rank 0 (which reports the timing)."""
         return (await self._all(ActorWorker.sync_weights, engine_urls, version, address, port))[0]
 
-    async def full_state(self) -> dict[str, torch.Tensor]:
-        return (await self._all(ActorWorker.full_state))[0]
-
     async def node_ip(self) -> str:
         return await self.ranks[0].node_ip.remote()
 
@@ -193,8 +189,10 @@ class ActorGroup(RoleGroup[ActorWorker]):
 class CriticGroup(RoleGroup[CriticWorker]):
     """The value model's world."""
 
-    def __init__(self, cfg: SAOConfig, run_dir: Path, actor_state: dict | None = None):
-        super().__init__("critic", cfg, run_dir, actor_state)
+    def __init__(self, cfg: SAOConfig, run_dir: Path, init_from: str | None = None):
+        """``init_from``: the trunk's checkpoint directory (``""``: random; ``None``:
+        ``critic.init_from``); every rank reads only its own slices of it."""
+        super().__init__("critic", cfg, run_dir, init_from)
 
     async def save(self, directory: Path) -> None:
         await self._all(CriticWorker.save, str(directory))

@@ -11,6 +11,7 @@ from pathlib import Path
 from sao_megatron import algo
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import SAOConfig
+from sao_megatron.config.load import check_init_from
 from sao_megatron.driver.advantages import Advantages
 from sao_megatron.driver.engines import Engine, start_engines
 from sao_megatron.driver.roles import ActorGroup, CriticGroup, init_ray
@@ -31,8 +32,8 @@ class Session:
     def __init__(self, cfg: SAOConfig, run_dir: Path, actor: ActorGroup):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.tokenizer = load_tokenizer()
-        self.task: Task = make_task(cfg.rollout.env, **cfg.rollout.task_kwargs)
+        self.tokenizer = load_tokenizer(init_from=getattr(cfg.actor, "init_from", "") or None)
+        self.task: Task = make_task(cfg.rollout.env, dataset=cfg.data, **cfg.rollout.task_kwargs)
         self.actor = actor
         self.critic: CriticGroup | None = None
         self.engines: list[Engine] = []
@@ -40,10 +41,12 @@ class Session:
         self.loops: list[AgentLoop] = []
         self.sync_address = "127.0.0.1"
         self.sync_port = free_port()
+        self._policy_exported = False  # <run_dir>/hf/policy holds the actor's current weights
 
     @classmethod
     async def start(cls, cfg: SAOConfig, run_dir: Path, state: RunState) -> Session:
         """The actor world, restored from the run's checkpoint after SFT; the critic too."""
+        check_init_from(cfg)  # a missing checkpoint fails here, before any process starts
         init_ray(cfg.cluster.ray_address)
         actor = ActorGroup(cfg, run_dir)
         await actor.started()
@@ -56,22 +59,38 @@ class Session:
         return session
 
     async def ensure_critic(self) -> None:
-        """Build the critic (after SFT): from the actor's weights, or from its own checkpoint."""
+        """Build the critic (after SFT). Its trunk comes from, first match: the run's critic
+        checkpoint (resume), ``critic.init_from``, the actor's current weights exported as an HF
+        checkpoint (``critic.init_from_actor``; the engines start from the same export), else a
+        random initialisation. Every critic rank reads only its own slices of the source."""
         if self.critic is not None or not algo.uses_critic(self.cfg.algo.advantage):
             return
         checkpoint = RunState.checkpoint_dir(self.run_dir) / "critic"
-        actor_state = None
-        if self.cfg.critic.init_from_actor and not checkpoint.exists():
-            actor_state = await self.actor.full_state()
-        self.critic = CriticGroup(self.cfg, self.run_dir, actor_state)
+        source = ""
+        if checkpoint.exists():
+            pass  # loaded below; reading an initial checkpoint first would be wasted
+        elif self.cfg.critic.init_from:
+            source = self.cfg.critic.init_from
+        elif self.cfg.critic.init_from_actor:
+            source = str(await self._export_policy())
+        self.critic = CriticGroup(self.cfg, self.run_dir, source)
         await self.critic.started()
         if checkpoint.exists():
             await self.critic.load(checkpoint)
 
+    async def _export_policy(self) -> Path:
+        """The actor's current weights as an HF checkpoint in ``<run_dir>/hf/policy``; exported once
+        for the critic and the engines' start (the actor does not train in between)."""
+        hf_dir = self.run_dir / "hf" / "policy"
+        if not self._policy_exported:
+            await self.actor.export_hf(hf_dir)
+            self._policy_exported = True
+        return hf_dir
+
     async def start_rollouts(self, version: int) -> None:
         """Export the current policy, start the engines from it and connect the weight sync."""
-        hf_dir = self.run_dir / "hf" / "policy"
-        await self.actor.export_hf(hf_dir)
+        hf_dir = await self._export_policy()
+        self._policy_exported = False  # the actor trains from here on: later exports are fresh
         self.engines = await start_engines(self.cfg, hf_dir, self.run_dir)
         if self.cfg.cluster.ray_address:  # engines dial actor rank 0's node
             self.sync_address = await self.actor.node_ip()
@@ -105,30 +124,52 @@ class Session:
                               env_kwargs=self.cfg.rollout.env_kwargs, cursor=cursor)  # fmt: skip
 
     async def evaluate(self) -> dict[str, float]:
-        """Episodes on the first ``eval_prompts`` held-out prompts at ``train.eval_temperature``."""
-        n = self.cfg.train.eval_prompts
-        if n <= 0 or not self.loops:
-            return {}
-        greedy = dataclasses.replace(self.cfg.rollout.loop, temperature=self.cfg.train.eval_temperature)
-        loops = [
-            AgentLoop(c, self.tokenizer, greedy, engine_name=f"eval{i}") for i, c in enumerate(self.clients)
-        ]
-        sem = asyncio.Semaphore(self.cfg.rollout.max_concurrent)
+        """The paper's two held-out figures on the first ``train.eval_prompts`` held-out prompts
+        (at most the held-out set's size):
 
-        async def one(i: int) -> Trajectory:
+        * ``eval/accuracy``: one episode per prompt at ``train.eval_temperature`` (0: greedy pass@1),
+          with ``eval/reward``, ``eval/failed`` (episodes) and ``eval/turns`` of the same episodes;
+        * ``eval/mean_accuracy@k``: ``k = train.eval_samples`` episodes per prompt at
+          ``train.eval_sample_temperature``, mean accuracy over all of them (paper: k=16 at 1.0),
+          with ``eval/pass@k`` (share of prompts with a correct sample) and ``eval/sampled_failed``.
+
+        Failed episodes count as wrong. All episodes run concurrently (``rollout.max_concurrent``).
+        """
+        t = self.cfg.train
+        size = self.task.size("heldout")
+        n = t.eval_prompts if size is None else min(t.eval_prompts, size)
+        if n <= 0 or not self.clients:
+            return {}
+        k = t.eval_samples
+        settings = [dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_temperature)]
+        if k > 0:
+            settings.append(dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_sample_temperature))
+        loops = [[AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}") for i, c in enumerate(self.clients)]
+                 for s in settings]  # fmt: skip
+        sem = asyncio.Semaphore(self.cfg.rollout.max_concurrent)
+        samples = [self.task.get("heldout", i) for i in range(n)]
+
+        async def one(kind: int, i: int, j: int) -> Trajectory:
             async with sem:
                 env = make_env(self.cfg.rollout.env, **self.cfg.rollout.env_kwargs)
-                return await loops[i % len(loops)].run(
-                    env, self.task.get("heldout", i), split="heldout", index=i
-                )
+                loop = loops[kind][(i * (k + 1) + j) % len(self.clients)]
+                return await loop.run(env, samples[i], split="heldout", index=i)
 
-        results = await asyncio.gather(*(one(i) for i in range(n)))
-        return {
-            "eval/accuracy": sum(bool(t.correct) for t in results) / n,
-            "eval/reward": sum(t.reward for t in results) / n,
-            "eval/failed": float(sum(t.status == "failed" for t in results)),
-            "eval/turns": sum(t.num_turns for t in results) / n,
+        jobs = [(0, i, 0) for i in range(n)] + [(1, i, j) for i in range(n) for j in range(k)]
+        results = await asyncio.gather(*(one(*job) for job in jobs))
+        first, rest = results[:n], results[n:]
+        metrics = {
+            "eval/accuracy": sum(bool(r.correct) for r in first) / n,
+            "eval/reward": sum(r.reward for r in first) / n,
+            "eval/failed": float(sum(r.status == "failed" for r in first)),
+            "eval/turns": sum(r.num_turns for r in first) / n,
         }
+        if k > 0:
+            per_prompt = [[bool(r.correct) for r in rest[i * k : (i + 1) * k]] for i in range(n)]
+            metrics[f"eval/mean_accuracy@{k}"] = sum(map(sum, per_prompt)) / (n * k)
+            metrics[f"eval/pass@{k}"] = sum(map(any, per_prompt)) / n
+            metrics["eval/sampled_failed"] = float(sum(r.status == "failed" for r in rest))
+        return metrics
 
     async def checkpoint(self, state: RunState, manager: RolloutManager | None = None,
                          buffer: ReadyBuffer | None = None, advantages: Advantages | None = None) -> None:  # fmt: skip

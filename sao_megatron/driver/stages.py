@@ -86,7 +86,8 @@ async def sft(s: Session, log: RunLog) -> None:
     await s.actor.set_lr(t.sft_lr)
     for step in range(1, t.sft_steps + 1):
         demos = [demonstration_trajectory(cfg.rollout.env, s.task, s.tokenizer, "train", rng.randrange(1 << 30),
-                                          cfg.rollout.env_kwargs) for _ in range(t.sft_batch_size)]  # fmt: skip
+                                          cfg.rollout.env_kwargs, enable_thinking=cfg.rollout.loop.enable_thinking)
+                 for _ in range(t.sft_batch_size)]  # fmt: skip
         metrics = await s.actor.sft_step(build_batch(demos))
         if step % 10 == 0 or step == t.sft_steps:
             log.log(step, "sft", {f"sft/{k}": v for k, v in metrics.items()})

@@ -17,7 +17,7 @@ import hashlib
 import random
 
 from sao_megatron.envs.base import Sample, Split, Task, check_split
-from sao_megatron.envs.format import Turn, final_answer, tool_call
+from sao_megatron.envs.format import Turn
 from sao_megatron.envs.registry import register_env
 from sao_megatron.envs.safe_eval import calculator, evaluate, format_number
 from sao_megatron.envs.tool_env import ToolEnv
@@ -101,6 +101,10 @@ class ArithToolEnv(ToolEnv):
     """
 
     task_class = ArithTask
+    tool_name = "calculator"
+    tool_description = "Evaluate an arithmetic expression of integers with + - * and parentheses exactly."
+    tool_argument = "expression"
+    tool_argument_description = "The expression, e.g. 37*12+5."
 
     def __init__(
         self, max_turns: int = 3, format_penalty: float = 0.0, max_observation_chars: int = 64
@@ -117,7 +121,7 @@ class ArithToolEnv(ToolEnv):
     def demonstration(self, sample: Sample) -> list[Turn]:
         expr = str(sample.meta["expression"])
         return [
-            ("assistant", tool_call(expr)),
+            ("assistant", self.call_text(expr)),
             ("tool", calculator(expr)),
-            ("assistant", final_answer(sample.answer)),
+            ("assistant", self.answer_text(sample.answer)),
         ]

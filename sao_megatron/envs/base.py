@@ -4,11 +4,12 @@ Dataflow of one episode (the rollout worker drives it)::
 
     sample = task.get("train", index)        # deterministic: same (split, index) -> same sample
     env = make_env(name, **env_kwargs)       # one Env instance per episode; it holds the state
-    question = env.reset(sample)             # prompt text -> format.render_prompt(question)
+    env.use_tool_format(fmt)                 # from the tokenizer's chat template (tags / json)
+    question = env.reset(sample)             # prompt: the chat template with env.tools
     loop: action = model(...)                # text ending with <|end|>
           step = env.step(action)            # or `await env.astep(action)` in async workers
           if step.done: break
-          append format.render_observation(step.observation)
+          append the template's rendering of step.observation (format.ChatFormat)
     result = env.reward()                    # RewardResult(reward, correct, details)
 
 Tasks index prompts by ``(split, index)`` with ``index >= 0``: a resumable cursor is just the
@@ -23,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from sao_megatron.envs.format import Turn
+from sao_megatron.envs.format import ToolFormat, Turn
 
 Split = Literal["train", "heldout"]
 SPLITS: tuple[Split, ...] = ("train", "heldout")
@@ -124,6 +125,24 @@ class Env(ABC):
     @abstractmethod
     def reward(self) -> RewardResult:
         """The episode's reward; valid once :meth:`step` returned ``done``."""
+
+    @property
+    def tools(self) -> list[dict]:
+        """The environment's tools as OpenAI-style JSON schemas (``apply_chat_template(tools=)``)."""
+        return []
+
+    @property
+    def system_prompt(self) -> str | None:
+        """A system message for the chat template, or None (the tiny template has no system role)."""
+        return None
+
+    def use_tool_format(self, tool_format: ToolFormat) -> None:
+        """Called before :meth:`reset` with the run's format (from the tokenizer's template).
+
+        Environments without tools ignore it; tool environments parse and demonstrate in it.
+        """
+        if tool_format not in ("tags", "json"):
+            raise ValueError(f"unknown tool format {tool_format!r}: use 'tags' or 'json'")
 
     def demonstration(self, sample: Sample) -> list[Turn]:
         """An expert trajectory for SFT (actions end with ``<|end|>``); optional."""

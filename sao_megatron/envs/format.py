@@ -114,3 +114,140 @@ CHAT_TEMPLATE = (
 
 ``add_generation_prompt`` is a no-op: user and tool turns already end with ``<|assistant|>``.
 """
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer's chat template: token-in/token-out rendering of live episodes and demonstrations.
+
+ToolFormat = Literal["tags", "json"]
+"""How actions call tools: ``tags`` = ``<tool>code</tool>`` / ``<answer>..</answer>`` (the tiny
+template); ``json`` = the native ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` of
+templates that render tool schemas (Qwen3, Hermes-style)."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template breaks the suffix assumption (see :meth:`ChatFormat.observation_ids`)."""
+
+
+def tool_format_of(chat_template: str | None) -> ToolFormat:
+    """``json`` when the template speaks ``<tool_call>``, else ``tags``."""
+    return "json" if chat_template and "<tool_call>" in chat_template else "tags"
+
+
+class ChatFormat:
+    """Renders one conversation through ``tokenizer.apply_chat_template``, token-in/token-out.
+
+    * :meth:`prompt_ids`: ``apply_chat_template([system?, user], tools=tools,
+      add_generation_prompt=True, tokenize=True)`` (``enable_thinking`` passed only when set and
+      the template reads it).
+    * Actions are never re-rendered: the trajectory keeps the ids the engine generated.
+    * :meth:`observation_ids`: the template's rendering of a tool result up to the next
+      generation prompt, as a suffix (see there).
+
+    User and tool text is escaped (:func:`escape_specials`), so neither can spell a special token.
+    ``end_marker`` is the tokenizer's eos token, which ends an assistant turn in the template
+    (``<|end|>`` tiny, ``<|im_end|>`` Qwen3); ``stop_token_ids`` are its id(s).
+    """
+
+    def __init__(self, tokenizer, tools: Sequence[dict] | None = None, system: str | None = None,
+                 enable_thinking: bool | None = None) -> None:  # fmt: skip
+        self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
+        self.system = system
+        template = getattr(tokenizer, "chat_template", None)
+        if not isinstance(template, str) or not template:
+            raise ChatTemplateError("the tokenizer has no chat template")
+        self.template = template
+        self.tool_format: ToolFormat = tool_format_of(template)
+        self.enable_thinking = enable_thinking if "enable_thinking" in template else None
+        self.end_marker: str = tokenizer.eos_token
+        if not self.end_marker:
+            raise ChatTemplateError("the tokenizer has no eos token to end assistant turns")
+        self.stop_token_ids: tuple[int, ...] = (int(tokenizer.convert_tokens_to_ids(self.end_marker)),)
+
+    # -- rendering -------------------------------------------------------------------------
+    def _kwargs(self, add_generation_prompt: bool) -> dict:
+        kwargs: dict = {"tools": self.tools, "add_generation_prompt": add_generation_prompt}
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, **self._kwargs(add_generation_prompt)
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_messages(self, question: str) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return [*head, {"role": "user", "content": escape_specials(question)}]
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The first prompt: system prompt, tool schemas, user turn, generation prompt."""
+        ids = self.tokenizer.apply_chat_template(
+            self.prompt_messages(question), tokenize=True, return_dict=False, **self._kwargs(True)
+        )
+        return [int(i) for i in ids]
+
+    @staticmethod
+    def tool_message(output: str) -> dict:
+        """The template's ``tool`` message for a tool result (escaped)."""
+        return {"role": "tool", "content": escape_specials(output)}
+
+    def assistant_message(self, action_text: str) -> dict:
+        """The template's ``assistant`` message for a generated action (decoded text)."""
+        return {"role": "assistant", "content": self.action_content(action_text)}
+
+    def action_content(self, action_text: str) -> str:
+        """The assistant message content of a generated action: its text without the end marker."""
+        text = action_text
+        while text.endswith(self.end_marker):
+            text = text[: -len(self.end_marker)]
+        return text
+
+    def observation_text(self, history: Sequence[dict], output: str) -> str:
+        """The template's text for the tool result ``output`` after ``history`` (see below).
+
+        ``history`` is the conversation so far and ends with the assistant's last action.
+        Method (suffix rendering): ``before`` = render(history without its last action);
+        ``after`` = render(history + [tool message], add_generation_prompt=True). The
+        observation is the part of ``after`` following the first end marker after ``before``,
+        i.e. after the last action's end marker (``<|end|>`` / ``<|im_end|>``), up to and
+        including the next generation prompt.
+
+        Assumptions, checked (:class:`ChatTemplateError` otherwise): appending the action and
+        the tool message does not change how the template renders the conversation before the
+        action (``after`` starts with ``before``), the rendering of the history alone also
+        starts with ``before`` and ends the action with the end marker, and the action's own
+        text holds no end marker. The action's rendering itself may differ from what was
+        generated (Qwen3 drops empty ``<think>`` blocks of earlier turns): only the part after
+        its end marker is used, the trajectory keeps the generated ids.
+        """
+        if not history or history[-1].get("role") != "assistant":
+            raise ChatTemplateError("the history must end with the assistant's action")
+        if self.end_marker in str(history[-1].get("content", "")):
+            raise ChatTemplateError(f"the action's text contains the end marker {self.end_marker!r}")
+        before = self.render(history[:-1])
+        alone = self.render(history)
+        after = self.render([*history, self.tool_message(output)], True)
+        if not alone.startswith(before) or self.end_marker not in alone[len(before) :]:
+            raise ChatTemplateError("the chat template does not render the action as a turn ending with "
+                                    f"{self.end_marker!r} after the unchanged conversation before it")  # fmt: skip
+        if not after.startswith(before):
+            raise ChatTemplateError("the chat template renders the conversation before the last action "
+                                    "differently once a tool result follows it")  # fmt: skip
+        cut = after.find(self.end_marker, len(before))
+        if cut < 0:
+            raise ChatTemplateError(f"no {self.end_marker!r} after the action in the rendered conversation")
+        return after[cut + len(self.end_marker) :]
+
+    def observation_ids(self, history: Sequence[dict], output: str) -> list[int]:
+        """:meth:`observation_text` tokenised on its own. Exact in context because it starts right
+        after the end marker, a special token at which the tokenizer always splits."""
+        return self.encode(self.observation_text(history, output))
+
+    def ensure_end(self, action: str) -> str:
+        """A demonstration action with exactly one trailing end marker (as the engine stops)."""
+        return action if action.endswith(self.end_marker) else action + self.end_marker

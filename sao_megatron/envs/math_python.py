@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sao_megatron.envs.answer_check import answers_match
 from sao_megatron.envs.base import SPLITS, Sample, Split, Task, check_split
-from sao_megatron.envs.format import Turn, final_answer, tool_call
+from sao_megatron.envs.format import Turn
 from sao_megatron.envs.registry import register_env
 from sao_megatron.envs.sandbox import SandboxLimits, arun_python, run_python
 from sao_megatron.envs.tool_env import ToolEnv
@@ -72,6 +72,10 @@ class MathPythonEnv(ToolEnv):
     """
 
     task_class = MathPythonTask
+    tool_name = "python"
+    tool_description = "Run Python 3 code (standard library only) in a sandbox and return its stdout; print the values you need."
+    tool_argument = "code"
+    tool_argument_description = "The Python code to run."
 
     def __init__(
         self,
@@ -96,9 +100,9 @@ class MathPythonEnv(ToolEnv):
         """Run the reference solution in the sandbox and answer with the ground truth."""
         code = str(sample.meta.get("solution", ""))
         if not code:
-            return [("assistant", final_answer(sample.answer))]
+            return [("assistant", self.answer_text(sample.answer))]
         return [
-            ("assistant", tool_call(code)),
+            ("assistant", self.call_text(code)),
             ("tool", self.run_tool(code)),
-            ("assistant", final_answer(sample.answer)),
+            ("assistant", self.answer_text(sample.answer)),
         ]

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sao_megatron.envs.base import Env, Task
+
+if TYPE_CHECKING:
+    from sao_megatron.config.schema import DataConfig
 
 _REGISTRY: dict[str, type[Env] | str] = {
     "arith_tool": "sao_megatron.envs.arith_tool:ArithToolEnv",
@@ -84,9 +87,14 @@ def make_env(name_or_path: str, **kwargs: Any) -> Env:
     return resolve_env(name_or_path)(**kwargs)
 
 
-def make_task(name_or_path: str, **kwargs: Any) -> Task:
-    """The Env's ``task_class`` built with ``kwargs`` (the prompt source)."""
+def make_task(name_or_path: str, *, dataset: DataConfig | None = None, **kwargs: Any) -> Task:
+    """The prompt source: the Env's ``task_class`` built with ``kwargs``, or, when ``dataset.train``
+    is set, a :class:`~sao_megatron.envs.dataset.DatasetTask` over its files (``kwargs`` unused)."""
     cls = resolve_env(name_or_path)
+    if dataset is not None and dataset.train:
+        from sao_megatron.envs.dataset import DatasetTask
+
+        return DatasetTask(dataset)
     task_class = getattr(cls, "task_class", None)
     if not (isinstance(task_class, type) and issubclass(task_class, Task)):
         raise ValueError(f"environment {name_or_path!r} defines no task_class (a Task subclass); set one")

@@ -1,10 +1,19 @@
 """Shared multi-turn protocol of the tool-using environments (arith_tool, math_python).
 
-Each action is parsed by :func:`sao_megatron.envs.tool_parse.parse_action`:
+Each action is parsed in the run's tool format (:meth:`ToolEnv.use_tool_format`, which the agent
+loop takes from the tokenizer's chat template):
 
-* ``<tool>code</tool>`` -> the subclass runs the tool; its output is the observation;
-* ``<answer>text</answer>`` -> the episode ends and the answer is graded;
-* anything else -> observation ``Error: malformed action: <reason>`` (counted; optional penalty).
+* ``tags`` (:func:`sao_megatron.envs.tool_parse.parse_action`, the tiny template):
+  ``<tool>code</tool>`` -> the subclass runs the tool; ``<answer>text</answer>`` -> the episode
+  ends and the answer is graded;
+* ``json`` (:func:`sao_megatron.envs.tool_parse.parse_native_action`, e.g. Qwen3):
+  ``<tool_call>{"name": TOOL, "arguments": {ARG: code}}</tool_call>`` -> the tool runs on
+  ``code``; an action without a call is the answer (``<answer>`` body if present);
+* anything else (bad JSON, unknown tool, missing arguments, ...) -> the tool-error observation
+  ``Error: malformed action: <reason>`` (counted; optional penalty).
+
+The single tool is declared as a JSON schema (:attr:`ToolEnv.tools`: ``tool_name``, one string
+parameter ``tool_argument``), passed to the chat template as ``tools=``.
 
 After ``max_turns`` actions without an answer the episode ends (``info["truncated"] = True``,
 reward 0). Reward = 1.0 for a correct answer, else 0.0, minus ``format_penalty`` if any action
@@ -13,15 +22,33 @@ was malformed.
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
-from sao_megatron.envs.tool_parse import Answer, Malformed, ToolCall, parse_action
+from sao_megatron.envs.format import ToolFormat, final_answer, tool_call
+from sao_megatron.envs.tool_parse import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    Answer,
+    Malformed,
+    NativeCall,
+    ToolCall,
+    parse_action,
+    parse_native_action,
+)
 
 
 class ToolEnv(Env):
     """Base for tool + answer episodes; subclasses implement :meth:`run_tool` and :meth:`check`."""
+
+    tool_name: ClassVar[str] = "tool"
+    tool_description: ClassVar[str] = "Run the tool."
+    tool_argument: ClassVar[str] = "code"
+    tool_argument_description: ClassVar[str] = "The tool input."
 
     def __init__(
         self, max_turns: int = 4, format_penalty: float = 0.0, max_observation_chars: int = 512
@@ -37,6 +64,44 @@ class ToolEnv(Env):
         self.malformed = 0
         self.answer: str | None = None
         self.done = False
+        self.tool_format: ToolFormat = "tags"
+
+    @property
+    def tools(self) -> list[dict]:
+        return [{"type": "function", "function": {
+            "name": self.tool_name, "description": self.tool_description,
+            "parameters": {"type": "object", "required": [self.tool_argument], "properties": {
+                self.tool_argument: {"type": "string", "description": self.tool_argument_description}}},
+        }}]  # fmt: skip
+
+    @property
+    def system_prompt(self) -> str | None:
+        if self.tool_format == "tags":
+            return None
+        return (f"Use the {self.tool_name} tool when it helps. When you know the final answer, reply "
+                f"without a tool call and put the answer in {ANSWER_OPEN}...{ANSWER_CLOSE}.")  # fmt: skip
+
+    def use_tool_format(self, tool_format: ToolFormat) -> None:
+        if tool_format not in ("tags", "json"):
+            raise ValueError(f"unknown tool format {tool_format!r}: use 'tags' or 'json'")
+        self.tool_format = tool_format
+
+    def call_text(self, code: str) -> str:
+        """A demonstration action calling the tool on ``code``, in the run's format.
+
+        ``tags``: ``<tool>code</tool><|end|>``; ``json``: ``<tool_call>\n{"name": .., "arguments":
+        {..}}\n</tool_call>`` (the template's own serialisation; the caller adds the end marker).
+        """
+        if self.tool_format == "tags":
+            return tool_call(code)
+        payload = json.dumps(
+            {"name": self.tool_name, "arguments": {self.tool_argument: code}}, ensure_ascii=False
+        )
+        return f"{TOOL_CALL_OPEN}\n{payload}\n{TOOL_CALL_CLOSE}"
+
+    def answer_text(self, answer: str) -> str:
+        """A demonstration action giving the final answer, in the run's format."""
+        return final_answer(answer) if self.tool_format == "tags" else f"{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
 
     @abstractmethod
     def run_tool(self, code: str) -> str:
@@ -59,7 +124,15 @@ class ToolEnv(Env):
         if self.sample is None or self.done:
             raise RuntimeError("step() called before reset() or after the episode ended")
         self.turns += 1
-        parsed = parse_action(action)
+        if self.tool_format == "json":
+            native = parse_native_action(action, self.tools)
+            parsed = (
+                ToolCall(str(native.arguments[self.tool_argument]))
+                if isinstance(native, NativeCall)
+                else native
+            )
+        else:
+            parsed = parse_action(action)
         if isinstance(parsed, Malformed):
             self.malformed += 1
         return parsed

@@ -1,14 +1,24 @@
 """Parse one model action into a tool call, a final answer, or a malformed action.
 
-Grammar (see :mod:`sao_megatron.envs.format`): an action contains exactly one
+Two formats; the tokenizer's chat template decides which a run uses
+(:func:`sao_megatron.envs.format.tool_format_of`).
+
+``tags`` (the tiny template; :func:`parse_action`). Grammar (see :mod:`sao_megatron.envs.format`): an action contains exactly one
 ``<tool>code</tool>`` or exactly one ``<answer>text</answer>``; free text before the tag (for
 example reasoning) and whitespace after it are allowed, as is a trailing ``<|end|>``.
 :func:`parse_action` never raises on model output: every other shape is :class:`Malformed`
 with a short reason that an environment can show the model.
+
+``json`` (native tool calls, e.g. Qwen3; :func:`parse_native_action`): ``<tool_call>{"name":
+.., "arguments": {..}}</tool_call>`` validated against the environment's JSON schemas; an action
+without a call is the final answer.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sao_megatron.envs.format import ANSWER_CLOSE, ANSWER_OPEN, TOOL_CLOSE, TOOL_OPEN, strip_end
@@ -76,3 +86,89 @@ def parse_action(action: str) -> Action:
     if isinstance(body, Malformed):
         return body
     return ToolCall(body) if has_tool else Answer(body.strip())
+
+
+# ---------------------------------------------------------------------------------------------
+# Native tool calls (templates with ``<tool_call>``, e.g. Qwen3): ``json`` format.
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    """``<tool_call>{"name": name, "arguments": {...}}</tool_call>``, validated against the schemas."""
+
+    name: str
+    arguments: dict
+
+
+_TRAILING_SPECIALS = re.compile(r"(?:<\|[^\s<>|]{1,64}\|>\s*)+$")
+
+
+def _strip_trailing_specials(text: str) -> str:
+    """``text`` without trailing special tokens such as ``<|im_end|>`` / ``<|endoftext|>``."""
+    return _TRAILING_SPECIALS.sub("", text.rstrip()).rstrip()
+
+
+def _schema_functions(tools: Sequence[Mapping]) -> dict[str, Mapping]:
+    out = {}
+    for tool in tools:
+        fn = tool.get("function", tool)
+        out[str(fn.get("name"))] = fn.get("parameters") or {}
+    return out
+
+
+def parse_native_action(action: str, tools: Sequence[Mapping]) -> NativeCall | Answer | Malformed:
+    """Classify an action in the native format; never raises.
+
+    * one ``<tool_call>`` block holding a JSON object ``{"name": .., "arguments": {..}}`` whose
+      name is one of ``tools`` (OpenAI-style schemas) and whose arguments are an object with
+      every ``required`` parameter -> :class:`NativeCall`;
+    * no ``<tool_call>`` -> :class:`Answer`: the body of ``<answer>..</answer>`` when present,
+      else the text after the reasoning (``</think>``);
+    * everything else (bad JSON, unknown tool, missing or non-object arguments, a missing
+      required argument, several calls, unclosed tags, empty answers) -> :class:`Malformed`.
+    Text before the call (reasoning) and trailing special tokens (``<|im_end|>``) are allowed.
+    """
+    if not isinstance(action, str):
+        return Malformed(f"action is {type(action).__name__}, not text")
+    text = _strip_trailing_specials(action)
+    if TOOL_CALL_OPEN not in text and TOOL_CALL_CLOSE not in text:
+        body = text.split(THINK_CLOSE)[-1]
+        if ANSWER_OPEN in body or ANSWER_CLOSE in body:
+            if ANSWER_OPEN not in body:
+                return Malformed(f"{ANSWER_CLOSE} without {ANSWER_OPEN}")
+            inner = _extract(body, ANSWER_OPEN, ANSWER_CLOSE)
+            return inner if isinstance(inner, Malformed) else Answer(inner.strip())
+        return Answer(body.strip()) if body.strip() else Malformed("no tool call and no answer")
+    if TOOL_CALL_OPEN not in text:
+        return Malformed(f"{TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN}")
+    body = _extract(text, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+    if isinstance(body, Malformed):
+        return body
+    try:
+        call = json.loads(body)
+    except ValueError as err:
+        return Malformed(f"tool call is not valid JSON: {err}")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return Malformed('tool call must be a JSON object {"name": ..., "arguments": {...}}')
+    functions = _schema_functions(tools)
+    name = call["name"]
+    if name not in functions:
+        return Malformed(f"unknown tool {name!r}, use {', '.join(sorted(functions)) or 'none'}")
+    if "arguments" not in call:
+        return Malformed(f"no arguments for {name!r}")
+    arguments = call["arguments"]
+    if isinstance(arguments, str):  # some models emit the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return Malformed(f"arguments of {name!r} are not a JSON object")
+    if not isinstance(arguments, dict):
+        return Malformed(f"arguments of {name!r} are not a JSON object")
+    missing = [k for k in functions[name].get("required", ()) if k not in arguments]
+    if missing:
+        return Malformed(f"missing argument(s): {', '.join(missing)}")
+    return NativeCall(name, arguments)

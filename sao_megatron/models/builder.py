@@ -8,8 +8,17 @@ is the actor's spec with the LM head swapped for a scalar value head (``models.c
 Qwen3-MoE mapping (HF -> Megatron): GQA with ``kv_channels = head_dim``, per-head RMSNorm on
 queries and keys (``qk_layernorm``), RoPE over the whole head, SwiGLU MLPs and experts
 (``gated_linear_unit`` + SiLU), no linear biases, RMSNorm everywhere, untied LM head.
-Router: Megatron's default ``topk -> softmax over the k`` equals HF's
-``softmax -> topk -> renormalise`` (``norm_topk_prob=True``).
+Qwen2-MoE: no q/k norm, q/k/v biases (``add_qkv_bias``), a shared SwiGLU expert whose output
+is scaled by ``sigmoid(x @ shared_expert_gate)`` (``moe_shared_expert_gate``).
+
+Router (HF: ``softmax over all experts -> topk``, then ``/ sum`` with ``norm_topk_prob``):
+
+- renormalised (``moe_router_renormalize``): Megatron's default ``topk -> softmax over the k``,
+  the same weights. For top-1 both give exactly 1.0, but ``TransformerConfig`` rejects top-1
+  without pre-softmax (the router would get no gradient from the weights, as in HF); it is
+  validated with ``moe_router_pre_softmax=True`` and the flag is cleared afterwards (the router
+  reads it at every forward).
+- not renormalised: ``moe_router_pre_softmax=True`` (softmax over all experts, then top-k).
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
             moe_router_topk=m.moe_router_topk,
             moe_ffn_hidden_size=m.moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or None,
+            moe_shared_expert_gate=m.moe_shared_expert_gate,
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not m.moe_router_renormalize or m.moe_router_topk == 1,
             moe_layer_freq=moe_layer_pattern(m),
             moe_token_dispatcher_type=p.moe_token_dispatcher,
             moe_router_load_balancing_type="aux_loss",
@@ -58,7 +70,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
     recompute: dict[str, Any] = dict(
         recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
     )
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size or m.moe_ffn_hidden_size,
@@ -71,7 +83,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=m.add_qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=p.tensor_parallel,
@@ -93,6 +105,9 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
         **(recompute if p.recompute_activations else {}),
         **moe,
     )
+    if m.num_experts and m.moe_router_renormalize and m.moe_router_topk == 1:
+        config.moe_router_pre_softmax = False  # top-1 renormalised: weight 1.0 (module docstring)
+    return config
 
 
 def layer_spec(config):

@@ -4,12 +4,16 @@ The paper trains a separate value network initialised from the same SFT checkpoi
 policy, with its attention frozen and its MoE projections (experts, router) trained. Here the
 critic is built from exactly the actor's spec (``builder.build_gpt``); only the LM head is
 replaced by :class:`ValueHead`, and :func:`freeze` applies regexes over parameter names.
+:func:`load_trunk` fills the trunk from an HF or Megatron checkpoint, each rank reading only
+its own slices (the checkpoint's LM head is not read).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -96,3 +100,53 @@ def init_critic_from_actor(critic: torch.nn.Module, actor_state: dict[str, torch
             f"actor state lacks critic trunk tensors {missing[:3]}...; build both from one model config"
         )
     return loaded
+
+
+@contextlib.contextmanager
+def _without_head(model: torch.nn.Module) -> Iterator[None]:
+    """Hide the value head (``output_layer``) from ``named_parameters`` / ``sharded_state_dict``."""
+    from sao_megatron.models.layout import unwrap
+
+    module = unwrap(model)
+    head = getattr(module, "output_layer", None)
+    if head is None:
+        yield
+        return
+    module.output_layer = torch.nn.Module()
+    try:
+        yield
+    finally:
+        module.output_layer = head
+
+
+def load_trunk(critic: torch.nn.Module, m: ModelConfig, source: str | Path) -> None:
+    """Copy this rank's slices of the trunk (everything but the LM head) of ``source`` into ``critic``.
+
+    ``source``: an HF directory (``config.json`` + safetensors; not a collective) or a Megatron
+    distributed checkpoint (``metadata.json``; a collective over the critic's world). The value
+    head keeps its own initialisation.
+    """
+    source = Path(source)
+    if (source / "metadata.json").exists():
+        _load_megatron_trunk(critic, source)
+        return
+    from sao_megatron.models.hf_weights import load_hf_weights
+
+    with _without_head(critic):
+        load_hf_weights(critic, m, source)
+
+
+def _load_megatron_trunk(critic: torch.nn.Module, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    from sao_megatron.models.layout import unwrap
+
+    module = unwrap(critic)
+    wanted = {k: v for k, v in module.sharded_state_dict().items() if not k.startswith("output_layer.")}
+    state = dist_checkpointing.load(wanted, str(directory))
+    result = module.load_state_dict(state, strict=False)
+    missing = [
+        k for k in result.missing_keys if not k.endswith("_extra_state") and not k.startswith("output_layer.")
+    ]
+    if missing:
+        raise KeyError(f"checkpoint {directory} lacks critic trunk tensors {missing[:5]}")

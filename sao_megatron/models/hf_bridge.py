@@ -1,4 +1,4 @@
-"""HF <-> Megatron-Core parameter mapping for Qwen3-MoE and dense Qwen3, in the full layout.
+"""HF <-> Megatron-Core parameter mapping for Qwen3-MoE, dense Qwen3 and Qwen2-MoE, in the full layout.
 
 Pure functions over names, shapes and tensors: no process groups, no files. Megatron names are
 those of the full (single-rank) layout (:mod:`sao_megatron.models.layout`): global layer and
@@ -19,6 +19,7 @@ decoder.final_layernorm.weight                              model.norm.weight
 input_layernorm.weight | linear_qkv.layer_norm_weight       L input_layernorm.weight
 self_attention.linear_qkv.weight                            per query group g: q heads of g,
   ``[ng, (np/ng + 2), head_dim, hidden]``                     k head g, v head g (q/k/v_proj)
+self_attention.linear_qkv.bias (``add_qkv_bias``)           the same rows of q/k/v_proj.bias
 self_attention.q_layernorm / k_layernorm                    L self_attn.q_norm / k_norm
 self_attention.linear_proj.weight                           L self_attn.o_proj.weight
 pre_mlp_layernorm.weight | mlp.linear_fc1.layer_norm_weight L post_attention_layernorm.weight
@@ -34,8 +35,9 @@ mlp.shared_experts.linear_fc1 / linear_fc2                  L mlp.shared_expert.
 mlp.shared_experts.gate_weight                              L mlp.shared_expert_gate.weight
 ==========================================================  ====================================
 
-Qwen3-MoE has no shared experts; the shared-expert rows exist for our own configs with
-``moe_shared_expert_intermediate_size > 0`` (written with Qwen2-MoE names). HF checkpoints on
+Qwen3-MoE has no shared experts; Qwen2-MoE has one per MoE layer, gated by a sigmoid of
+``shared_expert_gate`` (Megatron ``gate_weight`` ``[1, hidden]``, not TP-split). The QKV bias
+is split over TP like the QKV weight's rows. HF checkpoints on
 disk (hub files, and ``save_pretrained`` in transformers 5.19) store experts per expert
 (``experts.{e}.gate_proj.weight``); transformers 5.19 fuses them in memory into
 ``experts.gate_up_proj [E, 2I, H]`` (= ``[gate; up]`` per expert, Megatron's fc1 layout) and
@@ -55,7 +57,7 @@ from sao_megatron.models.builder import moe_layer_pattern
 
 
 class MappingError(KeyError):
-    """A Megatron or HF name outside the Qwen3 / Qwen3-MoE mapping."""
+    """A Megatron or HF name outside the Qwen3 / Qwen3-MoE / Qwen2-MoE mapping."""
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -113,7 +115,7 @@ def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
         return top[hf_name]
     match = _HF_LAYER_RE.match(hf_name)
     if not match:
-        raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE tensor")
+        raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE / Qwen2-MoE tensor")
     suffix = match.group(2)
     expert = _HF_EXPERT_RE.match(suffix)
     i, e, s = m.moe_ffn_hidden_size, m.num_experts, m.moe_shared_expert_intermediate_size
@@ -129,6 +131,8 @@ def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
         "self_attn.v_proj.weight": (m.num_query_groups * hd, h),
         "self_attn.o_proj.weight": (h, m.num_attention_heads * hd),
         "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+        "self_attn.q_proj.bias": (m.num_attention_heads * hd,), "self_attn.k_proj.bias": (m.num_query_groups * hd,),
+        "self_attn.v_proj.bias": (m.num_query_groups * hd,),
         "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
         "mlp.gate.weight": (e, h),
         "mlp.experts.E.gate_proj.weight": (i, h), "mlp.experts.E.up_proj.weight": (i, h),
@@ -138,19 +142,20 @@ def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
         "mlp.shared_expert.down_proj.weight": (h, s), "mlp.shared_expert_gate.weight": (1, h),
     }  # fmt: skip
     if suffix not in shapes:
-        raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE tensor")
+        raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE / Qwen2-MoE tensor")
     return shapes[suffix]
 
 
-def _qkv_pieces(prefix: str, m: ModelConfig) -> list[Piece]:
-    """Megatron's fused QKV interleaves per query group: ``[q heads of g; k_g; v_g]`` for each g."""
+def _qkv_pieces(prefix: str, m: ModelConfig, kind: str = "weight") -> list[Piece]:
+    """Megatron's fused QKV interleaves per query group: ``[q heads of g; k_g; v_g]`` for each g
+    (the weight's rows, or the bias's entries with ``kind="bias"``)."""
     hd, ng = m.head_dim, m.num_query_groups
     q_rows = m.num_attention_heads // ng * hd
     pieces = []
     for g in range(ng):
-        pieces.append(Piece(f"{prefix}self_attn.q_proj.weight", g * q_rows, (g + 1) * q_rows))
-        pieces.append(Piece(f"{prefix}self_attn.k_proj.weight", g * hd, (g + 1) * hd))
-        pieces.append(Piece(f"{prefix}self_attn.v_proj.weight", g * hd, (g + 1) * hd))
+        pieces.append(Piece(f"{prefix}self_attn.q_proj.{kind}", g * q_rows, (g + 1) * q_rows))
+        pieces.append(Piece(f"{prefix}self_attn.k_proj.{kind}", g * hd, (g + 1) * hd))
+        pieces.append(Piece(f"{prefix}self_attn.v_proj.{kind}", g * hd, (g + 1) * hd))
     return pieces
 
 
@@ -194,6 +199,10 @@ def hf_pieces(name: str, m: ModelConfig, fused_experts: bool = False) -> list[Pi
     prefix = f"model.layers.{layer}."
     if suffix == "self_attention.linear_qkv.weight":
         return _qkv_pieces(prefix, m)
+    if suffix == "self_attention.linear_qkv.bias":
+        if not m.add_qkv_bias:
+            raise MappingError(f"Megatron parameter '{name}': the model config has add_qkv_bias=false")
+        return _qkv_pieces(prefix, m, "bias")
     if suffix in _ONE_TO_ONE:
         return _whole(prefix + _ONE_TO_ONE[suffix], m)
     if suffix in _GLU:
@@ -327,6 +336,8 @@ def mcore_names(m: ModelConfig, spec: str = "local") -> list[str]:
         pre = f"decoder.layers.{layer}."
         attn = ["self_attention.linear_qkv.layer_norm_weight"] if te else ["input_layernorm.weight"]
         attn += ["self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
+        if m.add_qkv_bias:
+            attn.append("self_attention.linear_qkv.bias")
         if m.qk_layernorm:
             attn += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
         names += [pre + s for s in attn]
@@ -346,6 +357,8 @@ def mcore_names(m: ModelConfig, spec: str = "local") -> list[str]:
                 pre + "mlp.shared_experts.linear_fc1.weight",
                 pre + "mlp.shared_experts.linear_fc2.weight",
             ]
+            if m.moe_shared_expert_gate:
+                names.append(pre + "mlp.shared_experts.gate_weight")
     names.append("decoder.final_layernorm.weight")
     if not m.tie_word_embeddings:
         names.append("output_layer.weight")

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sao_megatron.config import ModelConfig, ParallelConfig, validate_parallel
+from sao_megatron.config import hf as hf_config
 from sao_megatron.models import hf_bridge as bridge
-from sao_megatron.models import hf_config, hf_io
+from sao_megatron.models import hf_io
 from sao_megatron.models.hf_io import CheckpointError
 
 TEMPLATE_DIR = "hf"

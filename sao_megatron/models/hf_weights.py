@@ -292,7 +292,7 @@ def save_hf_checkpoint(model: torch.nn.Module, m: ModelConfig, out_dir: str | Pa
     Everything is written into a staging directory next to ``out_dir`` and renamed at the end;
     on failure nothing appears at ``out_dir``.
     """
-    from sao_megatron.models import hf_config
+    from sao_megatron.config import hf as hf_config
 
     t0 = time.perf_counter()
     template_cfg = hf_config.read_hf_config(template) if template is not None else None
@@ -344,7 +344,7 @@ def save_hf_checkpoint(model: torch.nn.Module, m: ModelConfig, out_dir: str | Pa
 
 def _export_precheck(m: ModelConfig, out_dir: Path, template_cfg: dict | None, overwrite: bool) -> str | None:
     from sao_megatron.config import ConfigError
-    from sao_megatron.models import hf_config
+    from sao_megatron.config import hf as hf_config
 
     if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
         return f"{out_dir} exists and is not empty; choose another directory or overwrite"

@@ -1,16 +1,22 @@
 """One multi-turn episode against an engine: token-in/token-out, behavior logprobs, versions.
 
-    prompt ids = tokenize(<|user|>q<|assistant|>)            (action_mask: not in response)
+Every conversation is rendered by the tokenizer's chat template (:class:`ChatFormat`)::
+
+    prompt ids = apply_chat_template([system?, user], tools=env.tools,
+                                     add_generation_prompt=True)   (action_mask: not in response)
     repeat:  action   = engine.generate(context ids)        (action_mask 1, logprob, version)
              step     = env.step(decode(action))
              if done: break
-             obs ids  = tokenize(<|tool|>output<|assistant|>) (action_mask 0)
+             obs ids  = the template's rendering of the tool result after the action's end
+                        marker, up to the next generation prompt (suffix method) (action_mask 0)
     until:   answer, max turns, max response tokens or max context
     reward   = env.reward()
 
 Earlier turns are never re-tokenised: the context is the exact id sequence the engine saw
-plus the ids it produced. Failures (engine errors, timeouts, a broken environment) end the
-episode with ``status="failed"`` and a reason; they never raise to the caller.
+plus the ids it produced. The tool format (``<tool>`` tags or native ``<tool_call>`` JSON)
+follows from the template. Failures (engine errors, timeouts, a broken environment, a chat
+template that breaks the suffix assumption) end the episode with ``status="failed"`` and a
+reason; they never raise to the caller.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 
 from sao_megatron.config import AgentLoopConfig
 from sao_megatron.envs.base import Env, Sample
-from sao_megatron.envs.format import END, render_observation, render_prompt
+from sao_megatron.envs.format import ChatFormat, ChatTemplateError, ToolFormat, tool_format_of
 from sao_megatron.records import OBSERVATION_VERSION, Status, Trajectory, Turn
 from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
 
@@ -65,10 +71,16 @@ class AgentLoop:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.engine_name = engine_name or client.url
-        self.end_id = tokenizer.convert_tokens_to_ids(END)
+        self.tool_format: ToolFormat = tool_format_of(getattr(tokenizer, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def chat_format(self, env: Env) -> ChatFormat:
+        """The episode's renderer: this tokenizer's template with ``env``'s tools and system prompt.
+
+        Also tells ``env`` the tool format the template implies.
+        """
+        env.use_tool_format(self.tool_format)
+        return ChatFormat(self.tokenizer, tools=env.tools, system=env.system_prompt,
+                          enable_thinking=self.cfg.enable_thinking)  # fmt: skip
 
     async def run(self, env: Env, sample: Sample, split: str = "train", index: int | None = None,
                   submitted_at: float | None = None) -> Trajectory:  # fmt: skip
@@ -77,12 +89,16 @@ class AgentLoop:
         ep = _Episode([], [], [], [], [])
         status, reason = "finished", ""
         try:
-            prompt_ids = self.encode(render_prompt(env.reset(sample)))
-            status, reason = await self._turns(env, prompt_ids, ep)
+            chat = self.chat_format(env)
+            question = env.reset(sample)
+            prompt_ids = chat.prompt_ids(question)
+            status, reason = await self._turns(env, chat, chat.prompt_messages(question), prompt_ids, ep)
             result = env.reward()
             reward, correct, details = result.reward, result.correct, dict(result.details)
         except EngineError as err:
             status, reason, reward, correct, details = "failed", f"engine: {err}", 0.0, None, {}
+        except ChatTemplateError as err:  # the template breaks the suffix method: fail loudly
+            status, reason, reward, correct, details = "failed", f"chat template: {err}", 0.0, None, {}
         except Exception as err:  # a broken environment must not stop the manager
             status, reason, reward, correct, details = "failed", f"{type(err).__name__}: {err}", 0.0, None, {}
         return Trajectory(
@@ -94,15 +110,17 @@ class AgentLoop:
             finished_at=time.time(), engine=self.engine_name,
         )  # fmt: skip
 
-    async def _turns(self, env: Env, prompt_ids: list[int], ep: _Episode) -> tuple[Status, str]:
+    async def _turns(self, env: Env, chat: ChatFormat, messages: list[dict], prompt_ids: list[int],
+                     ep: _Episode) -> tuple[Status, str]:  # fmt: skip
         cfg = self.cfg
+        stop_ids = set(chat.stop_token_ids)
         for _ in range(cfg.max_turns):
             budget = min(cfg.max_new_tokens, cfg.max_response_tokens - len(ep.response_ids),
                          cfg.max_context_tokens - len(prompt_ids) - len(ep.response_ids))  # fmt: skip
             if budget <= 0:
                 return "truncated", "token budget exhausted"
             sampling = SamplingParams(max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
-                                      stop_token_ids=(self.end_id,))  # fmt: skip
+                                      stop_token_ids=chat.stop_token_ids)  # fmt: skip
             gen = await self.client.generate(
                 prompt_ids + ep.response_ids, sampling, timeout_s=cfg.generate_timeout_s
             )
@@ -111,14 +129,18 @@ class AgentLoop:
             if not gen.output_ids:
                 return "failed", "engine returned no tokens"
             ep.add_action(gen.output_ids, gen.behavior_logprobs, [_version(v) for v in gen.weight_versions])
-            step = await env.astep(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False))
+            action_text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)
+            step = await env.astep(action_text)
             if step.done:
                 return "finished", ""
             if (
                 gen.finish_reason == "length"
-                and gen.output_ids[-1] != self.end_id
+                and gen.output_ids[-1] not in stop_ids
                 and len(ep.turns) >= cfg.max_turns
             ):
                 return "truncated", "action cut at max_new_tokens"
-            ep.add_observation(self.encode(render_observation(step.observation or "")))
+            messages.append(chat.assistant_message(action_text))
+            observation = step.observation or ""
+            ep.add_observation(chat.observation_ids(messages, observation))
+            messages.append(chat.tool_message(observation))
         return "truncated", f"max_turns={cfg.max_turns} reached without an answer"

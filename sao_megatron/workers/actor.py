@@ -141,13 +141,18 @@ class ActorWorker:
         return {**reduce_metrics(out), "grad_norm": step.grad_norm}
 
     def export_hf(self, out_dir: str) -> ExportReport:
-        """Write the policy as an HF checkpoint (weights, config, tokenizer) for the engines."""
+        """Write the policy as an HF checkpoint (weights, config, tokenizer) for the engines.
+
+        The tokenizer files are the run's tokenizer source (``actor.init_from`` when it is an HF
+        directory, else the in-repo tiny tokenizer), copied unchanged so engines serve it as is.
+        """
         from sao_megatron.models.hf_weights import save_hf_checkpoint
-        from sao_megatron.tokenizer import TOKENIZER_DIR
+        from sao_megatron.tokenizer import tokenizer_files, tokenizer_source
 
         stats = save_hf_checkpoint(self.role.module, self.cfg.model, out_dir, overwrite=True)
         if dist.get_rank() == 0:
-            for path in TOKENIZER_DIR.iterdir():
+            source = tokenizer_source(getattr(self.cfg.actor, "init_from", "") or None)
+            for path in tokenizer_files(source):
                 shutil.copy(path, Path(out_dir) / path.name)
         return ExportReport(stats.tensors, stats.bytes, stats.seconds)
 
@@ -177,11 +182,6 @@ class ActorWorker:
             "sync_gb_per_s": report.gb_per_s,
             "sync_tensors": float(report.tensors),
         }
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        from sao_megatron.models import layout
-
-        return layout.gather_full(self.role.module)
 
     def save(self, directory: str) -> None:
         checkpoint.save_role(self.role, Path(directory))

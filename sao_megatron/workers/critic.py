@@ -17,10 +17,13 @@ from sao_megatron.workers.engine import build_critic_role
 class CriticWorker:
     """The value model on this rank."""
 
-    def __init__(self, cfg: SAOConfig, actor_state: dict | None = None):
+    def __init__(self, cfg: SAOConfig, init_from: str | None = None):
+        """``init_from``: the trunk's checkpoint (HF or Megatron directory), ``""`` for a random
+        trunk; ``None`` means ``cfg.critic.init_from``. Each rank reads only its own slices."""
         self.cfg = cfg
         init_rank(cfg.critic.parallel, cfg.run.seed)
-        self.role = build_critic_role(cfg.model, cfg.critic, actor_state)
+        source = cfg.critic.init_from if init_from is None else init_from
+        self.role = build_critic_role(cfg.model, cfg.critic, source=source)
 
     @torch.no_grad()
     def values(self, shard: BatchShard) -> RowOutputs | None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from sao_megatron.config import CriticConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from sao_megatron.config import ActorConfig, CriticConfig, ModelConfig, OptimizerConfig, ParallelConfig
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -214,19 +215,63 @@ def module_group_grad_norms(module: torch.nn.Module, optimizer) -> dict[str, flo
     return out
 
 
-def build_actor_role(m: ModelConfig, actor, total_steps: int = 1_000_000) -> MegatronRole:
+def load_weights(model: torch.nn.Module, m: ModelConfig, source: str | Path) -> None:
+    """Fill ``model`` (this rank's share, any layout) from an HF directory or a Megatron checkpoint.
+
+    Each rank reads only its own slices: HF safetensors are sliced on read
+    (``hf_weights.load_hf_weights``, no communication); a Megatron distributed checkpoint
+    reshards on load (``dist_checkpoint.load_model``, a collective over the role's world).
+    """
+    source = Path(source)
+    if (source / "metadata.json").exists():
+        from sao_megatron.models.dist_checkpoint import load_model
+
+        load_model(model, source)
+    else:
+        from sao_megatron.models.hf_weights import load_hf_weights
+
+        load_hf_weights(model, m, source)
+
+
+def build_actor_model(m: ModelConfig, actor: ActorConfig) -> torch.nn.Module:
+    """This rank's policy model, loaded from ``actor.init_from`` when set (random otherwise)."""
     from sao_megatron.models.builder import build_gpt
+    from sao_megatron.models.hf_weights import release_free_memory
 
     model = build_gpt(m, actor.parallel, bf16=actor.bf16)
-    return MegatronRole(model, actor.parallel, actor.optim, actor.bf16, total_steps)
+    if actor.init_from:
+        release_free_memory()  # the random initialisation's temporaries, before reading the weights
+        load_weights(model, m, actor.init_from)
+    return model
+
+
+def build_critic_model(m: ModelConfig, critic: CriticConfig, source: str | Path = "") -> torch.nn.Module:
+    """This rank's value model; its trunk from ``source`` (HF or Megatron directory) when given.
+
+    The checkpoint's LM head is not read: the value head keeps ``critic.value_head_init``."""
+    from sao_megatron.models.critic import build_critic, load_trunk
+    from sao_megatron.models.hf_weights import release_free_memory
+
+    model = build_critic(m, critic.parallel, critic)
+    if source:
+        release_free_memory()
+        load_trunk(model, m, source)
+    return model
+
+
+def build_actor_role(m: ModelConfig, actor: ActorConfig, total_steps: int = 1_000_000) -> MegatronRole:
+    return MegatronRole(build_actor_model(m, actor), actor.parallel, actor.optim, actor.bf16, total_steps)
 
 
 def build_critic_role(m: ModelConfig, critic: CriticConfig, actor_state: dict | None = None,
-                      total_steps: int = 1_000_000) -> MegatronRole:  # fmt: skip
-    """The critic role; ``actor_state`` (full layout) initialises the trunk when given."""
-    from sao_megatron.models.critic import build_critic, init_critic_from_actor
+                      total_steps: int = 1_000_000, *, source: str | Path = "") -> MegatronRole:  # fmt: skip
+    """The critic role, its trunk from ``source`` (see :func:`build_critic_model`).
 
-    model = build_critic(m, critic.parallel, critic)
+    ``actor_state`` (a full-layout state dict, every tensor whole on this rank) is the older
+    whole-model path kept for ``sao check`` (``driver/smoke.py``); training never uses it."""
+    model = build_critic_model(m, critic, source)
     if actor_state is not None:
+        from sao_megatron.models.critic import init_critic_from_actor
+
         init_critic_from_actor(model, actor_state)
     return MegatronRole(model, critic.parallel, critic.optim, critic.bf16, total_steps)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.config import ModelConfig, ParallelConfig
-from sao_megatron.models import hf_bridge, hf_config, hf_io
+from sao_megatron.config import hf as hf_config
+from sao_megatron.models import hf_bridge, hf_io
 from sao_megatron.models.hf_weights import release_free_memory
 
 VOCAB, SEQ, BATCH = 128, 16, 2
@@ -36,6 +37,25 @@ SHAPES: dict[str, tuple[dict, str | None]] = {
                         intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True), "40KB"),
     "dense_gqa3": (dict(arch="dense", hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
                         intermediate_size=64, num_hidden_layers=2), None),
+    # Routing variants (issue 11): one 2-rank layout each besides the single rank.
+    "moe_no_renorm": (dict(arch="moe", norm_topk_prob=False, hidden_size=32, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                           num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, layouts=["ep2"]), None),
+    "moe_top1": (dict(arch="moe", norm_topk_prob=False, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                      num_experts_per_tok=1, num_hidden_layers=2, layouts=["ep2"]), None),
+    "moe_top1_renorm": (dict(arch="moe", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1,
+                             num_hidden_layers=2, layouts=["tp2"]), None),
+    # Qwen2-MoE: q/k/v biases, no q/k norm, gated shared expert, no renormalisation (its default).
+    "qwen2_moe": (dict(arch="qwen2_moe", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, decoder_sparse_step=1,
+                       layouts=["tp2", "ep2"]), "20KB"),
+    "qwen2_moe_renorm_top1": (dict(arch="qwen2_moe", norm_topk_prob=True, hidden_size=32, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, moe_intermediate_size=16,
+                                   shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=1,
+                                   num_hidden_layers=2, mlp_only_layers=[0], layouts=["ep2"]), None),
 }  # fmt: skip
 LAYOUTS = {"single": {}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2},
            "pp2": {"pipeline_parallel": 2}}  # fmt: skip
@@ -44,8 +64,11 @@ LAYOUTS = {"single": {}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel
 def layouts_of(shape: str) -> list[str]:
     """EP only for MoE. No PP for tied embeddings: Megatron moves the last stage's copy of the
     embedding to CUDA at construction (``LanguageModule.setup_embeddings_and_output_layer``),
-    which ``megatron_cpu`` does not patch; the tied mapping is covered by the bridge tests."""
+    which ``megatron_cpu`` does not patch; the tied mapping is covered by the bridge tests.
+    A shape's ``layouts`` key picks its 2-rank layouts (the routing variants: one or two each)."""
     kw = SHAPES[shape][0]
+    if "layouts" in kw:
+        return ["single", *kw["layouts"]]
     return [
         k
         for k in LAYOUTS
@@ -57,15 +80,26 @@ def layouts_of(shape: str) -> list[str]:
 # Parent side: HF models with transformers
 # --------------------------------------------------------------------------------------------
 def build_hf_model(shape: str, seed: int = 0):
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     kw = dict(SHAPES[shape][0])
     arch = kw.pop("arch")
+    kw.pop("layouts", None)
     rope = {"rope_theta": kw.pop("rope_theta", 10000.0), "rope_type": "default"}
     kw = {**_COMMON, **kw, "rope_parameters": rope}
     if arch == "moe":
-        config = Qwen3MoeConfig(norm_topk_prob=True, **kw)
+        config = Qwen3MoeConfig(**{"norm_topk_prob": True, **kw})
         cls = Qwen3MoeForCausalLM
+    elif arch == "qwen2_moe":
+        config = Qwen2MoeConfig(**kw)  # qkv_bias=True, norm_topk_prob=False by default
+        cls = Qwen2MoeForCausalLM
     else:
         config = Qwen3Config(**kw)
         cls = Qwen3ForCausalLM
@@ -77,6 +111,10 @@ def build_hf_model(shape: str, seed: int = 0):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)  # decisive routing: no near-ties between float32 paths
+            elif name.endswith("proj.bias"):
+                p.normal_(0.0, 0.3)
+            elif name.endswith("shared_expert_gate.weight"):
+                p.normal_(0.0, 0.3)  # sigmoid gates spread over (0, 1)
             elif "embed_tokens" in name:
                 p.normal_(0.0, 1.0)
             else:

@@ -18,6 +18,8 @@ MOE = ModelConfig(
 DENSE_TIED = dataclasses.replace(
     MOE, num_experts=0, moe_shared_expert_intermediate_size=0, tie_word_embeddings=True
 )
+# Qwen2-MoE: q/k/v biases, no q/k norm, gated shared expert.
+QWEN2_MOE = dataclasses.replace(MOE, qk_layernorm=False, add_qkv_bias=True, moe_shared_expert_gate=True)
 
 
 def random_hf_state(m: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -38,6 +40,23 @@ def test_qkv_is_interleaved_per_query_group_hand_computed():
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+def test_qkv_bias_is_interleaved_like_the_weight():
+    m = dataclasses.replace(QWEN2_MOE, head_dim=1)
+    pre = "model.layers.0.self_attn."
+    hf = {pre + "q_proj.bias": torch.tensor([0.0, 1, 2, 3]), pre + "k_proj.bias": torch.tensor([10.0, 11]),
+          pre + "v_proj.bias": torch.tensor([20.0, 21])}  # fmt: skip
+    bias = bridge.from_hf("decoder.layers.0.self_attention.linear_qkv.bias", m, hf.__getitem__)
+    assert bias.tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    back = dict(bridge.to_hf("decoder.layers.0.self_attention.linear_qkv.bias", bias, m))
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    assert bridge.hf_shape("model.layers.2.mlp.shared_expert_gate.weight", m) == (1, 8)
+    names = bridge.mcore_names(m)
+    assert "decoder.layers.2.mlp.shared_experts.gate_weight" in names
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" not in names
+    with pytest.raises(bridge.MappingError, match="add_qkv_bias"):
+        bridge.hf_pieces("decoder.layers.0.self_attention.linear_qkv.bias", MOE)
+
+
 def test_glu_and_expert_layouts():
     hf = random_hf_state(MOE)
     fc1 = bridge.from_hf(
@@ -56,7 +75,9 @@ def test_glu_and_expert_layouts():
     assert bridge.hf_names("decoder.layers.0.mlp.router.weight", MOE) == ["model.layers.0.mlp.gate.weight"]
 
 
-@pytest.mark.parametrize("m", [MOE, DENSE_TIED], ids=["moe_shared_dense_layer", "dense_tied"])
+@pytest.mark.parametrize(
+    "m", [MOE, DENSE_TIED, QWEN2_MOE], ids=["moe_shared_dense_layer", "dense_tied", "qwen2_moe"]
+)
 @pytest.mark.parametrize("spec", ["local", "te", "te_grouped"])
 def test_round_trip_is_bit_exact_for_every_spec(m, spec):
     hf = random_hf_state(m)
@@ -123,10 +144,10 @@ def _fake_tp(monkeypatch, size: int, rank: int) -> None:
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_local_reads_equal_layout_shard(monkeypatch, tp_size):
     """Reading a rank's HF slices gives exactly ``layout.shard`` of the full tensor."""
-    m = dataclasses.replace(MOE, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=16, moe_ffn_hidden_size=8,
-                            moe_shared_expert_intermediate_size=8)  # fmt: skip
+    m = dataclasses.replace(QWEN2_MOE, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=16,
+                            moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=8)  # fmt: skip
     hf = random_hf_state(m)
-    partition = {"linear_qkv.weight": 0, "linear_proj.weight": 1, "linear_fc1.weight": 0, "linear_fc2.weight": 1,
+    partition = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_proj.weight": 1, "linear_fc1.weight": 0, "linear_fc2.weight": 1,
                  "word_embeddings.weight": 0, "output_layer.weight": 0}  # fmt: skip
     for name in bridge.mcore_names(m):
         full = bridge.from_hf(name, m, hf.__getitem__)

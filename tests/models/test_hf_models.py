@@ -1,5 +1,8 @@
 """HF checkpoints from ``transformers`` in and out of Megatron at TP=2, EP=2, PP=2 and one rank.
 
+Routing variants (issue 11): Qwen3-MoE without renormalisation, top-1 with and without it, and
+Qwen2-MoE (q/k/v biases, gated shared expert), each at one rank and one or two 2-rank layouts.
+
 One spawned 2-rank gloo world runs every case (``hf_cases.all_cases``); the parent builds the
 tiny random HF models, checks the exported checkpoints bit for bit and loads some back with
 ``transformers``. Logit tolerance: max abs diff <= 1e-4 (float32, causal, no mask).
@@ -12,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sao_megatron.config.hf import model_config_from_hf, read_hf_config
 from sao_megatron.models import hf_bridge, hf_io
-from sao_megatron.models.hf_config import model_config_from_hf, read_hf_config
 from tests.distributed import run_distributed
 from tests.models import hf_cases
 
@@ -61,7 +64,7 @@ def test_round_trip_is_bit_exact(world, shape, layout):
     assert not [p for p in export.parent.iterdir() if p.name.startswith(".")], "staging left behind"
 
 
-@pytest.mark.parametrize("export", ["moe_step2_top3-pp2", "dense_tied-tp2"])
+@pytest.mark.parametrize("export", ["moe_step2_top3-pp2", "dense_tied-tp2", "qwen2_moe-tp2"])
 def test_transformers_loads_the_export(world, export):
     from transformers import AutoModelForCausalLM
 
@@ -72,7 +75,7 @@ def test_transformers_loads_the_export(world, export):
     assert (logits - reference).abs().max().item() <= 1e-6
 
 
-@pytest.mark.parametrize("case", ["moe_gqa2/ep2", "moe_gqa2/tp2", "dense_gqa3/tp2"])
+@pytest.mark.parametrize("case", ["moe_gqa2/ep2", "moe_gqa2/tp2", "dense_gqa3/tp2", "qwen2_moe/tp2"])
 def test_iter_hf_weights_buckets_reach_rank0_only(world, case):
     rank0, rank1 = (r[case]["buckets"] for r in world["results"])
     assert rank0["count"] == rank1["count"] == rank0["nonempty"] > 1 and rank1["nonempty"] == 0
@@ -94,3 +97,20 @@ def test_peak_rss_while_loading_stays_near_the_shard(world):
         mem = r["memory"]
         assert mem["bytes_read"] == mem["shard"] < 0.6 * world["big_bytes"]
         assert mem["peak"] - mem["base"] <= 1.5 * mem["shard"] + (32 << 20), mem
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_transformers_top1_weights(norm):
+    """What the top-1 cases check against: renormalised top-1 weighs its expert exactly 1.0 in
+    transformers (Megatron: softmax over the one selected logit); without, the softmax probability."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(hidden_size=8, num_experts=4, num_experts_per_tok=1, norm_topk_prob=norm)
+    router = Qwen3MoeTopKRouter(config)
+    torch.nn.init.normal_(router.weight, 0.0, 1.0)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    _, weights, _ = router(x)
+    probs = torch.softmax(x @ router.weight.T, -1).max(-1, keepdim=True).values
+    expected = torch.ones_like(weights) if norm else probs
+    assert torch.equal(weights, expected)

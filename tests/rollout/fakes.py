@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from sao_megatron.envs.base import Sample, Task
-from sao_megatron.records import Trajectory, Turn
+from sao_megatron.records import Status, Trajectory, Turn
 
 
 class CountingTask(Task):
@@ -14,7 +14,7 @@ class CountingTask(Task):
         return Sample(prompt_id=f"{split}-{index}", question=f"q{index}", answer=str(index))
 
 
-def make_trajectory(prompt_id: str, index: int, version: int = 0, status: str = "finished",
+def make_trajectory(prompt_id: str, index: int, version: int = 0, status: Status = "finished",
                     finished_at: float | None = None) -> Trajectory:  # fmt: skip
     return Trajectory(
         prompt_id=prompt_id, prompt_ids=[2, 3], response_ids=[7, 8, 9], action_mask=[1, 1, 0],
@@ -43,3 +43,29 @@ class FakeLoop:
         finally:
             self.running -= 1
         return make_trajectory(sample.prompt_id, index)
+
+
+class ScriptedClient:
+    """An engine client stub for the agent loop: answers call k with ``actions[k]`` (token ids).
+
+    Records every prompt it was sent in ``inputs``; behavior logprobs are -0.5, versions "3".
+    ``finish_reasons[k]`` (default ``stop``) is reported for call k.
+    """
+
+    def __init__(self, actions, finish_reasons=None, url="scripted"):
+        self.actions = [list(a) for a in actions]
+        self.finish_reasons = list(finish_reasons or [])
+        self.url = url
+        self.inputs: list[list[int]] = []
+        self.sampling: list = []
+
+    async def generate(self, input_ids, sampling, rid=None, timeout_s=None):
+        from sao_megatron.rollout.client import Generation
+
+        k = len(self.inputs)
+        self.inputs.append(list(input_ids))
+        self.sampling.append(sampling)
+        ids = self.actions[k][: sampling.max_new_tokens]
+        reason = self.finish_reasons[k] if k < len(self.finish_reasons) else "stop"
+        return Generation(output_ids=ids, behavior_logprobs=[-0.5] * len(ids), weight_versions=["3"] * len(ids),
+                          finish_reason=reason, prompt_tokens=len(input_ids), latency_s=0.0)  # fmt: skip

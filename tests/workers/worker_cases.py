@@ -47,7 +47,8 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     cfg = config(world, **{"actor.parallel.tensor_parallel": tp, "critic.parallel.tensor_parallel": tp})
     batch = build_batch(trajectories())
     actor = ActorWorker(cfg)
-    state = actor.full_state()
+    hf_dir = ckpt_dir + "/hf"
+    actor.export_hf(hf_dir)  # the critic starts from the actor's weights, as ensure_critic does
     c = coordinates()
     shard = batch.shard(c.dp_size)[c.dp_rank]  # what the driver places for this rank's replica
     adv = torch.where(batch.action_mask > 0, torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
@@ -67,7 +68,7 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    critic = CriticWorker(cfg, state)
+    critic = CriticWorker(cfg, hf_dir)
     c = coordinates()
     shard = batch.shard(c.dp_size)[c.dp_rank]
     mine = critic.values(shard)

@@ -1,4 +1,4 @@
-"""HF ``config.json`` <-> our :class:`~sao_megatron.config.ModelConfig` (Qwen3 and Qwen3-MoE).
+"""HF ``config.json`` <-> our :class:`~sao_megatron.config.ModelConfig` (Qwen3, Qwen3-MoE, Qwen2-MoE).
 
 Pure dictionaries in, dataclasses out: no ``transformers`` import, so ``sao convert hf-config``
 works on a bare ``config.json``. Features Megatron would compute differently are refused with a
@@ -7,16 +7,25 @@ works on a bare ``config.json``. Features Megatron would compute differently are
 ===========================  ===================================================================
 HF key                        why it is refused
 ===========================  ===================================================================
-``architectures``             only ``Qwen3MoeForCausalLM`` and ``Qwen3ForCausalLM`` are mapped
+``architectures``             only ``Qwen3MoeForCausalLM``, ``Qwen3ForCausalLM`` and
+                              ``Qwen2MoeForCausalLM`` are mapped
 ``hidden_act`` != silu         experts and MLPs are built as SwiGLU
-``attention_bias`` true        the builder has no linear biases
+``attention_bias`` true        Qwen3's ``attention_bias`` also puts a bias on ``o_proj``; Megatron
+                              has q/k/v-only biases (``add_qkv_bias``) or biases on every linear
+                              layer (``add_bias_linear``, MLPs and experts too)
+``mlp_bias`` true              the builder has no MLP biases
+``shared_expert_intermediate_  Qwen2-MoE always builds a (gated) shared expert
+size`` 0 (Qwen2-MoE)
 ``use_sliding_window`` true,   every layer is full causal attention in Megatron
 ``layer_types`` sliding
 ``rope_scaling`` /             only plain RoPE (``rope_type: default``) is built
 ``rope_parameters.rope_type``
-``norm_topk_prob`` false       Megatron routes ``topk -> softmax over the k``, which equals HF's
-                               ``softmax -> topk -> renormalise`` only when renormalising
 ===========================  ===================================================================
+
+Routing: ``norm_topk_prob`` (HF default false) maps to ``moe_router_renormalize``; the builder
+picks Megatron's router settings for both (``models/builder.py``), top-1 included. Qwen2-MoE:
+``qkv_bias`` (default true) -> ``add_qkv_bias``, no q/k norm, ``shared_expert_gate`` ->
+``moe_shared_expert_gate``.
 
 Keys that name a shape (layers, widths, heads, vocabulary, experts) must be present; the rest
 default as in ``transformers`` 5.19 (``head_dim``: ``hidden_size / num_attention_heads`` for
@@ -32,12 +41,15 @@ from typing import Any
 
 import yaml
 
-from sao_megatron.config import ConfigError, ModelConfig, validate_model
+from sao_megatron.config.load import validate_model
+from sao_megatron.config.schema import ConfigError, ModelConfig
 
 MOE_ARCH = "Qwen3MoeForCausalLM"
 DENSE_ARCH = "Qwen3ForCausalLM"
-SUPPORTED_ARCHITECTURES = (MOE_ARCH, DENSE_ARCH)
-_MODEL_TYPE = {MOE_ARCH: "qwen3_moe", DENSE_ARCH: "qwen3"}
+QWEN2_MOE_ARCH = "Qwen2MoeForCausalLM"
+SUPPORTED_ARCHITECTURES = (MOE_ARCH, DENSE_ARCH, QWEN2_MOE_ARCH)
+_MODEL_TYPE = {MOE_ARCH: "qwen3_moe", DENSE_ARCH: "qwen3", QWEN2_MOE_ARCH: "qwen2_moe"}
+_MOE_ARCHS = (MOE_ARCH, QWEN2_MOE_ARCH)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -88,28 +100,27 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported; Megatron builds SwiGLU (silu)")
     if hf.get("attention_bias", False):
-        raise ConfigError("attention_bias=true is not supported; the Megatron builder has no linear biases")
+        raise ConfigError("attention_bias=true is not supported: it biases o_proj too, and Megatron has only "
+                          "q/k/v biases (add_qkv_bias) or biases on every linear layer (add_bias_linear)")  # fmt: skip
     if hf.get("use_sliding_window", False):
         raise ConfigError("use_sliding_window=true is not supported; Megatron layers use full attention")
     sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
     if sliding:
         raise ConfigError(f"layer_types contains {sorted(set(sliding))}; only full_attention is supported")
     if hf.get("mlp_bias", False):
-        raise ConfigError("mlp_bias=true is not supported; the Megatron builder has no linear biases")
-    if arch == MOE_ARCH and not hf.get("norm_topk_prob", False):
-        raise ConfigError(
-            "norm_topk_prob=false (or missing) is not supported: Megatron's topk-then-softmax router "
-            "equals HF's softmax-topk only with renormalised top-k probabilities (norm_topk_prob=true)"
-        )
+        raise ConfigError("mlp_bias=true is not supported; the Megatron builder has no MLP biases")
+    if arch == QWEN2_MOE_ARCH and not hf.get("shared_expert_intermediate_size", 5632):
+        raise ConfigError("shared_expert_intermediate_size=0 is not supported: Qwen2-MoE always builds a "
+                          "gated shared expert, which needs a width > 0")  # fmt: skip
 
 
 def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
-    """Map an HF Qwen3 / Qwen3-MoE ``config.json`` to our model shape (raises ``ConfigError``)."""
+    """Map an HF Qwen3 / Qwen3-MoE / Qwen2-MoE ``config.json`` to our model shape (raises ``ConfigError``)."""
     arch = architecture(hf)
     _refuse_unsupported(hf, arch)
     heads = int(_require(hf, "num_attention_heads", arch))
     hidden = int(_require(hf, "hidden_size", arch))
-    default_head_dim = hidden // heads if arch == MOE_ARCH else 128
+    default_head_dim = hidden // heads if arch in _MOE_ARCHS else 128
     m = ModelConfig(
         name=name or str(hf.get("_name_or_path") or "").rstrip("/").split("/")[-1],
         num_layers=int(_require(hf, "num_hidden_layers", arch)),
@@ -122,10 +133,13 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         rope_theta=_rope_theta(hf),
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        qk_layernorm=True,
+        qk_layernorm=arch != QWEN2_MOE_ARCH,
+        add_qkv_bias=arch == QWEN2_MOE_ARCH and bool(hf.get("qkv_bias", True)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
-    if arch == MOE_ARCH:
+    if arch in _MOE_ARCHS:
+        # Qwen3-MoE has no shared expert (transformers ignores the key there); Qwen2-MoE always has one.
+        shared = int(hf.get("shared_expert_intermediate_size", 5632)) if arch == QWEN2_MOE_ARCH else 0
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if experts is None:
             raise ConfigError(f"config.json lacks 'num_experts' (or 'num_local_experts'), which {arch} needs")
@@ -134,7 +148,9 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
             num_experts=int(experts),
             moe_router_topk=int(_require(hf, "num_experts_per_tok", arch)),
             moe_ffn_hidden_size=int(_require(hf, "moe_intermediate_size", arch)),
-            moe_shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+            moe_router_renormalize=bool(hf.get("norm_topk_prob", False)),
+            moe_shared_expert_intermediate_size=shared,
+            moe_shared_expert_gate=arch == QWEN2_MOE_ARCH,
             moe_layer_freq=int(hf.get("decoder_sparse_step", 1)),
             dense_layers=[int(i) for i in hf.get("mlp_only_layers") or []],
             moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
@@ -146,11 +162,12 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
 
 
 def hf_config_from_model(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """A ``config.json`` for ``m`` in ``transformers`` 5.19 form (used when no HF template exists)."""
-    if m.moe_shared_expert_intermediate_size:
-        raise ConfigError("model.moe_shared_expert_intermediate_size > 0 has no Qwen3-MoE config "
-                          "(Qwen3-MoE has no shared experts); pass --hf-template with a config.json")  # fmt: skip
-    arch = MOE_ARCH if m.num_experts else DENSE_ARCH
+    """A ``config.json`` for ``m`` in ``transformers`` 5.19 form (used when no HF template exists).
+
+    Qwen3 / Qwen3-MoE for models with q/k norm, Qwen2-MoE for MoE models without it; shapes
+    that neither architecture builds raise ``ConfigError`` naming the field.
+    """
+    arch = hf_architecture_of(m)
     hf: dict[str, Any] = {
         "architectures": [arch],
         "model_type": _MODEL_TYPE[arch],
@@ -167,9 +184,13 @@ def hf_config_from_model(m: ModelConfig, dtype: str = "float32") -> dict[str, An
         "rms_norm_eps": m.norm_epsilon,
         "tie_word_embeddings": m.tie_word_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
         "use_sliding_window": False,
     }
+    if arch == QWEN2_MOE_ARCH:
+        hf["qkv_bias"] = m.add_qkv_bias
+        hf["shared_expert_intermediate_size"] = m.moe_shared_expert_intermediate_size
+    else:
+        hf["attention_bias"] = False
     if m.num_experts:
         hf.update(
             num_experts=m.num_experts,
@@ -177,10 +198,29 @@ def hf_config_from_model(m: ModelConfig, dtype: str = "float32") -> dict[str, An
             moe_intermediate_size=m.moe_ffn_hidden_size,
             decoder_sparse_step=m.moe_layer_freq,
             mlp_only_layers=list(m.dense_layers),
-            norm_topk_prob=True,
+            norm_topk_prob=m.moe_router_renormalize,
             router_aux_loss_coef=m.moe_aux_loss_coeff,
         )
     return hf
+
+
+def hf_architecture_of(m: ModelConfig) -> str:
+    """The HF architecture that builds exactly ``m`` (raises ``ConfigError`` naming the field)."""
+    if not m.qk_layernorm:
+        if not m.num_experts:
+            raise ConfigError("model.qk_layernorm=false without experts has no mapped HF architecture "
+                              "(Qwen3 has q/k norm; Qwen2-MoE needs num_experts > 0)")  # fmt: skip
+        if not (m.moe_shared_expert_intermediate_size and m.moe_shared_expert_gate):
+            raise ConfigError("model.qk_layernorm=false is Qwen2-MoE, which needs a gated shared expert: set "
+                              "moe_shared_expert_intermediate_size > 0 and moe_shared_expert_gate=true")  # fmt: skip
+        return QWEN2_MOE_ARCH
+    if m.add_qkv_bias:
+        raise ConfigError("model.add_qkv_bias=true with qk_layernorm has no HF architecture (Qwen3 has no "
+                          "q/k/v-only biases); pass --hf-template with a config.json")  # fmt: skip
+    if m.moe_shared_expert_intermediate_size:
+        raise ConfigError("model.moe_shared_expert_intermediate_size > 0 with qk_layernorm has no HF "
+                          "architecture (Qwen3-MoE has no shared experts); pass --hf-template")  # fmt: skip
+    return MOE_ARCH if m.num_experts else DENSE_ARCH
 
 
 def same_shape(a: ModelConfig, b: ModelConfig) -> list[str]:
