@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from sao_megatron.config import ConfigError, SAOConfig, load_config, save_config, to_dict
-from sao_megatron.config.load import check_init_from
+from sao_megatron.config.load import check_init_from, check_init_tokenizer
 from sao_megatron.logs import quiet_third_party
 
 EPILOG = """examples:
@@ -79,7 +79,8 @@ def cmd_train(args) -> int:
             cfg = load_config(path, overrides)
     else:
         cfg = _load(args)
-        check_init_from(cfg, _tools_from(cfg))  # a bad checkpoint fails before a run directory is made
+        check_init_from(cfg)  # a missing checkpoint fails before a run directory is made
+        check_init_tokenizer(cfg, _tools_from(cfg))  # ... and one without a fitting tokenizer
         run_dir = _run_dir(cfg)
     if cfg.data.train:  # every row, before any process starts (ConfigError: file:line and the fix)
         from sao_megatron.envs.dataset import check_data

@@ -294,15 +294,20 @@ def resolve_init_from(cfg: SAOConfig, model_given: bool = True) -> None:
                               "from the run file (the checkpoint's shape is used) or fix it")  # fmt: skip
 
 
-def check_init_from(cfg: SAOConfig, tools_from: str = "") -> None:
-    """``sao train`` start-up: every ``init_from`` must be a readable checkpoint of ``cfg.model``,
-    and an HF ``actor.init_from`` must carry a tokenizer that fits it (:func:`check_hf_tokenizer`;
-    ``tools_from`` names what declares tools, e.g. ``rollout.env=math_python``, or is empty)."""
+def check_init_from(cfg: SAOConfig) -> None:
+    """``sao train`` start-up: every ``init_from`` must be a readable checkpoint of ``cfg.model``."""
     for role in ("actor", "critic"):
         path = getattr(cfg, role).init_from
         if path:
             checkpoint_kind(path, f"{role}.init_from")
     resolve_init_from(cfg)
+
+
+def check_init_tokenizer(cfg: SAOConfig, tools_from: str = "") -> None:
+    """``sao train`` start-up, after :func:`check_init_from`: an HF ``actor.init_from`` (whose
+    tokenizer and chat template the run uses) must carry a tokenizer that fits the model
+    (:func:`check_hf_tokenizer`; ``tools_from`` names what declares tools, e.g.
+    ``rollout.env=math_python``, or is empty)."""
     if cfg.actor.init_from and checkpoint_kind(cfg.actor.init_from, "actor.init_from") == "hf":
         check_hf_tokenizer(cfg.actor.init_from, cfg.model.vocab_size, tools_from)
 
@@ -380,7 +385,7 @@ def check_hf_tokenizer(path: str | Path, vocab_size: int, tools_from: str = "") 
             raise ConfigError(f"{key}: the chat template in {p / 'tokenizer_config.json'} does not render tools "
                               f"(it never reads 'tools') but {tools_from} declares tools; use a checkpoint whose "
                               "template supports tools (e.g. Qwen3 Instruct) or replace its 'chat_template'")  # fmt: skip
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError, AttributeError) as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(
@@ -524,11 +529,6 @@ def validate_data(d: DataConfig, evaluates: bool = True) -> None:
     if d.train and not d.eval and evaluates:
         raise ConfigError("data.train is set but data.eval is empty; set data.eval=FILE (held-out prompts) "
                           "or train.eval_prompts=0")  # fmt: skip
-    for key in ("train", "eval"):
-        path = getattr(d, key)
-        if path.endswith(".parquet"):
-            raise ConfigError(f"data.{key}={path!r}: Parquet is not supported (pyarrow is not a dependency); "
-                              "convert it to JSONL, one JSON object per line")  # fmt: skip
     if d.train:
         for key in ("prompt_field", "answer_field"):
             if not getattr(d, key):

@@ -1,6 +1,7 @@
-"""Prompts from JSONL files (the ``data`` config section): :class:`DatasetTask`.
+"""Prompts from JSONL or Parquet files (the ``data`` config section): :class:`DatasetTask`.
 
-Each line of a file is one JSON object. :class:`~sao_megatron.config.schema.DataConfig` maps its
+Each line of a JSONL file is one JSON object; each row of a Parquet file (``*.parquet``, read
+with pyarrow) is one record, errors naming ``file:row N``. :class:`~sao_megatron.config.schema.DataConfig` maps its
 fields onto a :class:`~sao_megatron.envs.base.Sample`:
 
 ================  =============================================================================
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,19 +83,8 @@ def _answer(value: Any, d: DataConfig, where: str) -> str:
     return str(value)
 
 
-def read_rows(path: str | Path, d: DataConfig) -> list[Sample]:
-    """Every row of one JSONL file as a :class:`Sample`; raises ConfigError at the first bad row."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: data file not found; fix data.train / data.eval (relative paths are "
-                          "taken from the directory sao train runs in)") from None  # fmt: skip
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the data file ({err.strerror}); check the path") from None
-    samples: list[Sample] = []
-    ids: dict[str, int] = {}
-    seen = {"tools": not d.tools_field, **{name: False for name in d.meta_fields}}
+def _jsonl_rows(path: Path, data: bytes) -> Iterator[tuple[str, dict]]:
+    """``(file:line, row)`` for every non-empty line of a JSONL file."""
     for lineno, raw in enumerate(data.split(b"\n"), 1):
         where = f"{path}:{lineno}"
         try:
@@ -111,13 +102,45 @@ def read_rows(path: str | Path, d: DataConfig) -> list[Sample]:
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: the row is a JSON {type(row).__name__}, not an object; write one "
                               "JSON object per line") from None  # fmt: skip
+        yield where, row
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """``(file:row N, row)`` for every record of a Parquet file (1-based row numbers)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise ConfigError(f"{path}: not a readable Parquet file ({err}); check the file or convert it to "
+                          "JSONL") from None  # fmt: skip
+    for i, row in enumerate(table.to_pylist(), 1):
+        yield f"{path}:row {i}", row
+
+
+def read_rows(path: str | Path, d: DataConfig) -> list[Sample]:
+    """Every row of one JSONL or Parquet file as a :class:`Sample`; raises ConfigError at the first bad row."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: data file not found; fix data.train / data.eval (relative paths are "
+                          "taken from the directory sao train runs in)") from None  # fmt: skip
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the data file ({err.strerror}); check the path") from None
+    samples: list[Sample] = []
+    ids: dict[str, str] = {}
+    seen = {"tools": not d.tools_field, **{name: False for name in d.meta_fields}}
+    rows = _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path, data)
+    for where, row in rows:
         for key in ("prompt_field", "answer_field", *(("id_field",) if d.id_field else ())):
             name = getattr(d, key)
             if name not in row:
                 raise ConfigError(f"{where}: no field {name!r} (the row has: {_fields_hint(row)}); set "
                                   f"data.{key} to the row's field or add it to the row")  # fmt: skip
         question, messages = _question(row[d.prompt_field], d, where)
-        meta: dict[str, Any] = {"source": f"{path.name}:{lineno}"}
+        meta: dict[str, Any] = {"source": where.removeprefix(f"{path.parent}/")}
         if messages is not None:
             meta["messages"] = messages
         if d.tools_field and d.tools_field in row:
@@ -130,12 +153,13 @@ def read_rows(path: str | Path, d: DataConfig) -> list[Sample]:
         if d.id_field:
             key = str(row[d.id_field])
             if key in ids:
-                raise ConfigError(f"{where}: id {key!r} (data.id_field={d.id_field!r}) repeats line "
-                                  f"{ids[key]}; ids must be unique")  # fmt: skip
-            ids[key] = lineno
+                raise ConfigError(f"{where}: id {key!r} (data.id_field={d.id_field!r}) repeats {ids[key]}; "
+                                  "ids must be unique")  # fmt: skip
+            place = where.rsplit(":", 1)[1]
+            ids[key] = f"line {place}" if place.isdigit() else place
             prompt_id = f"data:{key}"
         else:
-            prompt_id = f"data:{path.name}:{lineno}"
+            prompt_id = f"data:{where.removeprefix(f'{path.parent}/')}"
         samples.append(Sample(prompt_id, question, _answer(row[d.answer_field], d, where), meta))
     if not samples:
         raise ConfigError(f"{path}: no rows (the file is empty); write one JSON object per line")

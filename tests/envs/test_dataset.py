@@ -10,7 +10,7 @@ import pytest
 from sao_megatron.config import ConfigError, load_config
 from sao_megatron.config.schema import DataConfig
 from sao_megatron.envs import Split, make_env, make_task
-from sao_megatron.envs.dataset import DatasetTask, check_data
+from sao_megatron.envs.dataset import DatasetTask, check_data, read_rows
 from sao_megatron.envs.sandbox import SandboxLimits
 
 FAST = SandboxLimits(wall_s=5.0, cpu_s=5, memory_bytes=256 << 20)
@@ -108,8 +108,6 @@ def test_config_section_checks(tmp_path: Path) -> None:
     assert cfg.data.train == str(f) and cfg.data.prompt_format == "messages"
     with pytest.raises(ConfigError, match="needs data.train"):
         load_config(None, [f"data.eval={f}"])
-    with pytest.raises(ConfigError, match="Parquet is not supported"):
-        load_config(None, ["data.train=x.parquet", "train.eval_prompts=0"])
     with pytest.raises(ConfigError, match="data.prompt_format: 'chat' is not one of 'text', 'messages'"):
         load_config(None, ["data.prompt_format=chat"])
 
@@ -192,3 +190,27 @@ def test_shuffle_is_a_permutation_computed_per_index() -> None:
     assert time.perf_counter() - t0 < 1.0 and len(set(picks)) == 1000
     with pytest.raises(ValueError, match="outside range"):
         shuffled(5, 5, b"k")
+
+
+def test_parquet_rows_map_like_jsonl_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"problem": "What is 2+3?", "final": 5, "topic": "add"},
+        {"problem": "What is 7*6?", "final": 42},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = DataConfig(train=str(tmp_path / "train.parquet"), prompt_field="problem", answer_field="final",
+                   meta_fields=["topic"])  # fmt: skip
+    from_parquet = read_rows(tmp_path / "train.parquet", d)
+    from_jsonl = read_rows(tmp_path / "train.jsonl", d)
+    assert [(s.question, s.answer) for s in from_parquet] == [(s.question, s.answer) for s in from_jsonl]
+    assert from_parquet[0].prompt_id == "data:train.parquet:row 1" and from_parquet[0].meta["topic"] == "add"
+    pq.write_table(pa.Table.from_pylist([{"problem": "q"}]), tmp_path / "bad.parquet")
+    with pytest.raises(ConfigError, match=r"bad.parquet:row 1: no field 'final'"):
+        read_rows(tmp_path / "bad.parquet", d)
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ConfigError, match="not a readable Parquet file"):
+        read_rows(tmp_path / "broken.parquet", d)
