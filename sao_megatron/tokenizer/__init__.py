@@ -36,9 +36,13 @@ def is_tokenizer_dir(path: str | Path | None) -> bool:
 
 
 def tokenizer_source(init_from: str | Path | None = None) -> Path:
-    """The run's tokenizer directory: ``init_from`` when it is an HF dir with a tokenizer, else
+    """The run's tokenizer directory: ``init_from`` when it is an HF dir with a tokenizer; for a
+    Megatron checkpoint from ``sao convert hf-to-mcore``, the HF files it keeps in ``hf/``; else
     the in-repo tiny tokenizer (:data:`TOKENIZER_DIR`)."""
-    return Path(init_from).resolve() if init_from and is_tokenizer_dir(init_from) else TOKENIZER_DIR
+    for candidate in (init_from, Path(init_from) / "hf" if init_from else None):
+        if candidate and is_tokenizer_dir(candidate):
+            return Path(candidate).resolve()
+    return TOKENIZER_DIR
 
 
 def tokenizer_files(source: str | Path) -> list[Path]:

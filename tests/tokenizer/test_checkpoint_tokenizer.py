@@ -66,7 +66,7 @@ def test_tokenizer_source_follows_init_from(qwen3_tokenizer_dir, tmp_path):
     assert tokenizer_source(tmp_path) == TOKENIZER_DIR  # a directory without a tokenizer (Megatron ckpt)
     assert tokenizer_source(tmp_path / "missing") == TOKENIZER_DIR
     assert not is_tokenizer_dir(tmp_path) and is_tokenizer_dir(TOKENIZER_DIR)
-    hf = tmp_path / "hf"
+    hf = tmp_path / "Qwen3-tiny"
     hf.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(qwen3_tokenizer_dir / name, hf / name)
@@ -77,3 +77,15 @@ def test_tokenizer_source_follows_init_from(qwen3_tokenizer_dir, tmp_path):
     assert load_tokenizer(init_from=tmp_path).eos_token == "<|end|>"
     assert load_tokenizer().eos_token == "<|end|>"
     assert {p.name for p in tokenizer_files(TOKENIZER_DIR)} == {p.name for p in TOKENIZER_DIR.iterdir()}
+
+
+def test_tokenizer_source_of_a_megatron_checkpoint_is_its_hf_copy(qwen3_tokenizer_dir, tmp_path):
+    """`sao convert hf-to-mcore` keeps the HF config and tokenizer in <out>/hf/: a run started from
+    that Megatron checkpoint serves and exports the original tokenizer, not the tiny one."""
+    mcore = tmp_path / "mcore"
+    (mcore / "hf").mkdir(parents=True)
+    (mcore / "metadata.json").write_text("{}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(qwen3_tokenizer_dir) / name, mcore / "hf" / name)
+    assert tokenizer_source(mcore) == (mcore / "hf").resolve()
+    assert tokenizer_source(tmp_path / "elsewhere") == TOKENIZER_DIR
