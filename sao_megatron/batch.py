@@ -55,14 +55,46 @@ class TrainBatch:
             out.append(BatchShard(self.select(rows), rows, tokens, seqs))
         return out
 
-    def micro_batches(self, micro_batch_size: int) -> list[dict]:
-        """Dicts for the engine's schedule, each trimmed to its own longest row."""
+    def micro_batches(self, micro_batch_size: int, multiple: int = 1) -> list[dict]:
+        """Dicts for the engine's schedule, each trimmed to its own longest row, then right-padded
+        up to a multiple of ``multiple`` (the sequence divisor a layout needs: TP with sequence
+        parallelism, 2 * CP with context parallelism).
+
+        Padding positions are exact no-ops for the loss: ``action_mask`` 0, labels and tokens 0,
+        ``policy_versions`` -1, positions continuing the row's ``arange``. The model is causal,
+        so positions past a row's length never change the outputs at earlier positions."""
         out = []
         for start in range(0, self.size, micro_batch_size):
             part = self.select(slice(start, start + micro_batch_size))
-            t = int(part.lengths.max())
-            out.append({k: (v[:, :t] if v.dim() == 2 else v) for k, v in part.__dict__.items()})
+            t = padded_length(int(part.lengths.max()), multiple)
+            mb = {
+                k: (pad_columns(v, t, _PAD.get(k, 0)) if v.dim() == 2 else v)
+                for k, v in part.__dict__.items()
+            }
+            width = min(t, part.positions.shape[1])  # positions past the batch width continue each row
+            extra = torch.arange(1, t - width + 1, dtype=part.positions.dtype)
+            mb["positions"] = torch.cat(
+                [part.positions[:, :width], part.positions[:, width - 1 : width] + extra], 1
+            )
+            out.append(mb)
         return out
+
+
+_PAD = {"policy_versions": -1}
+"""Fill of padding positions per ``[B, T]`` field (0 otherwise)."""
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple``."""
+    return -(-length // multiple) * multiple
+
+
+def pad_columns(v: torch.Tensor, t: int, fill: float = 0) -> torch.Tensor:
+    """``v`` ``[B, T']`` trimmed or right-padded with ``fill`` to ``[B, t]``."""
+    if v.shape[1] >= t:
+        return v[:, :t]
+    pad = torch.full((v.shape[0], t - v.shape[1]), fill, dtype=v.dtype, device=v.device)
+    return torch.cat([v, pad], dim=1)
 
 
 def build_batch(trajectories: list[Trajectory]) -> TrainBatch:

@@ -2,7 +2,9 @@
 
 Admission bounds staleness: a trajectory whose oldest action token was generated more than
 ``max_policy_lag`` versions before the current policy is dropped (and counted). Failed
-episodes are dropped with their reason. Batches:
+episodes are dropped with their reason, and so are trajectories without a single action token
+(e.g. a prompt already over the context budget: status ``truncated`` and nothing generated), which
+carry no learning signal and would break GAE (``dropped_no_actions``). Batches:
 
 - SAO (``group_size == 1``): the first ``batch_size`` admitted trajectories, each from a
   distinct prompt, in admission order (no barrier: whatever finished first trains first).
@@ -37,6 +39,7 @@ class BufferStats:
     dropped_stale: int = 0
     dropped_failed: Counter = field(default_factory=Counter)
     group_waits_s: list[float] = field(default_factory=list)
+    dropped_no_actions: int = 0
 
 
 class ReadyBuffer:
@@ -69,9 +72,12 @@ class ReadyBuffer:
         return int(token_lag.max()) if token_lag.numel() else 0
 
     def admit(self, t: Trajectory, current_version: int) -> bool:
-        """Add a finished trajectory; False when it is dropped (failed or too stale)."""
+        """Add a finished trajectory; False when it is dropped (failed, no action token, too stale)."""
         if t.status == "failed":
             self.stats.dropped_failed[t.status_reason.split(":")[0] or "unknown"] += 1
+            return False
+        if not any(t.action_mask):
+            self.stats.dropped_no_actions += 1
             return False
         if self.max_policy_lag is not None and self.lag(t, current_version) > self.max_policy_lag:
             self.stats.dropped_stale += 1
@@ -161,7 +167,8 @@ class ReadyBuffer:
             "stats": {"admitted": self.stats.admitted, "handed_out": self.stats.handed_out,
                       "dropped_stale": self.stats.dropped_stale,
                       "dropped_failed": dict(self.stats.dropped_failed),
-                      "group_waits_s": list(self.stats.group_waits_s)},
+                      "group_waits_s": list(self.stats.group_waits_s),
+                      "dropped_no_actions": self.stats.dropped_no_actions},
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -173,4 +180,5 @@ class ReadyBuffer:
         self._handed = {tuple(k) for k in state["handed"]}
         s = state["stats"]
         self.stats = BufferStats(s["admitted"], s["handed_out"], s["dropped_stale"],
-                                 Counter(s["dropped_failed"]), list(s["group_waits_s"]))  # fmt: skip
+                                 Counter(s["dropped_failed"]), list(s["group_waits_s"]),
+                                 s.get("dropped_no_actions", 0))  # fmt: skip

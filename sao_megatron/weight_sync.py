@@ -40,8 +40,19 @@ class SyncReport:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
-def new_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-              group_name: str, timeout_s: float = 300.0) -> dist.ProcessGroup:  # fmt: skip
+def master_store(
+    master_address: str, master_port: int, world_size: int, timeout_s: float = 300.0
+) -> dist.TCPStore:  # pyright: ignore[reportPrivateImportUsage]
+    """Rank 0's TCP store, listening before anyone dials in. ``master_port`` 0 binds any free
+    port (read it back from ``store.port``): no window in which another process can take it."""
+    # torch.distributed re-exports TCPStore from torch._C without marking it public.
+    return dist.TCPStore(master_address, master_port, world_size, is_master=True, wait_for_workers=False,  # pyright: ignore[reportPrivateImportUsage]
+                         timeout=timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def new_group(backend: str, store: dist.TCPStore, world_size: int,  # pyright: ignore[reportPrivateImportUsage]
+              rank: int, group_name: str,
+              timeout_s: float = 300.0) -> dist.ProcessGroup:  # fmt: skip
     """A process group outside the default world (SGLang engines join it from their side).
 
     torch has no public API for a second, independent world in one process; this builds it
@@ -49,11 +60,8 @@ def new_group(backend: str, master_address: str, master_port: int, world_size: i
     """
     from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
 
-    # torch.distributed re-exports TCPStore from torch._C without marking it public.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),  # pyright: ignore[reportPrivateImportUsage]
-                          timeout=timedelta(seconds=timeout_s))  # fmt: skip
-    store = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
+    prefixed = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), prefixed,
                                          group_name=GroupName(group_name), timeout=timedelta(seconds=timeout_s))  # fmt: skip
     # No global ranks given: the default-group path, which never returns the non-member sentinel.
     group = cast(dist.ProcessGroup, group)
@@ -69,6 +77,7 @@ class WeightSync:
 
     def __init__(self, engine_urls: list[str], engine_tp: int = 1, backend: str = "gloo",
                  master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = "sao_weight_sync"):  # fmt: skip
+        """``master_port`` 0 (the default): any free port on ``master_address``, bound at connect()."""
         self.engine_urls = engine_urls
         self.engine_tp = engine_tp
         self.backend = backend
@@ -82,11 +91,15 @@ class WeightSync:
         return 1 + len(self.engine_urls) * self.engine_tp
 
     async def connect(self) -> None:
-        """Form the group: engines join over HTTP while this process joins as rank 0."""
+        """Form the group: engines join over HTTP while this process joins as rank 0.
+
+        The store listens before any engine is told its port (``master_port`` 0: a port bound
+        now, so no other process can have taken it since it was chosen)."""
+        store = master_store(self.master_address, self.master_port, self.world_size)
+        self.master_port = store.port
         loop = asyncio.get_running_loop()
-        local = loop.run_in_executor(None, lambda: new_group(self.backend, self.master_address, self.master_port,
-                                                              self.world_size, 0, self.group_name))  # fmt: skip
-        await asyncio.sleep(0.2)  # let rank 0's store listen before the engines dial in
+        local = loop.run_in_executor(None, lambda: new_group(self.backend, store, self.world_size, 0,
+                                                              self.group_name))  # fmt: skip
 
         async def join(i: int, url: str):
             async with EngineClient(url) as client:

@@ -31,6 +31,38 @@ def test_lag_bound_and_failures_are_dropped_and_counted():
     assert buf.discard_stale(current_version=4) == 1 and len(buf) == 0
 
 
+def test_zero_action_trajectories_are_dropped_counted_and_checkpointed():
+    buf = ReadyBuffer(batch_size=1)
+    empty = traj(1, status="truncated")  # the prompt alone filled the context: nothing generated
+    empty.response_ids, empty.action_mask, empty.behavior_logprobs, empty.policy_versions = [], [], [], []
+    observed_only = traj(2)
+    observed_only.action_mask = [0, 0, 0]  # tokens, but none of them an action
+    assert not buf.admit(empty, current_version=0) and not buf.admit(observed_only, current_version=0)
+    assert buf.stats.dropped_no_actions == 2 and buf.stats.admitted == 0 and len(buf) == 0
+    assert buf.admit(traj(3), current_version=0)
+    restored = ReadyBuffer(batch_size=1)
+    restored.load_state_dict(buf.state_dict())
+    assert restored.stats.dropped_no_actions == 2
+    legacy = buf.state_dict()
+    del legacy["stats"]["dropped_no_actions"]  # a checkpoint written before the counter existed
+    restored.load_state_dict(legacy)
+    assert restored.stats.dropped_no_actions == 0
+
+
+def test_observer_reports_the_drops_by_cause():
+    from sao_megatron.driver.observer import buffer_metrics
+
+    buf = ReadyBuffer(batch_size=2)
+    buf.admit(traj(1), 0)
+    buf.admit(traj(2, status="failed"), 0)
+    empty = traj(3)
+    empty.action_mask = [0, 0, 0]
+    buf.admit(empty, 0)
+    m = buffer_metrics(buf)
+    assert m == {"buffer/waiting": 1.0, "buffer/dropped_stale": 0.0, "buffer/dropped_failed": 1.0,
+                 "buffer/dropped_no_actions": 1.0}  # fmt: skip
+
+
 def test_group_mode_waits_for_siblings_and_measures_the_wait():
     buf = ReadyBuffer(batch_size=4, group_size=2)
     buf.admit(traj(1, group="g1", member=0, finished_at=10.0), 0)

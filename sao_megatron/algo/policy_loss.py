@@ -31,9 +31,13 @@ restricted to tokens with ``A > 0`` / ``A < 0``; tokens with ``A == 0`` are in n
   and are >= 0 per token.
 
 Metrics are computed from the float64 log-ratio clamped to +-300 (so ``rho^2`` stays finite). An empty
-subset reports 0 with ``num_tokens`` 0. ``segment_ids`` only matters for ``agg="seq_mean"``. Reduce across data-parallel ranks with a
-``num_tokens``-weighted mean (exact for means and fractions, approximate for quantiles and ESS; take
-the max of ``ratio/max``). ``loss`` is the local weighted sum (sum it across micro-batches and ranks).
+subset reports 0 with ``num_tokens`` 0. ``segment_ids`` only matters for ``agg="seq_mean"``.
+
+Reduction weights: every metric ``K`` except ``num_tokens*`` comes with ``K#n`` (:data:`WEIGHT_SUFFIX`),
+the number of tokens it is computed over (its subset's ``num_tokens``; for ``ess``/``ess_frac`` the
+tokens entering the ESS). ``sao_megatron.workers.common.reduce_metrics`` combines micro-batches and
+ranks with it: ``K#n``-weighted mean (exact for means and fractions, approximate for the quantiles and
+ESS), max of ``ratio/max``, sums of ``num_tokens`` and of ``loss`` (the local weighted sum).
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ from sao_megatron.algo._checks import (
 from sao_megatron.algo.aggregation import aggregate, loss_weights
 from sao_megatron.algo.choices import POLICY_LOSSES, LossAgg, PolicyLossName
 from sao_megatron.algo.masked import masked_mean, masked_quantiles, masked_sum, metrics_to_floats
+
+WEIGHT_SUFFIX = "#n"
+"""Suffix of the weight entry reported next to each metric (see the module docstring)."""
 
 # PPO-clip only: the log-ratio is clamped to this range before exp so float32 cannot overflow to inf
 # (same guard as verl's ``compute_policy_loss``); exp(20) ~ 4.9e8 is far outside any useful band.
@@ -137,8 +144,11 @@ def _metrics(
     ess_mask = mask if ess_mask is None else ess_mask
     out: dict[str, Tensor | float] = {"loss": loss.detach()}
     for suffix, sub in (("", mask), ("/adv_pos", mask & (adv > 0)), ("/adv_neg", mask & (adv < 0))):
+        n, n_ess = sub.sum().to(torch.float64), (sub & ess_mask).sum().to(torch.float64)
         for key, value in _subset_metrics(lr, sub, band, fractions, ess_mask).items():
             out[key + suffix] = value
+            if key != "num_tokens":  # each value's own count, the weight of its reduction
+                out[key + suffix + WEIGHT_SUFFIX] = n_ess if key.startswith("ess") else n
     return metrics_to_floats(out)
 
 

@@ -58,6 +58,18 @@ def batch_metrics(
     return out
 
 
+def buffer_metrics(buffer: ReadyBuffer) -> dict[str, float]:
+    """``buffer/*``: trajectories waiting, drops since the start of the run by cause (too stale,
+    failed, no action token), and the mean group wait (GRPO groups only)."""
+    b = buffer.stats
+    out = {"buffer/waiting": float(len(buffer)), "buffer/dropped_stale": float(b.dropped_stale),
+           "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
+           "buffer/dropped_no_actions": float(b.dropped_no_actions)}  # fmt: skip
+    if b.group_waits_s:
+        out["buffer/group_wait_s"] = sum(b.group_waits_s) / len(b.group_waits_s)
+    return out
+
+
 class StepObserver:
     """Assembles one step's metrics; keeps the counters that rates are computed from."""
 
@@ -75,12 +87,9 @@ class StepObserver:
         trained = o.version - 1 if o.trained_actor else o.version
         lag = algo.policy_lag(trained, o.batch.policy_versions, o.batch.action_mask)
         out = learner_metrics(o) | batch_metrics(o.trajectories, lag, o.batch.action_mask)
-        b = self.buffer.stats
-        out |= {"time/learner_wait_s": waited_s, "buffer/waiting": float(len(self.buffer)),
-                "buffer/dropped_stale": float(b.dropped_stale), "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
-                "rollout/in_flight_at_take": float(in_flight), "policy_version": float(o.version)}  # fmt: skip
-        if b.group_waits_s:
-            out["buffer/group_wait_s"] = sum(b.group_waits_s) / len(b.group_waits_s)
+        out |= buffer_metrics(self.buffer)
+        out |= {"time/learner_wait_s": waited_s, "rollout/in_flight_at_take": float(in_flight),
+                "policy_version": float(o.version)}  # fmt: skip
         now = self._counters()
         dt = max(now[0] - self._last[0], 1e-9)
         out["rollout/trajectories_per_s"] = (now[1] - self._last[1]) / dt

@@ -177,7 +177,7 @@ class ActorGroup(RoleGroup[ActorWorker]):
         return (await self._all(ActorWorker.export_hf, str(out_dir)))[0]
 
     async def sync_weights(
-        self, engine_urls: list[str], version: int, address: str, port: int
+        self, engine_urls: list[str], version: int, address: str, port: int = 0
     ) -> dict[str, float]:
         """Broadcast the weights to the engines from global rank 0 (which reports the timing)."""
         return (await self._all(ActorWorker.sync_weights, engine_urls, version, address, port))[0]

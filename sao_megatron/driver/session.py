@@ -22,7 +22,6 @@ from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineClient
 from sao_megatron.rollout.manager import PromptCursor, RolloutManager
-from sao_megatron.spawn import free_port
 from sao_megatron.tokenizer import load_tokenizer
 
 
@@ -40,7 +39,6 @@ class Session:
         self.clients: list[EngineClient] = []
         self.loops: list[AgentLoop] = []
         self.sync_address = "127.0.0.1"
-        self.sync_port = free_port()
         self._policy_exported = False  # <run_dir>/hf/policy holds the actor's current weights
 
     @classmethod
@@ -112,7 +110,7 @@ class Session:
             )
             return {"time/sync_s": report.seconds}
         urls = [e.url for e in self.engines]
-        report = await self.actor.sync_weights(urls, version, self.sync_address, self.sync_port)
+        report = await self.actor.sync_weights(urls, version, self.sync_address)
         return {f"time/{k}": v for k, v in report.items()}
 
     def manager(

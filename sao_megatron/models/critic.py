@@ -25,8 +25,10 @@ class ValueHead(torch.nn.Module):
     """Drop-in for ``GPTModel.output_layer`` mapping hidden states ``[s, b, h]`` to values ``[s, b, 1]``.
 
     The weight is replicated on every TP rank. With sequence parallelism the incoming hidden
-    states are split along the sequence, so they are gathered first (its backward is a
-    reduce-scatter), which makes the value head's gradient identical on all TP ranks.
+    states are split along the sequence, so they are gathered first, which makes the value
+    head's gradient identical on all TP ranks. Every TP rank then computes the same full-sequence
+    loss, so the gather's backward keeps each rank's own sequence chunk of the gradient (a
+    reduce-scatter would count the loss TP times and scale the trunk's gradient by TP).
     """
 
     def __init__(self, hidden_size: int, sequence_parallel: bool, init: str = "zero", dtype=torch.float32):
@@ -42,7 +44,7 @@ class ValueHead(torch.nn.Module):
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=True
+                hidden_states, tensor_parallel_output_grad=False
             )
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron import algo
+from sao_megatron.algo.policy_loss import WEIGHT_SUFFIX
 from sao_megatron.batch import BatchShard, RowOutputs
 from sao_megatron.config import SAOConfig
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
@@ -22,6 +23,7 @@ from sao_megatron.workers.common import (
     reduce_metrics,
     row_outputs,
     seq_length,
+    seq_multiple,
 )
 from sao_megatron.workers.engine import build_actor_role
 
@@ -40,7 +42,9 @@ def kept_by_lag(
 ) -> dict[str, float]:
     """Fraction of action tokens inside the DIS band, per token-lag bucket and advantage sign.
 
-    Counts are reported too (``dis/tokens/lag{b}``) so that reductions can weight them."""
+    Each fraction ``K`` comes with its token count ``K#n`` (``WEIGHT_SUFFIX``, the weight of its
+    reduction in :func:`~sao_megatron.workers.common.reduce_metrics`); ``dis/tokens/lag{b}`` is the
+    bucket's token count (summed). Empty buckets and signs report nothing."""
     out = {}
     for lo, hi, name in LAG_BUCKETS:
         sel = mask & (lag >= lo) & (lag <= hi)
@@ -48,10 +52,12 @@ def kept_by_lag(
         out[f"dis/tokens/lag{name}"] = float(n)
         if n:
             out[f"dis/kept_frac/lag{name}"] = float((kept & sel).sum()) / n
+            out[f"dis/kept_frac/lag{name}{WEIGHT_SUFFIX}"] = float(n)
         for sign, sel_sign in (("pos", advantages > 0), ("neg", advantages < 0)):
             both = sel & sel_sign
-            if int(both.sum()):
-                out[f"dis/kept_frac/lag{name}/adv_{sign}"] = float((kept & both).sum()) / int(both.sum())
+            if nb := int(both.sum()):
+                out[f"dis/kept_frac/lag{name}/adv_{sign}"] = float((kept & both).sum()) / nb
+                out[f"dis/kept_frac/lag{name}/adv_{sign}{WEIGHT_SUFFIX}"] = float(nb)
     return out
 
 
@@ -63,6 +69,12 @@ class ActorWorker:
         init_rank(cfg.actor.parallel, cfg.run.seed)
         self.role = build_actor_role(cfg.model, cfg.actor)
         self._sync = None
+
+    @property
+    def _micro(self) -> tuple[int, int]:
+        """Micro-batch size and the sequence-length multiple of this role's layout."""
+        p = self.cfg.actor.parallel
+        return p.micro_batch_size, seq_multiple(p)
 
     def _logprobs(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_parallel_logprobs(logits, mb["labels"], parallel_state().get_tensor_model_parallel_group(),
@@ -76,9 +88,7 @@ class ActorWorker:
         a = self.cfg.algo
         b = shard.batch
         lag = algo.policy_lag(version, b.policy_versions, b.action_mask)
-        micro = micro_batches(
-            shard, {"advantages": advantages, "lag": lag}, self.cfg.actor.parallel.micro_batch_size
-        )
+        micro = micro_batches(shard, {"advantages": advantages, "lag": lag}, *self._micro)
         token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
         norm = {"num_tokens_global": shard.num_tokens_global if token_mean else None,
                 "num_seqs_global": None if token_mean else shard.num_seqs_global}  # fmt: skip
@@ -96,7 +106,7 @@ class ActorWorker:
             metrics.update(kept_by_lag(kept, mb["lag"], mb["advantages"], mask))
             return loss, metrics
 
-        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard))
+        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard, self._micro[1]))
         step = self.role.step()
         return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr,
                 "updated": float(step.updated)}  # fmt: skip
@@ -111,8 +121,10 @@ class ActorWorker:
             collected.append(logprobs.float())
             return logits.sum() * 0.0, {}
 
-        micro = micro_batches(shard, {}, self.cfg.actor.parallel.micro_batch_size)
-        self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard), forward_only=True)
+        micro = micro_batches(shard, {}, *self._micro)
+        self.role.forward_backward(
+            micro, loss_fn, seq_length=seq_length(shard, self._micro[1]), forward_only=True
+        )
         return row_outputs(collected, shard)
 
     def set_lr(self, lr: float) -> None:
@@ -127,7 +139,7 @@ class ActorWorker:
     def sft_step(self, shard: BatchShard) -> dict[str, float]:
         """Supervised step: mean negative logprob of the action tokens (demonstrations)."""
         tokens = shard.num_tokens_global
-        micro = micro_batches(shard, {}, self.cfg.actor.parallel.micro_batch_size)
+        micro = micro_batches(shard, {}, *self._micro)
 
         def loss_fn(logits, mb):
             logprobs, _ = self._logprobs(logits, mb)
@@ -136,7 +148,7 @@ class ActorWorker:
             nll = -(logprobs * mask).sum()
             return nll / tokens, {"nll": (nll / max(n, 1.0)).item(), "micro_tokens": n}
 
-        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard))
+        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard, self._micro[1]))
         step = self.role.step()
         return {**reduce_metrics(out), "grad_norm": step.grad_norm}
 
@@ -157,7 +169,7 @@ class ActorWorker:
         return ExportReport(stats.tensors, stats.bytes, stats.seconds)
 
     def sync_weights(
-        self, engine_urls: list[str], version: int, master_address: str, master_port: int
+        self, engine_urls: list[str], version: int, master_address: str, master_port: int = 0
     ) -> dict[str, float]:
         """Stream HF-named weights to the engines (rank 0 broadcasts), tagged ``version``."""
         from sao_megatron.models.hf_weights import iter_hf_weights

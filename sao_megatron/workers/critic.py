@@ -10,7 +10,14 @@ from sao_megatron import algo
 from sao_megatron.batch import BatchShard, RowOutputs
 from sao_megatron.config import SAOConfig
 from sao_megatron.workers import checkpoint
-from sao_megatron.workers.common import init_rank, micro_batches, reduce_metrics, row_outputs, seq_length
+from sao_megatron.workers.common import (
+    init_rank,
+    micro_batches,
+    reduce_metrics,
+    row_outputs,
+    seq_length,
+    seq_multiple,
+)
 from sao_megatron.workers.engine import build_critic_role
 
 
@@ -25,6 +32,12 @@ class CriticWorker:
         source = cfg.critic.init_from if init_from is None else init_from
         self.role = build_critic_role(cfg.model, cfg.critic, source=source)
 
+    @property
+    def _micro(self) -> tuple[int, int]:
+        """Micro-batch size and the sequence-length multiple of this role's layout."""
+        p = self.cfg.critic.parallel
+        return p.micro_batch_size, seq_multiple(p)
+
     @torch.no_grad()
     def values(self, shard: BatchShard) -> RowOutputs | None:
         """``[b, T]`` values V(s) at each position (zero off actions), on reporting ranks."""
@@ -34,15 +47,17 @@ class CriticWorker:
             collected.append(values.squeeze(-1).float() * mb["action_mask"])
             return values.sum() * 0.0, {}
 
-        micro = micro_batches(shard, {}, self.cfg.critic.parallel.micro_batch_size)
-        self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard), forward_only=True)
+        micro = micro_batches(shard, {}, *self._micro)
+        self.role.forward_backward(
+            micro, loss_fn, seq_length=seq_length(shard, self._micro[1]), forward_only=True
+        )
         return row_outputs(collected, shard)
 
     def update(self, shard: BatchShard, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the value loss on the whole batch (``returns``, ``old_values``: ``[b, T]``)."""
         a = self.cfg.algo
         micro = micro_batches(shard, {"returns": returns, "old_values": old_values},
-                              self.cfg.critic.parallel.micro_batch_size)  # fmt: skip
+                              *self._micro)  # fmt: skip
         token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
 
         def loss_fn(values, mb):
@@ -56,7 +71,7 @@ class CriticWorker:
             metrics["micro_tokens"] = float(mask.sum())
             return loss, metrics
 
-        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard))
+        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard, self._micro[1]))
         step = self.role.step()
         return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr}
 

@@ -76,6 +76,7 @@ class MegatronRole:
             overlap_grad_reduce=False,
             use_distributed_optimizer=parallel.use_distributed_optimizer,
         )
+        self.config = config
         self.model = DistributedDataParallel(config, ddp_config, model)
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(
@@ -98,7 +99,9 @@ class MegatronRole:
         """Run the (pipelined) schedule over ``micro_batches``; returns per-micro-batch metrics
         on the last pipeline stage (empty elsewhere). Each micro-batch dict needs ``tokens``
         and ``positions`` ``[b, T]``; ``loss_fn(output, micro_batch)`` sees the model output
-        (vocab-parallel logits, or values for a critic) of the same micro-batch."""
+        (vocab-parallel logits, or values for a critic) of the same micro-batch. Micro-batches
+        may differ in length (``seq_length`` is then only a bound); each length must divide by
+        ``common.seq_multiple`` of the layout."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -117,7 +120,14 @@ class MegatronRole:
         if not forward_only:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        b, _ = micro_batches[0]["tokens"].shape
+        # Pipeline stages exchange [s/tp, b, h] activations. Equal micro-batches: one fixed shape.
+        # Ragged ones (each trimmed to its own longest row, or a short last micro-batch): Megatron
+        # sends each tensor's shape ahead of it (variable_seq_lengths), on every stage alike.
+        shapes = {tuple(m["tokens"].shape) for m in micro_batches}
+        self.config.variable_seq_lengths = len(shapes) > 1
+        b, seq = max(shapes)
+        if len(shapes) == 1:
+            seq_length = seq
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
             num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=b,

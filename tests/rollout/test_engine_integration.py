@@ -158,7 +158,7 @@ def test_distributed_weight_sync_serves_new_weights(engine, checkpoints):
     ids = [2, 60, 61, 62, 63, 64, 3, 70, 71, 72]
 
     async def go():
-        sync = WeightSync([engine.url], backend="gloo", master_port=free_port())
+        sync = WeightSync([engine.url], backend="gloo")  # master_port 0: bound at connect()
         await sync.connect()
         report = await sync.update(buckets, version=7)
         async with EngineClient(engine.url) as client:

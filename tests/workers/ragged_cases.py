@@ -1,0 +1,148 @@
+"""Worker bodies for the ragged-batch tests: actor and critic at TP=2 (SP) or PP=2 vs one rank.
+
+A ragged batch (sequence lengths 7, 12, 5, 9; one-token actions between observations;
+micro-batch size 2, so the micro-batches are 12 and 9 long) goes through the real workers.
+The reference layout is TP=PP=1 with both ranks holding the *whole* batch as their shard
+and doubled global counts: each rank's gradient is then exactly the single-rank gradient
+(the engine multiplies by DP = 2, the doubled normaliser divides it back) and DDP averages
+two equal copies (see :data:`COUNT_PARTS` for the metrics).
+The layout under test then starts from the reference's weights (``layout.load_full``).
+
+The MoE load-balancing loss is off (``moe_aux_loss_coeff`` 0): it counts padding tokens, and
+the extra padding a layout needs (9 -> 10 tokens at TP=2) moves it (~4e-5 on the embedding
+gradient at the default 0.001), which is not the layout path under test.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sao_megatron import algo
+from sao_megatron.batch import BatchShard, TrainBatch, assemble_rows, build_batch
+from sao_megatron.models import layout
+from sao_megatron.records import Trajectory, Turn
+from sao_megatron.workers.actor import ActorWorker
+from sao_megatron.workers.common import coordinates
+from sao_megatron.workers.critic import CriticWorker
+from tests.workers.worker_cases import config
+
+COUNT_PARTS = {"tokens", "num_tokens"}
+"""Key parts of token counts, which ``reduce_metrics`` sums over DP: the reference's two
+replicas of the whole batch count every token twice. Losses are summed too, but each replica
+holds half the loss (doubled normaliser), so their sum is the whole-batch loss."""
+
+
+def ragged_trajectories() -> list[Trajectory]:
+    """Lengths 7, 12, 5, 9: (prompt, [(action tokens, observation tokens after it), ...])."""
+    shapes = [(3, [(1, 2), (1, 0)]), (4, [(1, 2), (1, 2), (2, 0)]), (4, [(1, 0)]), (4, [(1, 2), (2, 0)])]
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i, (n_prompt, turns) in enumerate(shapes):
+        prompt = torch.randint(6, 500, (n_prompt,), generator=g).tolist()
+        resp, mask, spans = [], [], []
+        for n_act, n_obs in turns:
+            spans.append(Turn(len(resp), len(resp) + n_act))
+            resp += torch.randint(6, 500, (n_act + n_obs,), generator=g).tolist()
+            mask += [1] * n_act + [0] * n_obs
+        behavior = (-3.0 - torch.rand(len(resp), generator=g) * 4).tolist()
+        out.append(Trajectory(
+            prompt_id=f"p{i}", prompt_ids=prompt, response_ids=resp, action_mask=mask,
+            behavior_logprobs=[b if m else 0.0 for b, m in zip(behavior, mask, strict=True)],
+            policy_versions=[0 if m else -1 for m in mask], turns=spans, reward=float(i % 2), status="finished",
+        ))  # fmt: skip
+    return out
+
+
+def _shard(batch: TrainBatch, reference: bool) -> BatchShard:
+    if not reference:
+        c = coordinates()
+        return batch.shard(c.dp_size)[c.dp_rank]
+    whole = batch.shard(1)[0]
+    return BatchShard(batch, whole.rows, 2 * whole.num_tokens_global, 2 * whole.num_seqs_global)
+
+
+def _metrics(m: dict[str, float], reference: bool) -> dict[str, float]:
+    return {k: v / 2 if reference and COUNT_PARTS & set(k.split("/")) else v for k, v in m.items()}
+
+
+def _grads(role) -> dict[str, torch.Tensor]:
+    """The reduced gradients of the last step (DDP's buffers; clipping is off in these configs)."""
+    return _copy(layout.gather_full(role.module, select=lambda p: getattr(p, "main_grad", None)))
+
+
+def _copy(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached copies (at TP=1 ``gather_full`` returns the live tensors themselves)."""
+    return {k: v.clone() for k, v in full.items()}
+
+
+def _gathered_rows(mine, batch: TrainBatch) -> torch.Tensor:
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return assemble_rows(parts, batch.size, batch.tokens.shape[1])
+
+
+def _run(overrides: dict, batch: TrainBatch, reference: bool, start: dict | None) -> dict:
+    from megatron.core import parallel_state as ps
+
+    cfg = config(2, **overrides)
+    adv = torch.where(batch.action_mask > 0, torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
+                      torch.zeros(()))  # fmt: skip
+    actor = ActorWorker(cfg)
+    start = start or {}
+    if "actor" in start:
+        layout.load_full(actor.role.module, start["actor"])
+    weights = {"actor": _copy(layout.gather_full(actor.role.module))}
+    shard = _shard(batch, reference)
+    logprobs = _gathered_rows(actor.logprobs(shard), batch)
+    m = actor.update(shard, shard.take(adv), 2)
+    out = {"actor_metrics": _metrics(m, reference), "actor_grads": _grads(actor.role), "logprobs": logprobs,
+           "actor_reports": coordinates().reports}  # fmt: skip
+    ps.destroy_model_parallel()
+
+    critic = CriticWorker(cfg, "")
+    if "critic" in start:
+        layout.load_full(critic.role.module, start["critic"])
+    weights["critic"] = _copy(layout.gather_full(critic.role.module))
+    shard = _shard(batch, reference)
+    values = _gathered_rows(critic.values(shard), batch)
+    ref_values = start.get("values", values)  # the update's inputs: the reference's, in every layout
+    _, returns, _ = algo.gae(batch.rewards, ref_values, batch.action_mask > 0, gamma=1.0, lam=0.95)
+    c = critic.update(shard, shard.take(returns), shard.take(ref_values))
+    out.update(critic_metrics=_metrics(c, reference), critic_grads=_grads(critic.role), values=values,
+               critic_reports=coordinates().reports, weights=weights)  # fmt: skip
+    ps.destroy_model_parallel()
+    return out
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest absolute difference and the tensor that holds it."""
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max(((a[k] - b[k]).abs().max().item(), k) for k in a)
+
+
+def case_ragged(rank, world, layout_overrides: dict):
+    common = {"actor.optim.clip_grad": 1e6, "critic.optim.clip_grad": 1e6,
+              "actor.parallel.use_distributed_optimizer": False, "critic.parallel.use_distributed_optimizer": False,
+              "critic.value_head_init": "normal", "model.moe_aux_loss_coeff": 0.0}  # fmt: skip
+    batch = build_batch(ragged_trajectories())
+    ref = _run(common, batch, reference=True, start=None)
+    start = {**ref["weights"], "values": ref["values"]}
+    got = _run({**common, **layout_overrides}, batch, reference=False, start=start)
+    result = {
+        "lengths": batch.lengths.tolist(),
+        "logprobs": ((got["logprobs"] - ref["logprobs"]) * batch.action_mask).abs().max().item(),
+        "actor_grads": _max_diff(got["actor_grads"], ref["actor_grads"]),
+        "actor_grad_scale": max(v.abs().max().item() for v in ref["actor_grads"].values()),
+        "values": (got["values"] - ref["values"]).abs().max().item(),
+        "values_scale": ref["values"].abs().max().item(),
+        "critic_grads": _max_diff(got["critic_grads"], ref["critic_grads"]),
+        "critic_grad_scale": max(v.abs().max().item() for v in ref["critic_grads"].values()),
+        "actor_reports": got["actor_reports"],
+        "critic_reports": got["critic_reports"],
+    }
+    for role in ("actor", "critic"):
+        if got[f"{role}_reports"]:  # metrics live on the reporting rank (last stage, TP rank 0)
+            mine, theirs = got[f"{role}_metrics"], ref[f"{role}_metrics"]
+            result[f"{role}_metrics"] = {k: [mine[k], theirs.get(k)] for k in mine}
+    return result

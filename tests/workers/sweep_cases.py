@@ -1,0 +1,51 @@
+"""Worker body for the loss sweep: every policy loss x advantage estimator, one real actor step each."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from sao_megatron import algo
+from sao_megatron.algo.choices import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, POLICY_LOSSES
+from sao_megatron.batch import assemble_rows, build_batch
+from sao_megatron.driver.advantages import Advantages
+from sao_megatron.workers.actor import ActorWorker
+from sao_megatron.workers.critic import CriticWorker
+from tests.workers.worker_cases import config, trajectories
+
+
+def case_every_loss_and_estimator(rank, world):
+    """One 1-rank world: critic values once, then for each (estimator, loss) advantages from
+    :class:`Advantages` and one :meth:`ActorWorker.update` with ``cfg.algo`` switched in place."""
+    from megatron.core import parallel_state as ps
+
+    base = config(world)
+    trajs = trajectories()
+    for i, t in enumerate(trajs):  # two groups of two with different rewards (grpo/rloo need G > 1)
+        t.group_id = f"g{i // 2}"
+        t.reward_details = {"group_index": i % 2}
+    batch = build_batch(trajs)
+    shard = batch.shard(1)[0]
+    critic = CriticWorker(base, "")  # a random trunk: only the plumbing is under test
+    values = assemble_rows([critic.values(shard)], batch.size, batch.tokens.shape[1])
+    ps.destroy_model_parallel()
+    actor = ActorWorker(base)
+    out = {}
+    for estimator in ADVANTAGE_ESTIMATORS:
+        group = 2 if estimator in GROUP_ESTIMATORS else 1
+        a = dataclasses.replace(base.algo, advantage=estimator, group_size=group, batch_size=4)
+        adv, returns, adv_metrics = Advantages(a)(
+            batch, values if algo.uses_critic(estimator) else None, trajs
+        )
+        assert (returns is not None) == algo.uses_critic(estimator), estimator
+        for loss in POLICY_LOSSES:
+            actor.cfg = dataclasses.replace(base, algo=dataclasses.replace(a, policy_loss=loss))
+            m = actor.update(shard, shard.take(adv), 0)
+            out[f"{estimator}/{loss}"] = {
+                "updated": m["updated"], "loss": m["loss"], "grad_norm": m["grad_norm"],
+                "adv_finite": bool(torch.isfinite(adv).all()), "adv_nonzero": bool(adv.abs().sum() > 0),
+                "metrics_finite": all(math.isfinite(v) for v in {**m, **adv_metrics}.values()),
+            }  # fmt: skip
+    return out
