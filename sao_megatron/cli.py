@@ -68,6 +68,13 @@ def _tools_from(cfg: SAOConfig) -> str:
     return f"rollout.env={cfg.rollout.env}" if getattr(env, "tools", None) else ""
 
 
+def _rank_failed(verb: str, err: Exception) -> int:
+    """One line for a spawned world that failed: the last line of the failing rank's report."""
+    last = [ln for ln in str(err).splitlines() if ln.strip()][-1]
+    print(f"{verb} error (a rank failed): {last}", file=sys.stderr)
+    return 1
+
+
 def cmd_train(args) -> int:
     if args.resume:
         run_dir = Path(args.resume)
@@ -284,9 +291,7 @@ def cmd_export(args) -> int:
         print(f"export error: {err}", file=sys.stderr)
         return 1
     except WorldFailed as err:
-        last = [ln for ln in str(err).splitlines() if ln.strip()][-1]
-        print(f"export error (a rank failed): {last}", file=sys.stderr)
-        return 1
+        return _rank_failed("export", err)
     _print_summary(summary, "sao export")
     print(f"wrote {args.out_dir} (load with transformers.AutoModelForCausalLM.from_pretrained)")
     return 0
@@ -364,9 +369,7 @@ def cmd_convert(args) -> int:
         print(f"convert error: {err}", file=sys.stderr)
         return 1
     except WorldFailed as err:
-        last = [ln for ln in str(err).splitlines() if ln.strip()][-1]
-        print(f"convert error (a rank failed): {last}", file=sys.stderr)
-        return 1
+        return _rank_failed("convert", err)
     _print_summary(summary)
     return 0
 
