@@ -8,9 +8,11 @@ right-padded to the longest sequence in the batch; ``action_mask`` is 0 on promp
 observation and padding positions.
 
 The driver builds one :class:`TrainBatch` per learner step and splits it into one
-:class:`BatchShard` per data-parallel replica of a role (rows ``dp_rank::dp_size``, which
-spreads long and short trajectories evenly). A shard carries the whole batch's token and
-sequence counts, so every replica normalises its loss by the *global* batch.
+:class:`BatchShard` per data-parallel replica of a role, balanced by token count
+(:func:`balanced_split`). A shard carries the whole batch's token and sequence counts, so every
+replica normalises its loss by the *global* batch. Each rank then cuts its shard into
+micro-batches (:class:`MicroBatching`): rows padded to the micro-batch's longest, or packed into
+one row with per-sequence segments, under a row count or a token budget.
 """
 
 from __future__ import annotations
@@ -44,40 +46,141 @@ class TrainBatch:
         return TrainBatch(**{k: v[rows] for k, v in self.__dict__.items()})
 
     def shard(self, dp_size: int) -> list[BatchShard]:
-        """One shard per data-parallel replica: replica ``d`` gets rows ``d::dp_size``."""
+        """One shard per data-parallel replica, balanced by tokens (:func:`balanced_split`)."""
         if not 1 <= dp_size <= self.size:
             raise ValueError(f"cannot split a batch of {self.size} trajectories over {dp_size} DP replicas; "
                              f"make algo.batch_size a multiple of the data-parallel size")  # fmt: skip
         tokens, seqs = float(self.action_mask.sum()), float((self.action_mask.sum(-1) > 0).sum())
-        out = []
-        for d in range(dp_size):
-            rows = list(range(d, self.size, dp_size))
-            out.append(BatchShard(self.select(rows), rows, tokens, seqs))
-        return out
+        groups = balanced_split(self.lengths.tolist(), dp_size)
+        return [BatchShard(self.select(rows), rows, tokens, seqs) for rows in groups]
 
-    def micro_batches(self, micro_batch_size: int, multiple: int = 1) -> list[dict]:
-        """Dicts for the engine's schedule, each trimmed to its own longest row, then right-padded
-        up to a multiple of ``multiple`` (the sequence divisor a layout needs: TP with sequence
-        parallelism, 2 * CP with context parallelism).
+    def micro_batch(self, rows: list[int], how: MicroBatching, per_row: dict[str, torch.Tensor]) -> dict:
+        """The model inputs and loss tensors of ``rows`` (this batch's indices) as one micro-batch.
+
+        Padded (``how.pack`` off): ``[len(rows), t]`` with t the longest row rounded up to
+        ``how.multiple``. Packed: ``[1, t]``, the rows one after the other, each padded to
+        ``how.segment_multiple``, the total to ``how.multiple``; ``spans`` holds each row's
+        (offset, length), ``segment_ids`` / ``cu_seqlens`` the segments (trailing padding is a
+        segment of its own). No rows (a filler micro-batch, see :func:`spread`): one padding row.
 
         Padding positions are exact no-ops for the loss: ``action_mask`` 0, labels and tokens 0,
-        ``policy_versions`` -1, positions continuing the row's ``arange``. The model is causal,
-        so positions past a row's length never change the outputs at earlier positions."""
-        out = []
-        for start in range(0, self.size, micro_batch_size):
-            part = self.select(slice(start, start + micro_batch_size))
-            t = padded_length(int(part.lengths.max()), multiple)
-            mb = {
-                k: (pad_columns(v, t, _PAD.get(k, 0)) if v.dim() == 2 else v)
-                for k, v in part.__dict__.items()
-            }
-            width = min(t, part.positions.shape[1])  # positions past the batch width continue each row
-            extra = torch.arange(1, t - width + 1, dtype=part.positions.dtype)
-            mb["positions"] = torch.cat(
-                [part.positions[:, :width], part.positions[:, width - 1 : width] + extra], 1
+        ``policy_versions`` -1; positions continue their segment's ``arange``. Attention is
+        causal (and block-diagonal over packed segments), so padding after a token never changes
+        its outputs. ``per_row`` extras (``[B, T]`` or ``[B]``) are cut the same way."""
+        fields = {**self.__dict__, **per_row}
+        if how.pack:
+            return self._packed(rows, how, fields)
+        if not rows:
+            t = how.multiple
+            mb = {k: torch.full((1, t) if v.dim() == 2 else (1,), _PAD.get(k, 0), dtype=v.dtype)
+                  for k, v in fields.items()}  # fmt: skip
+            mb["positions"] = torch.arange(t).unsqueeze(0)
+            return {**mb, "rows": []}
+        t = padded_length(int(self.lengths[rows].max()), how.multiple)
+        mb = {
+            k: pad_columns(v[rows], t, _PAD.get(k, 0)) if v.dim() == 2 else v[rows] for k, v in fields.items()
+        }
+        mb["positions"] = torch.arange(t).expand(len(rows), t).contiguous()
+        return {**mb, "rows": list(rows)}
+
+    def _packed(self, rows: list[int], how: MicroBatching, fields: dict[str, torch.Tensor]) -> dict:
+        spans, bounds = [], [0]
+        for r in rows:
+            spans.append((bounds[-1], int(self.lengths[r])))
+            bounds.append(bounds[-1] + padded_length(int(self.lengths[r]), how.segment_multiple))
+        t = padded_length(max(bounds[-1], 1), how.multiple)
+        if t > bounds[-1]:
+            bounds.append(t)  # trailing padding: a segment of its own
+        mb: dict = {}
+        for k, v in fields.items():
+            if v.dim() == 1:
+                mb[k] = v[rows]
+                continue
+            out = torch.full((1, t), _PAD.get(k, 0), dtype=v.dtype)
+            for r, (offset, n) in zip(rows, spans, strict=True):
+                out[0, offset : offset + n] = v[r, :n]
+            mb[k] = out
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        sizes = (cu[1:] - cu[:-1]).long()
+        mb["segment_ids"] = torch.repeat_interleave(torch.arange(len(sizes)), sizes).unsqueeze(0)
+        mb["positions"] = (torch.arange(t) - torch.repeat_interleave(cu[:-1].long(), sizes)).unsqueeze(0)
+        mb["cu_seqlens"] = cu
+        return {**mb, "rows": list(rows), "spans": spans}
+
+
+def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Row indices in ``parts`` groups of near-equal total length, each in ascending order.
+
+    Longest row first, each to the group with the fewest tokens so far (then the fewest rows):
+    every group gets at least one row when ``len(lengths) >= parts``."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        g = min(range(parts), key=lambda g: (load[g], len(groups[g]), g))
+        groups[g].append(i)
+        load[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank cuts its shard into micro-batches (see :meth:`TrainBatch.micro_batch`)."""
+
+    rows: int = 1
+    """Rows per micro-batch without a token budget."""
+    max_tokens: int = 0
+    """Token budget per micro-batch, padding included (0: ``rows`` rows each instead)."""
+    multiple: int = 1
+    """What each micro-batch's length must divide by (``workers.common.seq_multiple``)."""
+    segment_multiple: int = 1
+    """What each packed sequence's length must divide by (2 * CP under context parallelism)."""
+    pack: bool = False
+    """Pack the rows of a micro-batch into one row."""
+
+    def cost(self, lengths: Sequence[int]) -> int:
+        """Tokens a micro-batch of sequences of ``lengths`` computes, padding included."""
+        if self.pack:
+            return padded_length(sum(padded_length(n, self.segment_multiple) for n in lengths), self.multiple)
+        return len(lengths) * padded_length(max(lengths), self.multiple)
+
+    def plan(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Row indices of each micro-batch: consecutive runs of ``rows`` rows, or under a token
+        budget the longest rows first, each into the first micro-batch it fits (a row longer
+        than the budget gets its own)."""
+        n = len(lengths)
+        if not self.max_tokens:
+            return [list(range(s, min(s + self.rows, n))) for s in range(0, n, self.rows)]
+        bins: list[list[int]] = []
+        for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+            fit = next(
+                (b for b in bins if self.cost([lengths[j] for j in b] + [lengths[i]]) <= self.max_tokens),
+                None,
             )
-            out.append(mb)
-        return out
+            if fit is None:
+                bins.append([i])
+            else:
+                fit.append(i)
+        return [sorted(b) for b in bins]
+
+    def padding_fraction(self, lengths: Sequence[int]) -> float:
+        """Share of the computed tokens that are padding when ``lengths`` are cut by :meth:`plan`."""
+        computed = sum(self.cost([lengths[i] for i in b]) for b in self.plan(lengths))
+        return 1.0 - sum(lengths) / computed if computed else 0.0
+
+
+def spread(plan: list[list[int]], count: int) -> list[list[int]]:
+    """``plan`` grown to ``count`` micro-batches (every rank of an expert-parallel or pipeline
+    world must run the same number): the largest micro-batch is halved until there are enough,
+    then empty ones (filler micro-batches of padding) are added."""
+    plan = [list(b) for b in plan]
+    while len(plan) < count:
+        k = max(range(len(plan)), key=lambda k: len(plan[k]))
+        if len(plan[k]) < 2:
+            plan.append([])
+            continue
+        half = len(plan[k]) // 2
+        plan[k : k + 1] = [plan[k][:half], plan[k][half:]]
+    return plan
 
 
 _PAD = {"policy_versions": -1}

@@ -32,6 +32,10 @@ patch                      call sites
 ``local_norm_sp``          MoE with TP > 1 needs sequence parallelism, which the local torch
                            RMSNorm refuses; build it with SP off and tag its parameters
                            ``sequence_parallel`` as TE's norm does, so their grads are reduced
+``recompute_rng``          activation recompute (full, and selective: ``CheckpointFunction``,
+                           ``CheckpointWithoutOutput``) saves and restores the CUDA RNG state
+                           besides the CPU one (``tensor_parallel.random``); without CUDA there
+                           is none, so it reads as an empty state and restoring it does nothing
 =========================  =================================================================
 
 The CUDA RNG tracker is avoided by configuration, not by a patch: see
@@ -106,6 +110,7 @@ def apply() -> bool:
     _patch_alltoall_split_sizes()
     _patch_cuda_type_strings()
     _patch_local_norm_sp()
+    _patch_recompute_rng()
     _applied = True
     return True
 
@@ -294,3 +299,21 @@ def _patch_local_norm_sp() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def _patch_recompute_rng() -> None:
+    rng: Any = importlib.import_module("megatron.core.tensor_parallel.random")  # Any: globals reassigned
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
+        if not callable(getattr(rng, name, None)):
+            raise RuntimeError(
+                f"megatron_cpu: megatron.core.tensor_parallel.random.{name} is gone; re-measure"
+            )
+
+    def no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_no_cuda_rng_state(*args, **kwargs) -> None:
+        return None
+
+    rng._get_cuda_rng_state = no_cuda_rng_state
+    rng._set_cuda_rng_state = set_no_cuda_rng_state

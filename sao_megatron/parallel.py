@@ -22,6 +22,15 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
+def device() -> torch.device:
+    """Where this rank computes: its CUDA device when CUDA exists (set by :func:`init_distributed`),
+    else the CPU. Batches are moved here in one place (``workers.engine``) and every collective's
+    tensors live here (NCCL takes device tensors only)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
                      backend: str = "auto", timeout_s: float = 600.0) -> None:  # fmt: skip
     """Join the role's world (idempotent). CUDA device = local rank when CUDA exists."""

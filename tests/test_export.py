@@ -42,7 +42,7 @@ def _make_run_rank(rank, world, run_dir: str) -> None:
         )
         return nll, {"nll": nll.detach().item()}
 
-    role.forward_backward([{"tokens": toks, "positions": positions}], loss, SEQ)
+    role.forward_backward([{"tokens": toks, "positions": positions}], loss)
     role.step()
     save_role(role, Path(run_dir) / "checkpoint" / "actor")
     role.module.eval()

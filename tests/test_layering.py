@@ -37,7 +37,7 @@ def test_algo_sources_do_not_mention_heavy_packages():
 LAYERS: list[set[str]] = [
     {"algo", "records", "megatron_cpu", "logs"},
     {"config", "tokenizer"},
-    {"parallel", "spawn", "batch", "envs"},
+    {"parallel", "spawn", "batch", "context_parallel", "envs"},
     {"models", "rollout", "buffer"},
     {"weight_sync", "workers"},
     {"observe", "plan", "submit"},

@@ -450,6 +450,9 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
         if value < 1:
             raise ConfigError(f"{role}.parallel.{name} must be >= 1 (got {value})")
     key = f"{role}.parallel"
+    if p.max_tokens_per_micro_batch < 0:
+        raise ConfigError(f"{key}.max_tokens_per_micro_batch must be >= 0 (got {p.max_tokens_per_micro_batch}); "
+                          "0 means micro_batch_size rows per micro-batch")  # fmt: skip
     if m.num_attention_heads % tp or m.num_query_groups % tp:
         options = [d for d in _divisors(m.num_query_groups) if m.num_attention_heads % d == 0]
         raise ConfigError(
@@ -477,6 +480,12 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
                               "training needs sequence parallelism with TP > 1; set it true or null")  # fmt: skip
     elif ep > 1:
         raise ConfigError(f"{key}.expert_parallel={ep} but the model is dense (num_experts=0); set it to 1")
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        raise ConfigError(f"{key}.overlap_param_gather=true needs {key}.use_distributed_optimizer=true "
+                          "(without it there is no parameter all-gather); set that true, or this null or false")  # fmt: skip
+    if p.selective_recompute and p.recompute_activations:
+        raise ConfigError(f"{key}.selective_recompute=true with recompute_activations=true (full recompute "
+                          "already covers every module); set selective_recompute to null or false")  # fmt: skip
 
 
 def validate(cfg: SAOConfig) -> None:

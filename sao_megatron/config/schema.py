@@ -119,8 +119,27 @@ class ParallelConfig:
     """Shard optimizer state over DP ranks (ZeRO-1)."""
     recompute_activations: bool = False
     """Full-layer activation recompute (memory for time)."""
+    selective_recompute: bool | None = None
+    """Megatron's selective recompute when full recompute is off (with TE: the norms and the
+    MoE activation; without: core attention); None means on exactly when Transformer Engine is
+    in use (a GPU)."""
+    fusions: bool | None = None
+    """Megatron's fused kernels (RoPE, bias-activation, softmax, gradient-accumulation, grouped
+    GEMM, MoE permute and router fusion); None means on exactly when Transformer Engine is in use."""
+    overlap_grad_reduce: bool | None = None
+    """Overlap the DP gradient reduce with the backward pass; None means on with Transformer Engine."""
+    overlap_param_gather: bool | None = None
+    """Megatron's overlapped parameter all-gather of the distributed optimizer; None means off:
+    the policy is exported right after each step, so the step completes the gather at once."""
     micro_batch_size: int = 1
-    """Sequences per micro-batch on one rank."""
+    """Sequences per micro-batch on one rank (the cap per micro-batch when ``max_tokens_per_micro_batch`` is set)."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's sequences into one row (THD with ``cu_seqlens`` under Transformer
+    Engine, a block-diagonal causal mask on the local layer spec) instead of padding every row
+    to the longest."""
+    max_tokens_per_micro_batch: int = 0
+    """Dynamic micro-batch size: fill each micro-batch up to this many tokens (padding included;
+    a longer sequence gets a micro-batch of its own); 0 means ``micro_batch_size`` rows each."""
 
     @property
     def data_parallel(self) -> int:

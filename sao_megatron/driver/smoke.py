@@ -52,9 +52,9 @@ def _actor_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
     if rank == 0:
         torch.save(full, Path(run_dir) / "actor_init_full.pt")
     t0 = time.perf_counter()
-    before = role.forward_backward(micro, nll, SEQ)
+    before = role.forward_backward(micro, nll)
     step = role.step()
-    after = role.forward_backward(micro, nll, SEQ, forward_only=True)
+    after = role.forward_backward(micro, nll, forward_only=True)
     return {
         "nll_before": before[0]["nll"] if before else None,
         "nll_after": after[0]["nll"] if after else None,
@@ -78,19 +78,19 @@ def _critic_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
         actor_state = torch.load(Path(run_dir) / "actor_init_full.pt", weights_only=True)
     role = build_critic_role(cfg.model, cfg.critic, actor_state)
     micro = _batch(cfg.model.vocab_size, cfg.run.seed, cfg.critic.parallel.micro_batch_size)
-    returns = torch.linspace(0.0, 1.0, SEQ).expand_as(micro[0]["tokens"])
     dp = ps.get_data_parallel_world_size()
 
     def value_loss(values, mb):
+        returns = torch.linspace(0.0, 1.0, SEQ, device=values.device).expand_as(mb["tokens"])
         loss = 0.5 * ((values.squeeze(-1).float() - returns) ** 2).mean() / dp
         return loss, {"value_loss": loss.item() * dp}
 
     losses, norms = [], []
     for _ in range(cfg.critic.updates_per_step):
-        out = role.forward_backward(micro, value_loss, SEQ)
+        out = role.forward_backward(micro, value_loss)
         norms.append(role.step().grad_norm)
         losses.append(out[0]["value_loss"] if out else None)
-    final = role.forward_backward(micro, value_loss, SEQ, forward_only=True)
+    final = role.forward_backward(micro, value_loss, forward_only=True)
     return {
         "value_loss_before": losses[0],
         "value_loss_after": final[0]["value_loss"] if final else None,

@@ -19,22 +19,145 @@ Router (HF: ``softmax over all experts -> topk``, then ``/ sum`` with ``norm_top
   validated with ``moe_router_pre_softmax=True`` and the flag is cleared afterwards (the router
   reads it at every forward).
 - not renormalised: ``moe_router_pre_softmax=True`` (softmax over all experts, then top-k).
+
+GPU performance knobs (``parallel.fusions``, ``selective_recompute``, ``overlap_grad_reduce``,
+``overlap_param_gather``; ``None`` = on exactly when Transformer Engine is in use) are resolved
+once by :func:`resolved`; :func:`fusion_kwargs`, :func:`recompute_kwargs` and :func:`ddp_config`
+turn them into Megatron settings.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from sao_megatron.config import ModelConfig, ParallelConfig
+from sao_megatron.config import ConfigError, ModelConfig, ParallelConfig
 
 
 def have_transformer_engine() -> bool:
     """TE is used only when a GPU is present and the package imports; never on CPU."""
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def _te_at_least(version: str) -> bool:
+    from megatron.core.utils import is_te_min_version
+
+    return is_te_min_version(version)  # False without TE (Megatron reports version 0.0.0)
+
+
+def _have_apex_wgrad_fusion() -> bool:
+    """APEX's ``fused_weight_gradient_mlp_cuda``, which the (non-TE) output layer needs for
+    ``gradient_accumulation_fusion``; GPTModel builds it even with the TE spec."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+@dataclass(frozen=True)
+class PerfKnobs:
+    """One role's GPU performance settings with every ``None`` resolved (see ``ParallelConfig``)."""
+
+    transformer_engine: bool
+    """TE layer spec in use (a GPU and the ``transformer_engine`` package)."""
+    fusions: bool
+    selective_recompute: bool
+    """False whenever full recompute (``recompute_activations``) is on: full wins."""
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    """Only with the distributed optimizer (there is no parameter all-gather otherwise)."""
+
+
+def resolved(p: ParallelConfig) -> PerfKnobs:
+    """The single place where ``None`` knobs become booleans: ``None`` follows TE presence.
+
+    Raises ``ConfigError`` for ``fusions=true`` without TE: Megatron refuses fused RoPE and
+    fused MoE permutation without it (``TransformerConfig`` raises at construction).
+    """
+    te = have_transformer_engine()
+    if p.fusions and not te:
+        raise ConfigError(
+            "parallel.fusions=true needs Transformer Engine (a CUDA GPU and the transformer_engine "
+            "package), which this process lacks; set parallel.fusions to null (on exactly with TE) or false"
+        )
+
+    def on(value: bool | None) -> bool:
+        return te if value is None else value
+
+    return PerfKnobs(
+        transformer_engine=te,
+        fusions=on(p.fusions),
+        selective_recompute=on(p.selective_recompute) and not p.recompute_activations,
+        overlap_grad_reduce=on(p.overlap_grad_reduce),
+        # None: off. The policy's weights are exported right after every step, so the gather
+        # has no forward to hide behind (true still works: the step gathers synchronously).
+        overlap_param_gather=bool(p.overlap_param_gather) and p.use_distributed_optimizer,
+    )
+
+
+def fusion_kwargs(m: ModelConfig, k: PerfKnobs) -> dict[str, bool]:
+    """Megatron's fused kernels for this model, each only where Megatron 0.19 can run it.
+
+    On with ``k.fusions`` (which implies TE): fused RoPE (TE >= 1.4), bias-SwiGLU and
+    bias-dropout-add (Megatron's own ``torch.compile`` kernels; no bias here, so they fuse the
+    activation / residual add), grouped expert GEMM (TE ``GroupedLinear``), fused token
+    permutation (TE >= 2.1) and fused top-k routing + aux-loss scores (TE >= 2.7, as Megatron
+    documents). ``gradient_accumulation_fusion`` only with APEX's ``fused_weight_gradient_mlp_cuda``:
+    the LM head is Megatron's own ``ColumnParallelLinear`` on every spec and raises without it.
+    Always off: ``masked_softmax_fusion`` (read only by the local spec's attention; the TE spec
+    uses TE's fused attention) and ``persist_layer_norm`` (APEX LayerNorm only; TE's RMSNorm
+    ignores it, the local torch RMSNorm refuses it).
+    """
+    on, moe = k.fusions, bool(m.num_experts)
+    return dict(
+        apply_rope_fusion=on and _te_at_least("1.4.0"),
+        bias_activation_fusion=on,
+        bias_dropout_fusion=on,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=on and _have_apex_wgrad_fusion(),
+        moe_grouped_gemm=on and moe,
+        moe_permute_fusion=on and moe and _te_at_least("2.1.0"),
+        moe_router_fusion=on and moe and _te_at_least("2.7.0"),
+    )
+
+
+def recompute_kwargs(m: ModelConfig, p: ParallelConfig, k: PerfKnobs, grouped_gemm: bool) -> dict[str, Any]:
+    """Full recompute (every layer) when ``recompute_activations``; else selective when on.
+
+    With TE: the separate norms (``layernorm``; TE fuses the input norm into QKV, leaving MoE
+    layers' pre-MLP norm) and, with grouped GEMM, the experts' SwiGLU (``moe_act``, which Megatron
+    allows only there): cheap to recompute, and their outputs are discarded. Not ``core_attn``:
+    TE's fused attention stores no ``[b, heads, s, s]`` softmax (Megatron advises against it).
+    Without TE: ``core_attn`` only, the local attention's softmax; the output-discarding
+    checkpoint behind ``layernorm`` / ``moe_act`` reads TE's FP8 state in Megatron 0.19
+    (``CheckpointWithoutOutput(fp8=False)`` sets ``fp8 = True``), so it needs TE.
+    """
+    if p.recompute_activations:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if not k.selective_recompute:
+        return {}
+    if not k.transformer_engine:
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    modules = ["layernorm"]
+    if m.num_experts and grouped_gemm:
+        modules.append("moe_act")
+    return dict(recompute_granularity="selective", recompute_modules=modules)
+
+
+def ddp_config(p: ParallelConfig):
+    """Megatron's ``DistributedDataParallelConfig`` for a role (fp32 gradient reduction)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    k = resolved(p)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=k.overlap_grad_reduce,
+        overlap_param_gather=k.overlap_param_gather,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+    )
 
 
 def moe_layer_pattern(m: ModelConfig) -> list[int]:
@@ -50,6 +173,8 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
+    knobs = resolved(p)
+    fusions = fusion_kwargs(m, knobs)
     moe: dict[str, Any] = {}
     if m.num_experts:
         moe = dict(
@@ -64,12 +189,10 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
             moe_token_dispatcher_type=p.moe_token_dispatcher,
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-            moe_grouped_gemm=have_transformer_engine(),
             moe_router_dtype="fp32",
         )
-    recompute: dict[str, Any] = dict(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-    )
+    else:  # the MoE fusions are MoE-only settings
+        fusions = {k: v for k, v in fusions.items() if not k.startswith("moe_")}
     config = TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -96,13 +219,9 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
         pipeline_dtype=dtype,
         bf16=bf16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
         batch_p2p_comm=False,
-        **(recompute if p.recompute_activations else {}),
+        **recompute_kwargs(m, p, knobs, grouped_gemm=fusions.get("moe_grouped_gemm", False)),
+        **fusions,
         **moe,
     )
     if m.num_experts and m.moe_router_renormalize and m.moe_router_topk == 1:
@@ -117,6 +236,33 @@ def layer_spec(config):
     return get_gpt_decoder_block_spec(
         config, use_transformer_engine=have_transformer_engine(), normalization="RMSNorm"
     )
+
+
+# TE's layer spec fuses a norm into the following linear layer (``TELayerNormColumnParallelLinear``):
+# the input norm into QKV and, in dense layers, the pre-MLP norm into fc1 (MoE layers keep a
+# separate ``pre_mlp_layernorm``). Megatron 0.19's local spec maps the same pairs for checkpoints
+# (``sharded_state_dict_keys_map`` in ``gpt_layer_specs.get_gpt_layer_local_submodules``).
+_TE_FUSED_NORMS = (
+    (".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
+    (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."),
+)
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name on the local layer spec, whichever spec built it.
+
+    TE spec -> local: ``...self_attention.linear_qkv.layer_norm_weight`` (``_bias``) ->
+    ``...input_layernorm.weight`` (``.bias``); ``...mlp.linear_fc1.layer_norm_weight`` ->
+    ``...pre_mlp_layernorm.weight``; grouped-GEMM experts ``...mlp.experts.linear_fc1.weight3`` ->
+    ``...mlp.experts.local_experts.3.linear_fc1.weight``. Other names are returned unchanged.
+    Name-based rules (critic freezing, per-module metrics) match these names, so they select
+    the same tensors on GPU (TE) and CPU (local).
+    """
+    for fused, local in _TE_FUSED_NORMS:
+        if fused in name:
+            return name.replace(fused, local)
+    return _GROUPED_EXPERT.sub(r".mlp.experts.local_experts.\2.\1.weight", name)
 
 
 def build_gpt(m: ModelConfig, p: ParallelConfig, bf16: bool = False, pre_process: bool | None = None,

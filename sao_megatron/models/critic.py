@@ -3,7 +3,8 @@
 The paper trains a separate value network initialised from the same SFT checkpoint as the
 policy, with its attention frozen and its MoE projections (experts, router) trained. Here the
 critic is built from exactly the actor's spec (``builder.build_gpt``); only the LM head is
-replaced by :class:`ValueHead`, and :func:`freeze` applies regexes over parameter names.
+replaced by :class:`ValueHead`, and :func:`freeze` applies regexes over parameter names (their
+local-spec form, ``builder.canonical_name``, so TE and local builds freeze the same tensors).
 :func:`load_trunk` fills the trunk from an HF or Megatron checkpoint, each rank reading only
 its own slices (the checkpoint's LM head is not read).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sao_megatron.config import CriticConfig, ModelConfig, ParallelConfig
-from sao_megatron.models.builder import build_gpt
+from sao_megatron.models.builder import build_gpt, canonical_name
 
 
 class ValueHead(torch.nn.Module):
@@ -73,12 +74,18 @@ def freeze(
     model: torch.nn.Module, freeze_patterns: Iterable[str], train_patterns: Iterable[str] = ()
 ) -> list[str]:
     """Set ``requires_grad=False`` on parameters matching any ``freeze_patterns`` regex (``re.search``)
-    unless they also match a ``train_patterns`` regex. Returns the frozen names."""
+    unless they also match a ``train_patterns`` regex. Returns the frozen names (as the model names them).
+
+    Patterns see local-spec names (:func:`~sao_megatron.models.builder.canonical_name`): TE's
+    ``self_attention.linear_qkv.layer_norm_weight`` is matched as ``input_layernorm.weight``, so
+    the default pattern (attention) freezes the same tensors with and without TE.
+    """
     frozen_re = [re.compile(p) for p in freeze_patterns]
     train_re = [re.compile(p) for p in train_patterns]
     frozen = []
     for name, param in model.named_parameters():
-        if any(r.search(name) for r in frozen_re) and not any(r.search(name) for r in train_re):
+        key = canonical_name(name)
+        if any(r.search(key) for r in frozen_re) and not any(r.search(key) for r in train_re):
             param.requires_grad_(False)
             frozen.append(name)
     return frozen

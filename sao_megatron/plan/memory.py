@@ -18,8 +18,9 @@ reserved        4 GiB: CUDA context, NCCL buffers, allocator fragmentation
 ==============  ============================================================================
 
 Sequence length = ``rollout.loop.max_context_tokens`` (every trajectory at full length: the worst
-case), micro-batch = ``parallel.micro_batch_size``, micro-batches per step =
-``ceil(algo.batch_size / (micro_batch_size x DP))``.
+case), micro-batch = ``parallel.micro_batch_size`` sequences, or with a token budget
+(``parallel.max_tokens_per_micro_batch``) the larger of the budget and one full sequence;
+micro-batches per step = ``ceil(algo.batch_size x tokens per sequence / (tokens per micro-batch x DP))``.
 
 SGLang engines (bf16 unless ``rollout.dtype`` is ``float32``/``float``): attention, norms and
 embeddings split over the attention TP (``rollout.tensor_parallel / cluster.engine_dp_attention``),
@@ -61,7 +62,7 @@ def activation_bytes_per_layer(m: ModelConfig, p: ParallelConfig, moe: bool, seq
     on average): its input and output (2 h) and 3 f_e / expert-TP; shared experts as dense."""
     tp, etp = p.tensor_parallel, p.expert_tensor_parallel
     sp = tp if p.effective_sequence_parallel else 1
-    t = seq * p.micro_batch_size / p.context_parallel
+    t = micro_tokens(p, seq) / p.context_parallel
     h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
     elems = 2 * t * h / sp + t * d * ((a + 2 * g) + 2 * (a + g) + a) / tp
     if moe:
@@ -106,6 +107,14 @@ def _layout(p: ParallelConfig) -> str:
             f"EP{p.expert_parallel} ETP{p.expert_tensor_parallel}")  # fmt: skip
 
 
+def micro_tokens(p: ParallelConfig, seq: int) -> int:
+    """Tokens of the largest micro-batch: ``micro_batch_size`` full sequences, or under a token
+    budget the budget (a longer sequence gets a micro-batch of its own)."""
+    if p.max_tokens_per_micro_batch:
+        return max(p.max_tokens_per_micro_batch, seq)
+    return seq * p.micro_batch_size
+
+
 def role_memory(cfg: SAOConfig, role: str, stages: list[StageParams]) -> RoleMemory:
     """Memory per GPU of ``role`` (``actor`` or ``critic``) from its per-stage parameters."""
     rc = getattr(cfg, role)
@@ -115,7 +124,7 @@ def role_memory(cfg: SAOConfig, role: str, stages: list[StageParams]) -> RoleMem
     dense_shard = p.world_size // (p.tensor_parallel * pp)  # DP x CP
     expert_shard = p.world_size // (pp * p.expert_parallel * p.expert_tensor_parallel)
     state_bytes = 12 if rc.bf16 else 8
-    micro = math.ceil(cfg.algo.batch_size / (p.micro_batch_size * dp))
+    micro = math.ceil(cfg.algo.batch_size * seq / (micro_tokens(p, seq) * dp))
     per_stage = m.num_layers // pp
     pattern = moe_layer_pattern(m)
     worst = None
@@ -129,7 +138,7 @@ def role_memory(cfg: SAOConfig, role: str, stages: list[StageParams]) -> RoleMem
         layers = [
             activation_bytes_per_layer(m, p, bool(pattern[s * per_stage + i]), seq) for i in range(per_stage)
         ]
-        layer_input = 2.0 * seq * p.micro_batch_size / p.context_parallel * m.hidden_size
+        layer_input = 2.0 * micro_tokens(p, seq) / p.context_parallel * m.hidden_size
         layer_input /= p.tensor_parallel if p.effective_sequence_parallel else 1
         in_flight = min(pp - s, micro)
         full = sum(layers) * in_flight
@@ -137,7 +146,7 @@ def role_memory(cfg: SAOConfig, role: str, stages: list[StageParams]) -> RoleMem
         logits = 0.0
         if s == pp - 1 and role == "actor":
             logits = (
-                LOGIT_BYTES * seq * p.micro_batch_size / p.context_parallel * m.vocab_size / p.tensor_parallel
+                LOGIT_BYTES * micro_tokens(p, seq) / p.context_parallel * m.vocab_size / p.tensor_parallel
             )
         mem = RoleMemory(
             role=role, gpus=p.world_size, layout=_layout(p), stage=s, params=total,

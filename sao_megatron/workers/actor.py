@@ -12,18 +12,18 @@ import torch.distributed as dist
 
 from sao_megatron import algo
 from sao_megatron.algo.policy_loss import WEIGHT_SUFFIX
-from sao_megatron.batch import BatchShard, RowOutputs
+from sao_megatron.batch import BatchShard, MicroBatching, RowOutputs
 from sao_megatron.config import SAOConfig
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
 from sao_megatron.workers import checkpoint
 from sao_megatron.workers.common import (
+    full_sequence,
     init_rank,
     micro_batches,
+    micro_batching,
     parallel_state,
     reduce_metrics,
     row_outputs,
-    seq_length,
-    seq_multiple,
 )
 from sao_megatron.workers.engine import build_actor_role
 
@@ -71,10 +71,9 @@ class ActorWorker:
         self._sync = None
 
     @property
-    def _micro(self) -> tuple[int, int]:
-        """Micro-batch size and the sequence-length multiple of this role's layout."""
-        p = self.cfg.actor.parallel
-        return p.micro_batch_size, seq_multiple(p)
+    def _micro(self) -> MicroBatching:
+        """How this role's layout cuts a shard into micro-batches."""
+        return micro_batching(self.cfg.actor.parallel)
 
     def _logprobs(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_parallel_logprobs(logits, mb["labels"], parallel_state().get_tensor_model_parallel_group(),
@@ -88,7 +87,7 @@ class ActorWorker:
         a = self.cfg.algo
         b = shard.batch
         lag = algo.policy_lag(version, b.policy_versions, b.action_mask)
-        micro = micro_batches(shard, {"advantages": advantages, "lag": lag}, *self._micro)
+        micro = micro_batches(shard, {"advantages": advantages, "lag": lag}, self._micro)
         token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
         norm = {"num_tokens_global": shard.num_tokens_global if token_mean else None,
                 "num_seqs_global": None if token_mean else shard.num_seqs_global}  # fmt: skip
@@ -99,14 +98,15 @@ class ActorWorker:
             logprobs, entropy = self._logprobs(logits, mb)
             mask = mb["action_mask"] > 0
             loss, metrics = algo.policy_loss(a.policy_loss, logprobs, mb["behavior_logprobs"], mb["advantages"], mask,
-                                             agg=a.loss_agg, **bounds, **extra, **norm)  # fmt: skip
+                                             agg=a.loss_agg, segment_ids=mb.get("segment_ids"),
+                                             **bounds, **extra, **norm)  # fmt: skip
             metrics["entropy"] = algo.masked_mean(entropy, mask.float()).item()
             metrics["micro_tokens"] = float(mask.sum())
             kept = algo.dis_band(logprobs.detach(), mb["behavior_logprobs"], a.eps_low, a.eps_high)
             metrics.update(kept_by_lag(kept, mb["lag"], mb["advantages"], mask))
             return loss, metrics
 
-        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard, self._micro[1]))
+        out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()
         return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr,
                 "updated": float(step.updated)}  # fmt: skip
@@ -118,14 +118,12 @@ class ActorWorker:
 
         def loss_fn(logits, mb):
             logprobs, _ = self._logprobs(logits, mb)
-            collected.append(logprobs.float())
+            collected.append(full_sequence(logprobs.float(), mb))
             return logits.sum() * 0.0, {}
 
-        micro = micro_batches(shard, {}, *self._micro)
-        self.role.forward_backward(
-            micro, loss_fn, seq_length=seq_length(shard, self._micro[1]), forward_only=True
-        )
-        return row_outputs(collected, shard)
+        micro = micro_batches(shard, {}, self._micro)
+        self.role.forward_backward(micro, loss_fn, forward_only=True)
+        return row_outputs(collected, micro, shard)
 
     def set_lr(self, lr: float) -> None:
         """Switch the constant learning rate (SFT uses ``train.sft_lr``, RL ``actor.optim.lr``)."""
@@ -139,7 +137,7 @@ class ActorWorker:
     def sft_step(self, shard: BatchShard) -> dict[str, float]:
         """Supervised step: mean negative logprob of the action tokens (demonstrations)."""
         tokens = shard.num_tokens_global
-        micro = micro_batches(shard, {}, *self._micro)
+        micro = micro_batches(shard, {}, self._micro)
 
         def loss_fn(logits, mb):
             logprobs, _ = self._logprobs(logits, mb)
@@ -148,7 +146,7 @@ class ActorWorker:
             nll = -(logprobs * mask).sum()
             return nll / tokens, {"nll": (nll / max(n, 1.0)).item(), "micro_tokens": n}
 
-        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard, self._micro[1]))
+        out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()
         return {**reduce_metrics(out), "grad_norm": step.grad_norm}
 

@@ -7,16 +7,16 @@ from pathlib import Path
 import torch
 
 from sao_megatron import algo
-from sao_megatron.batch import BatchShard, RowOutputs
+from sao_megatron.batch import BatchShard, MicroBatching, RowOutputs
 from sao_megatron.config import SAOConfig
 from sao_megatron.workers import checkpoint
 from sao_megatron.workers.common import (
+    full_sequence,
     init_rank,
     micro_batches,
+    micro_batching,
     reduce_metrics,
     row_outputs,
-    seq_length,
-    seq_multiple,
 )
 from sao_megatron.workers.engine import build_critic_role
 
@@ -33,10 +33,9 @@ class CriticWorker:
         self.role = build_critic_role(cfg.model, cfg.critic, source=source)
 
     @property
-    def _micro(self) -> tuple[int, int]:
-        """Micro-batch size and the sequence-length multiple of this role's layout."""
-        p = self.cfg.critic.parallel
-        return p.micro_batch_size, seq_multiple(p)
+    def _micro(self) -> MicroBatching:
+        """How this role's layout cuts a shard into micro-batches."""
+        return micro_batching(self.cfg.critic.parallel)
 
     @torch.no_grad()
     def values(self, shard: BatchShard) -> RowOutputs | None:
@@ -44,20 +43,18 @@ class CriticWorker:
         collected: list[torch.Tensor] = []
 
         def loss_fn(values, mb):
-            collected.append(values.squeeze(-1).float() * mb["action_mask"])
+            collected.append(full_sequence(values.squeeze(-1).float() * mb["action_mask"], mb))
             return values.sum() * 0.0, {}
 
-        micro = micro_batches(shard, {}, *self._micro)
-        self.role.forward_backward(
-            micro, loss_fn, seq_length=seq_length(shard, self._micro[1]), forward_only=True
-        )
-        return row_outputs(collected, shard)
+        micro = micro_batches(shard, {}, self._micro)
+        self.role.forward_backward(micro, loss_fn, forward_only=True)
+        return row_outputs(collected, micro, shard)
 
     def update(self, shard: BatchShard, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the value loss on the whole batch (``returns``, ``old_values``: ``[b, T]``)."""
         a = self.cfg.algo
         micro = micro_batches(shard, {"returns": returns, "old_values": old_values},
-                              *self._micro)  # fmt: skip
+                              self._micro)  # fmt: skip
         token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
 
         def loss_fn(values, mb):
@@ -67,11 +64,12 @@ class CriticWorker:
                                             old_values=mb["old_values"] if clipped else None,
                                             clip_range=a.value_clip if clipped else None,
                                             num_tokens_global=shard.num_tokens_global if token_mean else None,
-                                            num_seqs_global=None if token_mean else shard.num_seqs_global)  # fmt: skip
+                                            num_seqs_global=None if token_mean else shard.num_seqs_global,
+                                            segment_ids=mb.get("segment_ids"))  # fmt: skip
             metrics["micro_tokens"] = float(mask.sum())
             return loss, metrics
 
-        out = self.role.forward_backward(micro, loss_fn, seq_length=seq_length(shard, self._micro[1]))
+        out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()
         return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr}
 

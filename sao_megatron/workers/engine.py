@@ -61,24 +61,20 @@ class MegatronRole:
 
     def __init__(self, model: torch.nn.Module, parallel: ParallelConfig, optim: OptimizerConfig,
                  bf16: bool = False, total_steps: int = 1_000_000):  # fmt: skip
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+        from sao_megatron.models import builder
+
         self.parallel = parallel
         config: TransformerConfig = model.config  # pyright: ignore[reportAssignmentType]  # Megatron modules carry it
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=parallel.use_distributed_optimizer,
-        )
+        ddp_config = builder.ddp_config(parallel)  # overlap knobs resolved there (None: on with TE)
         self.config = config
         self.model = DistributedDataParallel(config, ddp_config, model)
         config.finalize_model_grads_func = finalize_model_grads
+        if ddp_config.overlap_grad_reduce:  # reduce in the last micro-batch's backward only
+            config.no_sync_func = self.model.no_sync
         self.optimizer = get_megatron_optimizer(
             _megatron_optimizer_config(optim, parallel, bf16), [self.model]
         )
@@ -94,22 +90,25 @@ class MegatronRole:
     def module(self) -> torch.nn.Module:
         return self.model.module
 
-    def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn, seq_length: int,
-                         forward_only: bool = False) -> list[dict]:  # fmt: skip
+    def forward_backward(
+        self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool = False
+    ) -> list[dict]:
         """Run the (pipelined) schedule over ``micro_batches``; returns per-micro-batch metrics
         on the last pipeline stage (empty elsewhere). Each micro-batch dict needs ``tokens``
-        and ``positions`` ``[b, T]``; ``loss_fn(output, micro_batch)`` sees the model output
-        (vocab-parallel logits, or values for a critic) of the same micro-batch. Micro-batches
-        may differ in length (``seq_length`` is then only a bound); each length must divide by
-        ``common.seq_multiple`` of the layout."""
+        and ``positions`` ``[b, t]`` (this context-parallel rank's share of the sequence);
+        ``loss_fn(output, micro_batch)`` sees the model output (vocab-parallel logits, or values
+        for a critic) of the same micro-batch. Micro-batches may differ in length; each length
+        must divide by ``common.seq_multiple`` of the layout."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        scale = len(micro_batches) * ps.get_data_parallel_world_size()
+        # Megatron divides each micro-batch loss by their number and DDP averages gradients
+        # over the data- and context-parallel ranks: undo both (module docstring).
+        scale = len(micro_batches) * ps.get_data_parallel_world_size(with_context_parallel=True)
 
         def forward_step(data_iterator: Iterator[dict], model):
-            micro = next(data_iterator)
-            output = model(micro["tokens"], micro["positions"], attention_mask=None)
+            micro = to_device(next(data_iterator))
+            output = model(micro["tokens"], micro["positions"], **attention_inputs(micro))
 
             def loss_func(output_tensor):
                 loss, metrics = loss_fn(output_tensor, micro)
@@ -120,23 +119,26 @@ class MegatronRole:
         if not forward_only:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        # Pipeline stages exchange [s/tp, b, h] activations. Equal micro-batches: one fixed shape.
-        # Ragged ones (each trimmed to its own longest row, or a short last micro-batch): Megatron
-        # sends each tensor's shape ahead of it (variable_seq_lengths), on every stage alike.
+        # Pipeline stages exchange [s/(tp*cp), b, h] activations. Equal micro-batches: one fixed
+        # shape (the schedule divides the full length by TP and CP). Ragged ones: Megatron sends
+        # each tensor's shape ahead of it (variable_seq_lengths), on every stage alike.
         shapes = {tuple(m["tokens"].shape) for m in micro_batches}
         self.config.variable_seq_lengths = len(shapes) > 1
-        b, seq = max(shapes)
-        if len(shapes) == 1:
-            seq_length = seq
+        rows = max(b for b, _ in shapes)
+        seq_length = max(t for _, t in shapes) * ps.get_context_parallel_world_size()
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
-            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=b,
+            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=rows,
             forward_only=forward_only,
         )  # fmt: skip
 
     def step(self) -> StepResult:
         groups = module_group_grad_norms(self.module, self.optimizer)
         updated, grad_norm, _ = self.optimizer.step()  # pyright: ignore[reportGeneralTypeIssues]  # Megatron: (bool, norm, zeros)
+        if self.model.ddp_config.overlap_param_gather:
+            # The overlapped gather would finish in the next forward; weights are exported and
+            # checkpointed before that, so gather the other replicas' updated slices now.
+            self.model.start_param_sync(force_sync=True)
         lr = self.optimizer.param_groups[0]["lr"]
         if updated:
             self.scheduler.step(increment=1)
@@ -150,11 +152,48 @@ class MegatronRole:
         """Forward-only pass without the pipeline schedule (PP=1); ``fn`` post-processes outputs."""
         self.model.eval()
         try:
-            return [
-                fn(self.model(m["tokens"], m["positions"], attention_mask=None), m) for m in micro_batches
-            ]
+            out = []
+            for m in map(to_device, micro_batches):
+                out.append(fn(self.model(m["tokens"], m["positions"], **attention_inputs(m)), m))
+            return out
         finally:
             self.model.train()
+
+
+def to_device(micro: dict) -> dict:
+    """The one place a micro-batch moves to this rank's device (``parallel.device``)."""
+    from sao_megatron.parallel import device
+
+    where = device()
+    return {k: v.to(where, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in micro.items()}
+
+
+def attention_inputs(micro: dict) -> dict:
+    """Attention arguments of a micro-batch for the model's forward.
+
+    Padded rows: none (each attention layer applies its causal mask). A packed row (``cu_seqlens``
+    present, see ``TrainBatch.micro_batch``): Transformer Engine's layers take THD
+    ``PackedSeqParams`` (variable-length attention, RoPE restarting per sequence); the local
+    layer spec takes a ``[1, 1, t, t]`` mask, True where a token must not attend (another
+    segment, or the future). RoPE on a packed row without THD rotates by the row position, and
+    attention scores depend only on position differences, so each segment sees what it would
+    see alone."""
+    if "cu_seqlens" not in micro:
+        return {"attention_mask": None}
+    from sao_megatron.models.builder import have_transformer_engine
+
+    if have_transformer_engine():
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = micro["cu_seqlens"].to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+        return {"attention_mask": None, "packed_seq_params": params}
+    seg = micro["segment_ids"][0]
+    t = seg.shape[0]
+    future = torch.ones(t, t, dtype=torch.bool, device=seg.device).triu(1)
+    return {"attention_mask": ((seg[:, None] != seg[None, :]) | future)[None, None]}
 
 
 MODULE_GROUPS = (("attention", ".self_attention."), ("experts", ".experts."), ("router", ".router."),
@@ -162,6 +201,9 @@ MODULE_GROUPS = (("attention", ".self_attention."), ("experts", ".experts."), ("
 
 
 def _group_of(name: str) -> str:
+    from sao_megatron.models.builder import canonical_name
+
+    name = canonical_name(name)  # TE's fused input norm counts where the local spec's does
     return next((group for group, key in MODULE_GROUPS if key in name), "other")
 
 
@@ -201,14 +243,16 @@ def module_group_grad_norms(module: torch.nn.Module, optimizer) -> dict[str, flo
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+    from sao_megatron.parallel import device
+
     names = [g for g, _ in MODULE_GROUPS] + ["other"]
-    sums = torch.zeros(2, len(names), dtype=torch.float64)  # [sum of squares; parameter count]
+    sums = torch.zeros(2, len(names), dtype=torch.float64, device=device())  # [sum of squares; count]
     grads, sharded = _named_optimizer_grads(module, optimizer)
     for name, param, grad in grads:
         if not param_is_not_tensor_parallel_duplicate(param):
             continue
         i = names.index(_group_of(name))
-        sums[0, i] += grad.detach().double().pow(2).sum().cpu()
+        sums[0, i] += grad.detach().double().pow(2).sum().to(sums.device)
         sums[1, i] += grad.numel()
     replicas = torch.ones(len(names), dtype=torch.float64)
     if not sharded:
@@ -216,7 +260,7 @@ def module_group_grad_norms(module: torch.nn.Module, optimizer) -> dict[str, flo
         replicas[names.index("experts")] = ps.get_expert_data_parallel_world_size()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)
-    sums /= replicas
+    sums = sums.cpu() / replicas
     out = {}
     for i, group in enumerate(names):
         if sums[1, i] > 0:
@@ -243,11 +287,26 @@ def load_weights(model: torch.nn.Module, m: ModelConfig, source: str | Path) -> 
         load_hf_weights(model, m, source)
 
 
+def check_context_parallel(p: ParallelConfig, role: str) -> None:
+    """Context parallelism runs on Transformer Engine's attention (it exchanges key/value chunks
+    between CP ranks); the local layer spec has none, so a CP layout without TE is refused."""
+    from sao_megatron.config import ConfigError
+    from sao_megatron.models.builder import have_transformer_engine
+
+    if p.context_parallel > 1 and not have_transformer_engine():
+        raise ConfigError(
+            f"{role}.parallel.context_parallel={p.context_parallel} needs Transformer Engine's "
+            "context-parallel attention (a CUDA GPU and the transformer_engine package), which this "
+            f"process lacks; set {role}.parallel.context_parallel=1 here"
+        )
+
+
 def build_actor_model(m: ModelConfig, actor: ActorConfig) -> torch.nn.Module:
     """This rank's policy model, loaded from ``actor.init_from`` when set (random otherwise)."""
     from sao_megatron.models.builder import build_gpt
     from sao_megatron.models.hf_weights import release_free_memory
 
+    check_context_parallel(actor.parallel, "actor")
     model = build_gpt(m, actor.parallel, bf16=actor.bf16)
     if actor.init_from:
         release_free_memory()  # the random initialisation's temporaries, before reading the weights
@@ -262,6 +321,7 @@ def build_critic_model(m: ModelConfig, critic: CriticConfig, source: str | Path 
     from sao_megatron.models.critic import build_critic, load_trunk
     from sao_megatron.models.hf_weights import release_free_memory
 
+    check_context_parallel(critic.parallel, "critic")
     model = build_critic(m, critic.parallel, critic)
     if source:
         release_free_memory()

@@ -1,12 +1,13 @@
-"""Worker bodies for the ragged-batch tests: actor and critic at TP=2 (SP) or PP=2 vs one rank.
+"""Worker bodies for the layout matrix: actor and critic at a parallel layout vs one rank.
 
-A ragged batch (sequence lengths 7, 12, 5, 9; one-token actions between observations;
-micro-batch size 2, so the micro-batches are 12 and 9 long) goes through the real workers.
-The reference layout is TP=PP=1 with both ranks holding the *whole* batch as their shard
-and doubled global counts: each rank's gradient is then exactly the single-rank gradient
-(the engine multiplies by DP = 2, the doubled normaliser divides it back) and DDP averages
-two equal copies (see :data:`COUNT_PARTS` for the metrics).
-The layout under test then starts from the reference's weights (``layout.load_full``).
+A ragged batch (sequence lengths 7, 12, 5, 9, optionally a fifth of 23 that makes the DP
+shards unequal; one-token actions between observations; micro-batch size 2 unless a layout
+sets a token budget) goes through the real workers. The reference layout is TP=PP=EP=1 with
+every one of the N ranks holding the *whole* batch as its shard and N-fold global counts:
+each rank's gradient is then exactly the single-rank gradient (the engine multiplies by
+DP = N, the N-fold normaliser divides it back) and DDP averages N equal copies (see
+:data:`COUNT_PARTS` for the metrics). The layout under test then starts from the reference's
+weights (``layout.load_full``).
 
 The MoE load-balancing loss is off (``moe_aux_loss_coeff`` 0): it counts padding tokens, and
 the extra padding a layout needs (9 -> 10 tokens at TP=2) moves it (~4e-5 on the embedding
@@ -33,9 +34,12 @@ replicas of the whole batch count every token twice. Losses are summed too, but 
 holds half the loss (doubled normaliser), so their sum is the whole-batch loss."""
 
 
-def ragged_trajectories() -> list[Trajectory]:
-    """Lengths 7, 12, 5, 9: (prompt, [(action tokens, observation tokens after it), ...])."""
+def ragged_trajectories(long_row: bool = False) -> list[Trajectory]:
+    """Lengths 7, 12, 5, 9 (and 23 with ``long_row``): (prompt, [(action tokens, observation
+    tokens after it), ...])."""
     shapes = [(3, [(1, 2), (1, 0)]), (4, [(1, 2), (1, 2), (2, 0)]), (4, [(1, 0)]), (4, [(1, 2), (2, 0)])]
+    if long_row:
+        shapes.append((2, [(1, 3)] * 4 + [(3, 2)] * 1))
     g = torch.Generator().manual_seed(7)
     out = []
     for i, (n_prompt, turns) in enumerate(shapes):
@@ -58,12 +62,13 @@ def _shard(batch: TrainBatch, reference: bool) -> BatchShard:
     if not reference:
         c = coordinates()
         return batch.shard(c.dp_size)[c.dp_rank]
-    whole = batch.shard(1)[0]
-    return BatchShard(batch, whole.rows, 2 * whole.num_tokens_global, 2 * whole.num_seqs_global)
+    whole, n = batch.shard(1)[0], dist.get_world_size()
+    return BatchShard(batch, whole.rows, n * whole.num_tokens_global, n * whole.num_seqs_global)
 
 
 def _metrics(m: dict[str, float], reference: bool) -> dict[str, float]:
-    return {k: v / 2 if reference and COUNT_PARTS & set(k.split("/")) else v for k, v in m.items()}
+    n = dist.get_world_size()
+    return {k: v / n if reference and COUNT_PARTS & set(k.split("/")) else v for k, v in m.items()}
 
 
 def _grads(role) -> dict[str, torch.Tensor]:
@@ -85,7 +90,7 @@ def _gathered_rows(mine, batch: TrainBatch) -> torch.Tensor:
 def _run(overrides: dict, batch: TrainBatch, reference: bool, start: dict | None) -> dict:
     from megatron.core import parallel_state as ps
 
-    cfg = config(2, **overrides)
+    cfg = config(dist.get_world_size(), **overrides)
     adv = torch.where(batch.action_mask > 0, torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
                       torch.zeros(()))  # fmt: skip
     actor = ActorWorker(cfg)
@@ -121,11 +126,11 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[f
     return max(((a[k] - b[k]).abs().max().item(), k) for k in a)
 
 
-def case_ragged(rank, world, layout_overrides: dict):
+def case_ragged(rank, world, layout_overrides: dict, long_row: bool = False):
     common = {"actor.optim.clip_grad": 1e6, "critic.optim.clip_grad": 1e6,
               "actor.parallel.use_distributed_optimizer": False, "critic.parallel.use_distributed_optimizer": False,
               "critic.value_head_init": "normal", "model.moe_aux_loss_coeff": 0.0}  # fmt: skip
-    batch = build_batch(ragged_trajectories())
+    batch = build_batch(ragged_trajectories(long_row))
     ref = _run(common, batch, reference=True, start=None)
     start = {**ref["weights"], "values": ref["values"]}
     got = _run({**common, **layout_overrides}, batch, reference=False, start=start)

@@ -49,7 +49,7 @@ def case_ddp(rank, world, distributed_optimizer: bool):
     micro = _micro_batches(seed=rank)  # different data per DP rank
     losses, norms = [], []
     for _ in range(6):
-        metrics = role.forward_backward(micro, lambda o, m: _nll(o, m, len(micro), world), SEQ)
+        metrics = role.forward_backward(micro, lambda o, m: _nll(o, m, len(micro), world))
         result = role.step()
         losses.append(sum(x["nll"] for x in metrics) / len(micro))
         norms.append(result.grad_norm)
@@ -83,7 +83,7 @@ def case_frozen_critic(rank, world):
 
     losses = []
     for _ in range(5):
-        metrics = role.forward_backward(micro, value_loss, SEQ)
+        metrics = role.forward_backward(micro, value_loss)
         role.step()
         losses.append(sum(x["value_loss"] for x in metrics) / len(micro))
     after = layout.gather_full(role.module)

@@ -34,10 +34,9 @@ def trajectories(n=4, seed=0):
 
 
 def config(world, **overrides):
-    overrides = {"actor.parallel.world_size": world, "critic.parallel.world_size": world, **overrides}
+    overrides = {"actor.parallel.world_size": world, "critic.parallel.world_size": world,
+                 "actor.parallel.micro_batch_size": 2, "critic.parallel.micro_batch_size": 2, **overrides}  # fmt: skip
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
-    cfg.actor.parallel.micro_batch_size = 2
-    cfg.critic.parallel.micro_batch_size = 2
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=2))
 
 
