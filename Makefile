@@ -52,3 +52,9 @@ format: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The GPU check's carry (benchmarks/gpu/run.sh): megatron-core's wheel at this venv's version,
+# into benchmarks/gpu/wheels/ (git-ignored); fails when the carry exceeds 64 MiB.
+.PHONY: gpu-wheels
+gpu-wheels: $(STAMP)
+	$(PY) benchmarks/gpu/carry.py

@@ -1,0 +1,1 @@
+"""Benchmarks (timings live here, not in tests). Scripts run as files; ``benchmarks.gpu`` is a package."""
