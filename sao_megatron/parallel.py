@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Store, TCPStore  # pyright: ignore[reportPrivateImportUsage]  # public API
 
 from sao_megatron.config import ParallelConfig
 
@@ -32,20 +33,32 @@ def device() -> torch.device:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     backend: str = "auto", timeout_s: float = 600.0) -> None:  # fmt: skip
-    """Join the role's world (idempotent). CUDA device = local rank when CUDA exists."""
+                     backend: str = "auto", timeout_s: float = 600.0, store: Store | None = None) -> None:  # fmt: skip
+    """Join the role's world (idempotent). CUDA device = local rank when CUDA exists.
+
+    ``store``: a rendezvous store already open (see :func:`open_store`); otherwise the world
+    meets at ``tcp://master_addr:master_port``."""
     if dist.is_initialized():
         return
     backend = resolve_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    init_method = None if store is not None else f"tcp://{master_addr}:{master_port}"
+    dist.init_process_group(backend=backend, init_method=init_method, store=store, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def open_store(host: str, world_size: int, port: int = 0, timeout_s: float = 600.0) -> TCPStore:
+    """Rank 0's rendezvous store on ``host``; ``port`` 0 lets the OS pick a free port while the
+    store holds it (read it back from ``store.port``), so no other process can take it between
+    choosing and binding. Other ranks call :func:`join_store`."""
+    return TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)  # fmt: skip
+
+
+def join_store(host: str, port: int, world_size: int, timeout_s: float = 600.0) -> TCPStore:
+    """A client of rank 0's store (:func:`open_store`); fails after ``timeout_s`` if it never answers."""
+    return TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def initialize_model_parallel(p: ParallelConfig) -> None:

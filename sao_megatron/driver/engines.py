@@ -24,28 +24,68 @@ class Engine(Protocol):
 
 @ray.remote
 class EngineHost:
-    """Starts one SGLang server on the node Ray placed it on (the rollout node group) and owns it."""
+    """Starts one SGLang server process on the node Ray placed it on (the rollout node group) and
+    owns it. An engine spanning several nodes has one host per node; node 0 serves HTTP."""
 
     def __init__(self, spec: EngineSpec):
         spec.host = ray.util.get_node_ip_address()
-        self.proc = EngineProcess(spec).start()
+        spec.port = spec.port or free_port()  # chosen on the node that binds it
+        self.spec = spec
+        self.proc: EngineProcess | None = None
+
+    def init_address(self) -> str:
+        """``host:port`` on this node where the engine's nodes meet (node 0 only)."""
+        return f"{self.spec.host}:{free_port()}"
+
+    def launch(self, node_rank: int, nnodes: int, dist_init_addr: str) -> None:
+        self.spec.node_rank, self.spec.nnodes, self.spec.dist_init_addr = node_rank, nnodes, dist_init_addr
+        if node_rank and self.spec.log_path:  # the run directory is shared: one log per node
+            self.spec.log_path = self.spec.log_path.removesuffix(".log") + f".node{node_rank}.log"
+        self.proc = EngineProcess(self.spec).start()
 
     def wait_healthy(self) -> str:
+        assert self.proc is not None, "launch() first"
         self.proc.wait_healthy()
         return self.proc.url
 
     def stop(self) -> None:
-        self.proc.stop()
+        if self.proc is not None:
+            self.proc.stop()
+
+
+def engine_nodes(gpus_per_engine: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of one engine: whole nodes when it needs more than one (the config
+    check makes the engine's GPUs a multiple of the node's), else one node."""
+    if not gpus_per_node or gpus_per_engine <= gpus_per_node:
+        return 1, gpus_per_engine
+    return gpus_per_engine // gpus_per_node, gpus_per_node
 
 
 class RemoteEngine:
-    """The driver's handle on an engine started by an :class:`EngineHost` (same API as EngineProcess)."""
+    """The driver's handle on an engine started by :class:`EngineHost` s (same API as EngineProcess).
 
-    def __init__(self, spec: EngineSpec, gpus_per_engine: int):
-        resources = {"sao_rollout": gpus_per_engine if gpus_per_engine else 0.01}
-        self.host: Any = EngineHost.options(
-            num_cpus=0.1, num_gpus=gpus_per_engine, resources=resources
-        ).remote(spec)
+    One placement group per engine, one bundle per node it spans (``STRICT_SPREAD``: a node
+    each), on the rollout node group (the ``sao_rollout`` resource); the engine's nodes meet at
+    node 0's address (``--nnodes``, ``--node-rank``, ``--dist-init-addr``)."""
+
+    def __init__(self, spec: EngineSpec, gpus_per_engine: int, gpus_per_node: int = 0):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        nodes, per_node = engine_nodes(gpus_per_engine, gpus_per_node)
+        bundle = {"CPU": 0.1, "sao_rollout": per_node or 0.01, **({"GPU": per_node} if per_node else {})}
+        self.group = placement_group([bundle] * nodes, strategy="STRICT_SPREAD" if nodes > 1 else "PACK")
+        ray.get(self.group.ready())
+        self.hosts: list[Any] = [
+            EngineHost.options(
+                num_cpus=0.1, num_gpus=per_node, resources={"sao_rollout": bundle["sao_rollout"]},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=n),
+            ).remote(spec)
+            for n in range(nodes)
+        ]  # fmt: skip
+        address = ray.get(self.hosts[0].init_address.remote()) if nodes > 1 else ""
+        ray.get([h.launch.remote(n, nodes, address) for n, h in enumerate(self.hosts)])
+        self.host = self.hosts[0]
         self.url: str = ""
 
     def wait_healthy(self) -> float:
@@ -53,23 +93,30 @@ class RemoteEngine:
         return 0.0
 
     def stop(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         try:
-            ray.get(self.host.stop.remote(), timeout=60)
+            ray.get([h.stop.remote() for h in self.hosts], timeout=60)
         finally:
-            ray.kill(self.host)
+            for h in self.hosts:
+                ray.kill(h)
+            remove_placement_group(self.group)
 
 
 async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path) -> list[Engine]:
     """``rollout.num_engines`` servers of ``model_path``, healthy when this returns."""
-    r = cfg.rollout
-    specs = [EngineSpec(model_path=str(model_path), port=free_port(), tensor_parallel=r.tensor_parallel,
-                        expert_parallel=r.expert_parallel, dtype=r.dtype, max_total_tokens=r.max_total_tokens,
+    r, c = cfg.rollout, cfg.cluster
+    remote = bool(c.ray_address)  # the rollout node group (the run directory is on a shared filesystem)
+    specs = [EngineSpec(model_path=str(model_path), port=0 if remote else free_port(),
+                        tensor_parallel=r.tensor_parallel, expert_parallel=r.expert_parallel, dtype=r.dtype,
+                        max_total_tokens=r.max_total_tokens, dp_attention=c.engine_dp_attention,
+                        mem_fraction_static=c.engine_mem_fraction if c.gpus_per_node else None,
                         random_seed=cfg.run.seed + i, log_path=str(run_dir / "logs" / f"engine{i}.log"))
              for i in range(r.num_engines)]  # fmt: skip
     engines: list[Engine]
-    if cfg.cluster.ray_address:  # the rollout node group (the run directory is on a shared filesystem)
-        gpus = r.tensor_parallel if cfg.cluster.gpus_per_node else 0
-        engines = [RemoteEngine(spec, gpus) for spec in specs]
+    if remote:
+        gpus = r.tensor_parallel if c.gpus_per_node else 0
+        engines = [RemoteEngine(spec, gpus, c.gpus_per_node) for spec in specs]
     else:
         engines = [EngineProcess(spec).start() for spec in specs]
     await asyncio.gather(*(asyncio.to_thread(e.wait_healthy) for e in engines))

@@ -25,7 +25,6 @@ import torch
 
 from sao_megatron.batch import BatchShard, RowOutputs, TrainBatch, assemble_rows
 from sao_megatron.config import SAOConfig
-from sao_megatron.spawn import free_port
 from sao_megatron.workers.actor import ActorWorker, ExportReport
 from sao_megatron.workers.common import RankCoordinates
 from sao_megatron.workers.critic import CriticWorker
@@ -42,22 +41,41 @@ class _PerReplica:
 
 @ray.remote
 class RankActor:
-    """One rank of one role; owns the process and its ``ActorWorker`` or ``CriticWorker``."""
+    """One rank of one role; owns the process and its ``ActorWorker`` or ``CriticWorker``.
 
-    def __init__(self, kind: str, cfg: SAOConfig, rank: int, world: int, master_addr: str, master_port: int,
-                 log_path: str, init_from: str | None = None):  # fmt: skip
-        from sao_megatron import parallel
+    Built in two steps so that each role world meets at its own rank 0: rank 0 opens the
+    rendezvous store on its node (:meth:`rendezvous`), then every rank joins it and builds its
+    model (:meth:`start`)."""
+
+    def __init__(self, kind: str, cfg: SAOConfig, rank: int, world: int, log_path: str,
+                 init_from: str | None = None):  # fmt: skip
         from sao_megatron.logs import quiet_third_party, redirect_process_output
 
         redirect_process_output(Path(log_path))
         quiet_third_party()
-        parallel.init_distributed(rank, world, master_addr, master_port, backend=cfg.run.backend)
-        self.worker = ActorWorker(cfg) if kind == "actor" else CriticWorker(cfg, init_from)
+        self.kind, self.cfg, self.rank, self.world, self.init_from = kind, cfg, rank, world, init_from
+        self._store = None
+
+    def rendezvous(self, host: str) -> tuple[str, int]:
+        """Rank 0: open the world's store on ``host`` (this node's address) at a port the OS picks."""
+        from sao_megatron.parallel import open_store
+
+        self._store = open_store(host, self.world)
+        return host, self._store.port
+
+    def start(self, host: str, port: int) -> RankCoordinates:
+        """Join the world at rank 0's store, build the worker; this rank's place in the world."""
+        from sao_megatron import parallel
         from sao_megatron.workers.common import coordinates
 
+        store = self._store or parallel.join_store(host, port, self.world)
+        parallel.init_distributed(
+            self.rank, self.world, host, port, backend=self.cfg.run.backend, store=store
+        )
+        self.worker = (
+            ActorWorker(self.cfg) if self.kind == "actor" else CriticWorker(self.cfg, self.init_from)
+        )
         self.coords = coordinates()
-
-    def coordinates(self) -> RankCoordinates:
         return self.coords
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -72,30 +90,49 @@ class RankActor:
 
 
 class RoleGroup[W: (ActorWorker, CriticWorker)]:
-    """All ranks of one role (one Megatron world)."""
+    """All ranks of one role (one Megatron world), placed by one Ray placement group.
+
+    One bundle per rank (a GPU, or a share of a CPU locally; on a cluster also a unit of the
+    node group's ``sao_<role>`` resource, so ranks land on their role's nodes). Ranks follow the
+    bundles node by node, rank 0's node first, so tensor-parallel neighbours share a node; the
+    world meets at rank 0's store on rank 0's node (:meth:`started`)."""
 
     def __init__(self, kind: str, cfg: SAOConfig, run_dir: Path, init_from: str | None = None):
-        role = cfg.actor if kind == "actor" else cfg.critic
-        world = role.parallel.world_size
-        gpus = 1 if torch.cuda.is_available() else 0
-        remote = bool(cfg.cluster.ray_address)
-        # Under launch/slurm every node advertises the role it belongs to (sao_actor, sao_critic,
-        # sao_rollout: one unit per GPU); ranks then land on their role's node group.
-        resources = {f"sao_{kind}": 1 if gpus else 0.01} if remote else {}
-        master = ray.util.get_node_ip_address() if gpus else "127.0.0.1"
-        port = free_port()
-        self.kind = kind
-        self.ranks: list[Any] = [  # Ray actor handles (untyped); the typed boundary is _all()
-            RankActor.options(num_cpus=cfg.cluster.cpus_per_rank, num_gpus=gpus, resources=resources).remote(
-                kind, cfg, r, world, master, port, str(run_dir / "logs" / f"{kind}_rank{r}.log"), init_from
-            )
-            for r in range(world)
-        ]
+        self.kind, self.cfg, self.run_dir, self.init_from = kind, cfg, run_dir, init_from
+        self.ranks: list[Any] = []  # Ray actor handles (untyped); the typed boundary is _all()
         self.coords: list[RankCoordinates] = []
+        self.group: Any = None  # the placement group
+
+    def _bundle(self) -> dict[str, float]:
+        gpus = 1 if torch.cuda.is_available() else 0
+        bundle: dict[str, float] = {"CPU": self.cfg.cluster.cpus_per_rank}
+        if gpus:
+            bundle["GPU"] = gpus
+        if self.cfg.cluster.ray_address:  # launch/slurm: every node advertises its role (sao_actor, ...)
+            bundle[f"sao_{self.kind}"] = 1 if gpus else 0.01
+        return bundle
 
     async def started(self) -> None:
-        """Wait until every rank built its model; learn each rank's place in the world."""
-        self.coords = list(await asyncio.gather(*(r.coordinates.remote() for r in self.ranks)))
+        """Place the ranks, open the rendezvous at rank 0, build every rank's model."""
+        from ray.util.placement_group import placement_group, placement_group_table
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        role = self.cfg.actor if self.kind == "actor" else self.cfg.critic
+        world = role.parallel.world_size
+        self.group = placement_group([self._bundle()] * world, strategy="PACK", name=f"sao_{self.kind}")
+        await self.group.ready()
+        order = rank_order(placement_group_table(self.group)["bundles_to_node_id"])
+        logs = self.run_dir / "logs"
+        self.ranks = [
+            RankActor.options(
+                num_cpus=self.cfg.cluster.cpus_per_rank, num_gpus=self._bundle().get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=b),
+            ).remote(self.kind, self.cfg, r, world, str(logs / f"{self.kind}_rank{r}.log"), self.init_from)
+            for r, b in enumerate(order)
+        ]  # fmt: skip
+        host = await self.ranks[0].node_ip.remote() if self.cfg.cluster.ray_address else "127.0.0.1"
+        host, port = await self.ranks[0].rendezvous.remote(host)
+        self.coords = list(await asyncio.gather(*(r.start.remote(host, port) for r in self.ranks)))
 
     @property
     def dp_size(self) -> int:
@@ -144,6 +181,21 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
         for r in self.ranks:
             ray.kill(r)
         self.ranks = []
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+            self.group = None
+
+
+def rank_order(bundle_nodes: dict[int, str]) -> list[int]:
+    """Bundle index of each rank: bundles grouped node by node (bundle 0's node first, then in
+    order of each node's first bundle), in index order within a node. Consecutive ranks (TP
+    groups, then PP/DP) thus share a node wherever the placement allows."""
+    first: dict[str, int] = {}
+    for b in sorted(bundle_nodes):
+        first.setdefault(bundle_nodes[b], b)
+    return sorted(bundle_nodes, key=lambda b: (first[bundle_nodes[b]], b))
 
 
 class ActorGroup(RoleGroup[ActorWorker]):

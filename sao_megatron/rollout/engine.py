@@ -51,6 +51,14 @@ class EngineSpec:
     max_total_tokens: int = 32768
     """KV-cache capacity in tokens."""
     mem_fraction_static: float | None = None
+    dp_attention: int = 1
+    """Data-parallel attention ranks (``--dp-size`` with ``--enable-dp-attention``); 1: off."""
+    nnodes: int = 1
+    """Nodes this engine spans (its TP/EP ranks over several nodes); one server process per node."""
+    node_rank: int = 0
+    """This process's node among ``nnodes``; node 0 serves HTTP."""
+    dist_init_addr: str = ""
+    """``host:port`` where the engine's nodes meet (node 0's address) when ``nnodes`` > 1."""
     random_seed: int = 0
     log_path: str | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -80,6 +88,13 @@ def _command(spec: EngineSpec, cpu: bool) -> list[str]:
     ]  # fmt: skip
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
+    if spec.dp_attention > 1:
+        cmd += ["--dp-size", str(spec.dp_attention), "--enable-dp-attention"]
+    if spec.nnodes > 1:
+        if not spec.dist_init_addr:
+            raise ValueError(f"an engine over {spec.nnodes} nodes needs dist_init_addr (node 0's host:port)")
+        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+                "--dist-init-addr", spec.dist_init_addr]  # fmt: skip
     if cpu:
         # Without --sleep-on-idle the CPU scheduler spins a whole core while idle.
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
