@@ -34,6 +34,7 @@ PANELS = [
     ("throughput", ["rollout/trajectories_per_s", "rollout/tokens_per_s"]),
     ("engine utilisation", ["rollout/engine_util"]),
     ("waits and sync (s)", ["time/learner_wait_s", "buffer/wait_s", "buffer/group_wait_s", "time/sync_s",
+                            "time/sync_pause_s",
                             "time/step_s"]),
     ("SFT", ["sft/nll"]),
     ("value pretraining", ["critic/explained_var", "critic/value_loss"]),

@@ -24,7 +24,9 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Store  # pyright: ignore[reportPrivateImportUsage]  # public API
 
+from sao_megatron.parallel import open_store
 from sao_megatron.rollout.client import EngineClient
 
 
@@ -34,24 +36,15 @@ class SyncReport:
     tensors: int
     bytes: int
     seconds: float
+    paused_s: float = 0.0
+    """How long the engines stopped generating: from the pause request to the resume's answer."""
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
-def master_store(
-    master_address: str, master_port: int, world_size: int, timeout_s: float = 300.0
-) -> dist.TCPStore:  # pyright: ignore[reportPrivateImportUsage]
-    """Rank 0's TCP store, listening before anyone dials in. ``master_port`` 0 binds any free
-    port (read it back from ``store.port``): no window in which another process can take it."""
-    # torch.distributed re-exports TCPStore from torch._C without marking it public.
-    return dist.TCPStore(master_address, master_port, world_size, is_master=True, wait_for_workers=False,  # pyright: ignore[reportPrivateImportUsage]
-                         timeout=timedelta(seconds=timeout_s))  # fmt: skip
-
-
-def new_group(backend: str, store: dist.TCPStore, world_size: int,  # pyright: ignore[reportPrivateImportUsage]
-              rank: int, group_name: str,
+def new_group(backend: str, store: Store, world_size: int, rank: int, group_name: str,
               timeout_s: float = 300.0) -> dist.ProcessGroup:  # fmt: skip
     """A process group outside the default world (SGLang engines join it from their side).
 
@@ -95,7 +88,7 @@ class WeightSync:
 
         The store listens before any engine is told its port (``master_port`` 0: a port bound
         now, so no other process can have taken it since it was chosen)."""
-        store = master_store(self.master_address, self.master_port, self.world_size)
+        store = open_store(self.master_address, self.world_size, self.master_port, timeout_s=300.0)
         self.master_port = store.port
         loop = asyncio.get_running_loop()
         local = loop.run_in_executor(None, lambda: new_group(self.backend, store, self.world_size, 0,
@@ -119,6 +112,7 @@ class WeightSync:
         for c in clients:
             await c.__aenter__()
         tensors = nbytes = 0
+        paused = time.perf_counter()
         try:
             await asyncio.gather(*(c.pause("retract") for c in clients))
             await asyncio.gather(*(c.begin_weight_update() for c in clients))
@@ -135,9 +129,10 @@ class WeightSync:
             await asyncio.gather(*(c.end_weight_update() for c in clients))
         finally:
             await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
+            paused = time.perf_counter() - paused
             for c in clients:
                 await c.close()
-        return SyncReport(version, tensors, nbytes, time.perf_counter() - t0)
+        return SyncReport(version, tensors, nbytes, time.perf_counter() - t0, paused)
 
     def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         for _, tensor in bucket:

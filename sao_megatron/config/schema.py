@@ -299,6 +299,9 @@ class RolloutConfig:
     weight_sync: WeightSync = "distributed"
     """``distributed`` (broadcast group trainer rank 0 -> engines) or ``disk``."""
     weight_sync_bucket_mb: int = 512
+    weight_sync_gb_per_s: float = 10.0
+    """Trainer -> engines bandwidth ``sao plan`` assumes for its predicted sync time per step;
+    measure yours with ``benchmarks/bench_weight_sync.py`` (the protocol's GB/s on your fabric)."""
 
 
 @dataclass

@@ -50,15 +50,18 @@ def render(plan: Plan) -> str:
     lines += [
         "",
         "| rollout | engines x GPUs | nodes | layout | weights/GPU GB | KV budget/GPU GB | KV KB/token/GPU | "
-        "KV tokens/engine | full contexts/engine | weight sync/step GB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "KV tokens/engine | full contexts/engine | weight sync/step GB | sync s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         f"| SGLang | {e.engines} x {e.gpus_per_engine} | {nodes['rollout']} | {e.layout} | {_gb(e.weights)} | "
         f"{_gb(e.kv_budget)} | {e.kv_bytes_per_token / 1024:,.1f} | {e.tokens_per_engine:,} | "
-        f"{e.tokens_per_engine / seq:,.1f} | {_gb(e.sync_bytes)} |",
+        f"{e.tokens_per_engine / seq:,.1f} | {_gb(e.sync_bytes)} | "
+        f"{e.sync_bytes / (cfg.rollout.weight_sync_gb_per_s * 1e9):,.1f} |",
         "",
         f"GPU memory {c.gpu_memory_gb:g} GB (GiB) per GPU, {c.gpus_per_node} GPUs per node; "
         f"{RESERVED_GIB:g} GB reserved per training GPU; optimizer/activations in parentheses: the "
-        "other use_distributed_optimizer / recompute_activations setting.",
+        "other use_distributed_optimizer / recompute_activations setting. Sync s/step: weight sync/step "
+        f"at rollout.weight_sync_gb_per_s = {cfg.rollout.weight_sync_gb_per_s:g} GB/s (engines paused meanwhile; "
+        "measure it with benchmarks/bench_weight_sync.py).",
     ]  # fmt: skip
     return "\n".join(lines)
 

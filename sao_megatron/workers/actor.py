@@ -186,9 +186,12 @@ class ActorWorker:
             self._sync = WeightSync(engine_urls, engine_tp=r.tensor_parallel, backend=backend,
                                     master_address=master_address, master_port=master_port)  # fmt: skip
             asyncio.run(self._sync.connect())
+            print(f"[sao-weight-sync] {backend} group at {master_address}:{self._sync.master_port} "
+                  f"(trainer rank 0) -> engines {' '.join(engine_urls)}", flush=True)  # fmt: skip
         report = asyncio.run(self._sync.update(buckets, version))
         return {
             "sync_s": report.seconds,
+            "sync_pause_s": report.paused_s,
             "sync_gb_per_s": report.gb_per_s,
             "sync_tensors": float(report.tensors),
         }
