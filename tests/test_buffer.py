@@ -60,7 +60,7 @@ def test_observer_reports_the_drops_by_cause():
     buf.admit(empty, 0)
     m = buffer_metrics(buf)
     assert m == {"buffer/waiting": 1.0, "buffer/dropped_stale": 0.0, "buffer/dropped_failed": 1.0,
-                 "buffer/dropped_no_actions": 1.0}  # fmt: skip
+                 "buffer/dropped_failed/engine": 1.0, "buffer/dropped_no_actions": 1.0}  # fmt: skip
 
 
 def test_group_mode_waits_for_siblings_and_measures_the_wait():

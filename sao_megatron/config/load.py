@@ -551,10 +551,16 @@ def validate_rollout(r: RolloutConfig) -> None:
     for name in ("max_turns", "max_new_tokens"):
         if getattr(r.loop, name) < 1:
             raise ConfigError(f"rollout.loop.{name} must be >= 1 (got {getattr(r.loop, name)})")
+    if not 0 < r.max_failed_fraction <= 1:
+        raise ConfigError(f"rollout.max_failed_fraction={r.max_failed_fraction} must be in (0, 1]; "
+                          "1 never stops the run for failed episodes")  # fmt: skip
+    if r.failure_window < 1:
+        raise ConfigError(f"rollout.failure_window must be >= 1 (got {r.failure_window})")
 
 
 def validate_cluster(cfg: SAOConfig) -> None:
-    """Node groups must hold their role's GPUs; SGLang engines must tile whole nodes."""
+    """Node groups must hold their role's GPUs; SGLang engines must tile whole nodes; a container
+    runtime needs an image; ``cluster.env`` names are shell identifiers with scalar values."""
     c, r = cfg.cluster, cfg.rollout
     for name in ("gpus_per_node", "actor_nodes", "critic_nodes", "rollout_nodes"):
         if getattr(c, name) < 0:

@@ -294,6 +294,11 @@ class RolloutConfig:
     max_total_tokens: int = 32768
     max_concurrent: int = 64
     """Episodes in flight per manager."""
+    max_failed_fraction: float = 0.5
+    """Stop the run when more than this share of the last ``failure_window`` episodes failed
+    (engine, environment, reward or task errors); failed episodes are never trained."""
+    failure_window: int = 100
+    """Episodes the failure share is measured over (the check starts once this many finished)."""
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """Turn and token limits and sampling of every episode."""
     weight_sync: WeightSync = "distributed"

@@ -60,11 +60,14 @@ def batch_metrics(
 
 def buffer_metrics(buffer: ReadyBuffer) -> dict[str, float]:
     """``buffer/*``: trajectories waiting, drops since the start of the run by cause (too stale,
-    failed, no action token), and the mean group wait (GRPO groups only)."""
+    failed, no action token; failed ones also per reason, ``buffer/dropped_failed/<reason>``), and
+    the mean group wait (GRPO groups only)."""
     b = buffer.stats
     out = {"buffer/waiting": float(len(buffer)), "buffer/dropped_stale": float(b.dropped_stale),
            "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
            "buffer/dropped_no_actions": float(b.dropped_no_actions)}  # fmt: skip
+    for reason, n in sorted(b.dropped_failed.items()):  # engine, environment, reward, task, ...
+        out[f"buffer/dropped_failed/{reason.replace(' ', '_')}"] = float(n)
     if b.group_waits_s:
         out["buffer/group_wait_s"] = sum(b.group_waits_s) / len(b.group_waits_s)
     return out

@@ -119,7 +119,9 @@ class Session:
         """Episodes from ``cursor`` on the engines; finished ones go to ``buffer`` at the current version."""
         return RolloutManager(self.loops, self.task, self.cfg.rollout.env, lambda t: buffer.admit(t, version()),
                               group_size=self.cfg.algo.group_size, max_concurrent=self.cfg.rollout.max_concurrent,
-                              env_kwargs=self.cfg.rollout.env_kwargs, cursor=cursor)  # fmt: skip
+                              env_kwargs=self.cfg.rollout.env_kwargs, cursor=cursor,
+                              max_failed_fraction=self.cfg.rollout.max_failed_fraction,
+                              failure_window=self.cfg.rollout.failure_window)  # fmt: skip
 
     async def evaluate(self) -> dict[str, float]:
         """The paper's two held-out figures on the first ``train.eval_prompts`` held-out prompts

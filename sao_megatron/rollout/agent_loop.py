@@ -21,6 +21,7 @@ reason; they never raise to the caller.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,10 @@ class _Episode:
         self.action_mask += [0] * len(ids)
         self.behavior_logprobs += [0.0] * len(ids)
         self.policy_versions += [OBSERVATION_VERSION] * len(ids)
+
+
+class _RewardError(Exception):
+    """The environment's reward function raised (its message is the failure reason)."""
 
 
 def _version(label: str) -> int:
@@ -93,14 +98,22 @@ class AgentLoop:
             question = env.reset(sample)
             prompt_ids = chat.prompt_ids(question)
             status, reason = await self._turns(env, chat, chat.prompt_messages(question), prompt_ids, ep)
-            result = env.reward()
+            try:
+                result = env.reward()
+            except Exception as err:
+                raise _RewardError(f"reward: {type(err).__name__}: {err}") from err
             reward, correct, details = result.reward, result.correct, dict(result.details)
+            if not math.isfinite(reward):
+                status, reason, reward = "failed", f"reward: non-finite reward {reward}", 0.0
+        except _RewardError as err:
+            status, reason, reward, correct, details = "failed", str(err), 0.0, None, {}
         except EngineError as err:
             status, reason, reward, correct, details = "failed", f"engine: {err}", 0.0, None, {}
         except ChatTemplateError as err:  # the template breaks the suffix method: fail loudly
             status, reason, reward, correct, details = "failed", f"chat template: {err}", 0.0, None, {}
         except Exception as err:  # a broken environment must not stop the manager
-            status, reason, reward, correct, details = "failed", f"{type(err).__name__}: {err}", 0.0, None, {}
+            status, reason, reward, correct = "failed", f"environment: {type(err).__name__}: {err}", 0.0, None
+            details = {}
         return Trajectory(
             prompt_id=sample.prompt_id, prompt_ids=prompt_ids, response_ids=ep.response_ids,
             action_mask=ep.action_mask, behavior_logprobs=ep.behavior_logprobs, policy_versions=ep.policy_versions,

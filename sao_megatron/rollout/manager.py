@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,10 +62,18 @@ class ManagerStats:
     per_engine: dict[str, int] = field(default_factory=dict)
 
 
+class TooManyFailures(RuntimeError):
+    """More than ``max_failed_fraction`` of the last ``failure_window`` episodes failed."""
+
+
 class RolloutManager:
     def __init__(self, loops: list[AgentLoop], task: Task, env_name: str, on_finished: Callable[[Trajectory], object],
                  group_size: int = 1, max_concurrent: int = 64, env_kwargs: dict | None = None,
-                 cursor: PromptCursor | None = None):  # fmt: skip
+                 cursor: PromptCursor | None = None, max_failed_fraction: float = 1.0,
+                 failure_window: int = 100):  # fmt: skip
+        """Failed episodes (a reason in ``status_reason``) are handed on like any other and never
+        stop the run, unless more than ``max_failed_fraction`` of the last ``failure_window``
+        failed: then :meth:`run` raises :class:`TooManyFailures` naming the commonest reasons."""
         if not loops:
             raise ValueError("RolloutManager needs at least one engine (AgentLoop)")
         self.loops = loops
@@ -83,6 +92,8 @@ class RolloutManager:
         self._paused = asyncio.Event()
         self._paused.set()
         self._error: BaseException | None = None
+        self.max_failed_fraction = max_failed_fraction
+        self._recent: deque[str] = deque(maxlen=failure_window)  # "" or the failure's reason
 
     # ---- submissions ------------------------------------------------------------------------
     def _next_submissions(self) -> list[Submission]:
@@ -114,11 +125,19 @@ class RolloutManager:
         self._busy(i, +1)
         loop = self.loops[i]
         try:
-            sample = self.task.get(sub.split, sub.index)
-            env = make_env(self.env_name, **self.env_kwargs)
-            traj = await loop.run(
-                env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at
-            )
+            try:
+                sample = self.task.get(sub.split, sub.index)
+            except Exception as err:  # a bad record must not stop the run: a failed episode
+                traj = _failed(sub, f"task: {type(err).__name__}: {err}")
+            else:
+                try:
+                    env = make_env(self.env_name, **self.env_kwargs)
+                except Exception as err:
+                    traj = _failed(sub, f"environment: {type(err).__name__}: {err}", sample.prompt_id)
+                else:
+                    traj = await loop.run(
+                        env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at
+                    )
         finally:
             self._busy(i, -1)
         traj.group_id = sub.group_id
@@ -127,7 +146,22 @@ class RolloutManager:
         self.stats.failed += traj.status == "failed"
         self.stats.generated_tokens += traj.num_action_tokens
         self.stats.per_engine[loop.engine_name] = self.stats.per_engine.get(loop.engine_name, 0) + 1
+        self._count_failure(traj)
         self.on_finished(traj)
+
+    def _count_failure(self, traj: Trajectory) -> None:
+        self._recent.append(traj.status_reason or "unknown" if traj.status == "failed" else "")
+        if len(self._recent) < (self._recent.maxlen or 0) or self._error is not None:
+            return
+        failed = [r for r in self._recent if r]
+        if len(failed) > self.max_failed_fraction * len(self._recent):
+            common = Counter(r.split(":")[0] for r in failed).most_common(3)
+            example = failed[-1][:200]
+            self._error = TooManyFailures(
+                f"{len(failed)} of the last {len(self._recent)} episodes failed (rollout.max_failed_fraction="
+                f"{self.max_failed_fraction}); commonest causes {common}; latest: {example!r}. Fix the cause "
+                "(see the run's logs/ and the failed trajectories), or raise rollout.max_failed_fraction"
+            )
 
     def _launch(self, sub: Submission) -> None:
         task = asyncio.create_task(self._episode(sub))
@@ -161,6 +195,8 @@ class RolloutManager:
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
+                if isinstance(self._error, TooManyFailures):
+                    raise self._error
                 if self._error is not None:
                     raise RuntimeError(f"an episode raised: {self._error!r}") from self._error
                 if not self._paused.is_set():
@@ -203,3 +239,12 @@ class RolloutManager:
         self.cursor = PromptCursor(state["split"], state["next_index"])
         now = time.time()
         self._pending = [Submission(split, index, g, now) for split, index, g in state["resubmit"]]
+
+
+def _failed(sub: Submission, reason: str, prompt_id: str = "") -> Trajectory:
+    """A failed episode that never reached an engine (its task record or environment broke)."""
+    now = time.time()
+    return Trajectory(prompt_id=prompt_id or sub.group_id, prompt_ids=[], response_ids=[], action_mask=[],
+                      behavior_logprobs=[], policy_versions=[], turns=[], reward=0.0, status="failed",
+                      status_reason=reason, split=sub.split, sample_index=sub.index,
+                      submitted_at=sub.submitted_at, started_at=now, finished_at=now)  # fmt: skip

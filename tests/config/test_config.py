@@ -91,6 +91,12 @@ def test_saved_config_round_trips(tmp_path):
         ("rollout.loop.max_turns=0", "rollout.loop.max_turns must be >= 1"),
         ("cluster.cpus_per_rank=-1", "cluster.cpus_per_rank=-1.0 must be >= 0"),
         ("critic.updates_per_step=0", "K must be >= 1"),
+        ("rollout.max_failed_fraction=0", "rollout.max_failed_fraction=0.0 must be in (0, 1]"),
+        ("rollout.failure_window=0", "rollout.failure_window must be >= 1"),
+        (
+            "actor.parallel.max_tokens_per_micro_batch=-1",
+            "actor.parallel.max_tokens_per_micro_batch must be >= 0",
+        ),
         ("noequals", "is not key=value"),
     ],
 )

@@ -17,6 +17,7 @@ import pytest
 from sao_megatron.config import AgentLoopConfig
 from sao_megatron.driver.demos import demonstration_trajectory
 from sao_megatron.envs import make_env, make_task
+from sao_megatron.envs.base import RewardResult
 from sao_megatron.envs.format import ChatFormat, ChatTemplateError, render_observation, render_prompt
 from sao_megatron.envs.safe_eval import calculator
 from sao_megatron.envs.tool_env import ToolEnv
@@ -281,3 +282,24 @@ def test_template_breaking_the_suffix_assumption_fails_the_episode(qwen3):
     with pytest.raises(ChatTemplateError):
         _, chat = json_env_chat(Shifty(qwen3))
         chat.observation_text([*chat.prompt_messages("q"), {"role": "assistant", "content": "x"}], "5")
+
+
+@pytest.mark.parametrize("fault", ["raises", "nan", "inf"])
+def test_reward_faults_fail_the_episode_with_a_reason(qwen3, monkeypatch, fault):
+    """A reward function that raises or returns a non-finite reward: a failed episode, never trained."""
+
+    def reward(self):
+        if fault == "raises":
+            raise ZeroDivisionError("bad grader")
+        return RewardResult(float(fault), False)
+
+    monkeypatch.setattr(ToolEnv, "reward", reward)
+    sample = arith_sample()
+    traj, _ = run_loop(
+        qwen3, "arith_tool", sample, [enc(qwen3, f"<answer>{sample.answer}</answer><|im_end|>")]
+    )
+    assert traj.status == "failed" and traj.reward == 0.0
+    expected = (
+        "reward: ZeroDivisionError: bad grader" if fault == "raises" else f"reward: non-finite reward {fault}"
+    )
+    assert traj.status_reason == expected

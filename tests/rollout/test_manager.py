@@ -79,3 +79,47 @@ def test_manager_state_resubmits_in_flight_prompts():
     resubmit = {index for _, index, _ in state["resubmit"]}
     assert done.isdisjoint(resubmit)
     assert done | resubmit == set(range(state["next_index"])), (done, resubmit, state)
+
+
+class FlakyTask(CountingTask):
+    """Record ``index`` breaks when ``index % 5 == 3``."""
+
+    def get(self, split, index):
+        if index % 5 == 3:
+            raise KeyError(f"record {index} has no 'question'")
+        return super().get(split, index)
+
+
+def _run_manager(task, env_name="arith_tool", prompts=20, **kwargs):
+    async def go():
+        got = []
+        manager = RolloutManager([FakeLoop(lambda i, c: 0.0)], task, env_name, got.append, max_concurrent=4,
+                                 **kwargs)  # fmt: skip
+        try:
+            await manager.run(asyncio.Event(), max_prompts=prompts)
+            return got, None
+        except Exception as err:  # the manager's verdict
+            return got, err
+        finally:
+            await manager.drain(cancel=True)
+
+    return asyncio.run(go())
+
+
+def test_a_broken_task_record_or_environment_becomes_a_failed_episode_not_a_crash():
+    got, err = _run_manager(FlakyTask())
+    assert err is None and len(got) == 20  # every prompt accounted for
+    failed = [t for t in got if t.status == "failed"]
+    assert sorted(t.sample_index for t in failed) == [3, 8, 13, 18]
+    assert all(t.status_reason.startswith("task: KeyError") and not t.prompt_ids for t in failed)
+    got, err = _run_manager(CountingTask(), env_name="no_such_env", prompts=5)
+    assert err is None and len(got) == 5
+    assert all(t.status == "failed" and t.status_reason.startswith("environment: ") for t in got)
+
+
+def test_the_run_stops_with_the_causes_when_failures_cross_the_threshold():
+    got, err = _run_manager(FlakyTask(), max_failed_fraction=0.1, failure_window=10)  # 20% fail
+    assert type(err).__name__ == "TooManyFailures", err
+    assert "rollout.max_failed_fraction=0.1" in str(err) and "('task', 2)" in str(err)
+    got, err = _run_manager(FlakyTask(), max_failed_fraction=0.25, failure_window=10)  # below: runs on
+    assert err is None and len(got) == 20
