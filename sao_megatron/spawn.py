@@ -28,10 +28,22 @@ class WorldFailed(RuntimeError):
     """A rank of a spawned world raised."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port that was free a moment ago, never one this process handed out before.
+
+    Probe-and-release: another process may still take it before the caller binds it. Servers
+    started on such a port retry on a clash (``rollout.engine``); rendezvous stores avoid it by
+    binding port 0 themselves (``parallel.open_store``)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _entry(rank, payload, world_size, port, backend, out_dir, log_to):

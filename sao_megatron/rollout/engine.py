@@ -16,6 +16,7 @@ module started, never by name.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -164,17 +165,39 @@ class _ServerProcess:
         except (urllib.error.URLError, OSError):
             return False
 
+    port_retries = 3
+    """Restarts on a fresh port when the chosen one was taken meanwhile (``spawn.free_port``)."""
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+
+    def _port_clash(self) -> bool:
+        """The server exited because its port was already bound by someone else."""
+        return "address already in use" in self.log_tail(200).lower()
+
     def wait_healthy(self, timeout_s: float | None = None) -> float:
-        """Block until the health endpoint answers 200; returns seconds waited."""
+        """Block until the health endpoint answers 200 from our own, running process; returns
+        seconds waited. A server that died on a port clash is restarted on a fresh port."""
+        from sao_megatron.spawn import free_port
+
         timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
+        retries = self.port_retries
         while time.monotonic() - t0 < timeout_s:
+            if self.proc is not None and self.proc.poll() is not None and retries and self._port_clash():
+                retries -= 1
+                clashed = self.port
+                self._use_port(free_port())
+                logging.getLogger(__name__).warning("%s: port %d was taken; restarting on %d", self.kind, clashed,
+                                                    self.port)  # fmt: skip
+                self.start()
+                continue
             if self.proc is not None and self.proc.poll() is not None:
                 raise EngineStartError(
                     f"{self.kind} on port {self.port} exited with {self.proc.returncode}; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
-            if self.healthy():
+            if self.healthy() and (self.proc is None or self.proc.poll() is None):
                 return time.monotonic() - t0
             time.sleep(0.5)
         raise EngineStartError(
@@ -233,6 +256,9 @@ class EngineProcess(_ServerProcess):
 
     def _command(self) -> list[str]:
         return _command(self.spec, self.cpu)
+
+    def _use_port(self, port: int) -> None:
+        self.port = self.spec.port = port
 
     def _environment(self) -> dict[str, str]:
         return {**_environment(self.cpu), **self.spec.env}
@@ -347,6 +373,13 @@ class RouterProcess(_ServerProcess):
 
     def _command(self) -> list[str]:
         return _router_command(self.spec, self.prometheus_port)
+
+    def _use_port(self, port: int) -> None:
+        from sao_megatron.spawn import free_port
+
+        self.port = self.spec.port = port
+        if self.spec.prometheus_port is None:  # ours to choose: it may have been the one taken
+            self.prometheus_port = free_port()
 
     def _healthy_body(self, body: bytes) -> bool:
         # {"status": "ready", "healthy_workers": n, "total_workers": m}

@@ -230,3 +230,24 @@ def test_router_proxies_generate(engine, tmp_path):
         and routed.prompt_tokens == 5
     )
     assert refused.status == 404
+
+
+@pytest.mark.slow
+def test_an_engine_whose_port_was_taken_restarts_on_a_fresh_one(tmp_path, checkpoints):
+    """Probe-and-release ports can be taken before the server binds them: the engine notices the
+    clash, restarts on a fresh port, and the health check never mistakes the squatter for it."""
+    import http.server
+    import threading
+
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    taken = squatter.server_address[1]
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()  # answers /health with 404
+    spec = EngineSpec(model_path=str(checkpoints[0]), port=taken, dtype="float32", max_total_tokens=2048,
+                      log_path=str(tmp_path / "engine.log"), env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        with EngineProcess(spec) as engine:
+            assert engine.port != taken and spec.port == engine.port
+            assert engine.healthy()
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
