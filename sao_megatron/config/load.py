@@ -510,6 +510,8 @@ def validate(cfg: SAOConfig) -> None:
     for name in ("eval_prompts", "eval_samples"):
         if getattr(cfg.train, name) < 0:
             raise ConfigError(f"train.{name}={getattr(cfg.train, name)} must be >= 0 (0 turns it off)")
+    if cfg.train.max_skipped_steps < 1:
+        raise ConfigError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be >= 1")
     validate_cluster(cfg)
 
 

@@ -337,6 +337,9 @@ class TrainConfig:
     """Temperature of the ``eval_samples`` episodes (paper: 1.0)."""
     save_every: int = 0
     """Checkpoint every n steps (0: only at the end)."""
+    max_skipped_steps: int = 3
+    """Stop after this many learner steps in a row skipped an update (non-finite loss or gradient;
+    each skip is counted in ``actor/updated`` / ``critic/updated`` and logged with its trajectories)."""
     sample_trajectories: int = 4
     """Trajectories per step written as text to the run directory."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from sao_megatron.batch import TrainBatch, build_batch
 from sao_megatron.driver.advantages import Advantages
 from sao_megatron.driver.session import Session
 from sao_megatron.records import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,11 +65,30 @@ async def learner_step(s: Session, estimator: Advantages, trajectories: list[Tra
             out.actor = await actor.update(actor.place(batch), advantages, version)
 
     await asyncio.gather(critic_updates(), actor_update())
-    if train_actor:
+    skipped = [
+        role for role, m in (("actor", out.actor), ("critic", out.critic)) if m.get("updated", 1.0) == 0
+    ]
+    s.skipped_in_a_row = s.skipped_in_a_row + 1 if skipped else 0
+    if skipped:
+        ids = sorted({t.prompt_id for t in trajectories})
+        log.warning("step at version %d: %s update skipped (non-finite loss or gradient, %d in a row); "
+                    "trajectories %s", version, " and ".join(skipped), s.skipped_in_a_row, ids)  # fmt: skip
+        limit = s.cfg.train.max_skipped_steps
+        if s.skipped_in_a_row >= limit:
+            raise TrainingDiverged(
+                f"{s.skipped_in_a_row} steps in a row skipped an update for non-finite losses or gradients "
+                f"(train.max_skipped_steps={limit}); last batch's trajectories {ids[:8]}. Lower the learning "
+                "rate or inspect those trajectories (sao report shows samples); resume from the last checkpoint"
+            )
+    if train_actor and "actor" not in skipped:
         out.version = version + 1
         out.sync = await s.sync_weights(out.version)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive learner steps had non-finite losses or gradients."""
 
 
 async def run_whole[R](work: Coroutine[Any, Any, R]) -> tuple[R, bool]:

@@ -40,6 +40,7 @@ class Session:
         self.loops: list[AgentLoop] = []
         self.sync_address = "127.0.0.1"
         self._policy_exported = False  # <run_dir>/hf/policy holds the actor's current weights
+        self.skipped_in_a_row = 0  # learner steps that skipped an update (non-finite gradients)
 
     @classmethod
     async def start(cls, cfg: SAOConfig, run_dir: Path, state: RunState) -> Session:

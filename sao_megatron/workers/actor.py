@@ -21,6 +21,8 @@ from sao_megatron.workers.common import (
     init_rank,
     micro_batches,
     micro_batching,
+    nan_loss,
+    nonfinite_free,
     parallel_state,
     reduce_metrics,
     row_outputs,
@@ -97,6 +99,8 @@ class ActorWorker:
         def loss_fn(logits, mb):
             logprobs, entropy = self._logprobs(logits, mb)
             mask = mb["action_mask"] > 0
+            if not nonfinite_free(logprobs, mb["advantages"], mask=mask):
+                return nan_loss(logprobs, mask)  # the step is skipped on every rank (engine.step)
             loss, metrics = algo.policy_loss(a.policy_loss, logprobs, mb["behavior_logprobs"], mb["advantages"], mask,
                                              agg=a.loss_agg, segment_ids=mb.get("segment_ids"),
                                              **bounds, **extra, **norm)  # fmt: skip

@@ -8,6 +8,7 @@ the full-batch gradient (see ``engine.MegatronRole``).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import cast
 
@@ -231,6 +232,18 @@ def reduce_metrics(
     return _finish_metrics(keys, _metric_partials(per_micro, keys, weight_key))
 
 
+def nonfinite_free(*tensors: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Every value at ``mask`` is finite (one host sync for all tensors)."""
+    return bool(torch.stack([torch.isfinite(t[mask]).all() for t in tensors]).all())
+
+
+def nan_loss(output: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """A NaN loss connected to ``output``: its gradients are NaN, so the optimizer step that
+    follows is skipped on every rank of the world (``engine.MegatronRole.step``) instead of one
+    rank raising inside a collective schedule. Metrics: only the token count."""
+    return (output.float() * mask).sum() * float("nan"), {"micro_tokens": float(mask.sum())}
+
+
 def row_outputs(collected: list[torch.Tensor], micro: list[dict], shard: BatchShard) -> RowOutputs | None:
     """This rank's per-row outputs when it holds complete ones (see :attr:`RankCoordinates.reports`):
     ``collected[i]`` is micro-batch ``i``'s per-position output, put back on the shard's rows
@@ -256,3 +269,14 @@ def init_rank(parallel: ParallelConfig, seed: int) -> None:
 
     initialize_model_parallel(parallel)
     seed_everything(seed)
+    # Where this rank runs, for anyone reading its log (tests/launch/test_slurm_multinode.py).
+    print(f"[sao-rank] rank {dist.get_rank()} of {dist.get_world_size()} on host {socket.gethostname()} "
+          f"addresses {','.join(node_addresses()) or '-'}", flush=True)  # fmt: skip
+
+
+def node_addresses() -> list[str]:
+    """This node's IPv4 addresses other than loopback."""
+    import psutil
+
+    return sorted({a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                   if a.family == socket.AF_INET and not a.address.startswith("127.")})  # fmt: skip

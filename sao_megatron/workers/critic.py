@@ -15,6 +15,8 @@ from sao_megatron.workers.common import (
     init_rank,
     micro_batches,
     micro_batching,
+    nan_loss,
+    nonfinite_free,
     reduce_metrics,
     row_outputs,
 )
@@ -59,6 +61,8 @@ class CriticWorker:
 
         def loss_fn(values, mb):
             mask = mb["action_mask"] > 0
+            if not nonfinite_free(values.squeeze(-1), mb["returns"], mask=mask):
+                return nan_loss(values.squeeze(-1), mask)  # the step is skipped on every rank (engine.step)
             clipped = a.value_clip > 0
             loss, metrics = algo.value_loss(values.squeeze(-1).float(), mb["returns"], mask, agg=a.loss_agg,
                                             old_values=mb["old_values"] if clipped else None,
@@ -71,7 +75,8 @@ class CriticWorker:
 
         out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()
-        return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr}
+        return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr,
+                "updated": float(step.updated)}  # fmt: skip
 
     def save(self, directory: str) -> None:
         checkpoint.save_role(self.role, Path(directory))

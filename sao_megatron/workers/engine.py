@@ -9,6 +9,7 @@ engine multiplies by both, so the resulting gradient is exactly the full-batch g
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +134,13 @@ class MegatronRole:
         )  # fmt: skip
 
     def step(self) -> StepResult:
+        """One optimizer step, skipped (``updated`` False, weights and optimizer state untouched)
+        when a gradient is not finite: a non-finite loss or gradient anywhere in the role's world
+        (the group norms are reduced over all ranks, so every rank decides alike)."""
         groups = module_group_grad_norms(self.module, self.optimizer)
+        if not all(math.isfinite(v) for v in groups.values()):
+            lr = self.optimizer.param_groups[0]["lr"]
+            return StepResult(grad_norm=float("nan"), lr=float(lr), updated=False, group_norms=groups)
         updated, grad_norm, _ = self.optimizer.step()  # pyright: ignore[reportGeneralTypeIssues]  # Megatron: (bool, norm, zeros)
         if self.model.ddp_config.overlap_param_gather:
             # The overlapped gather would finish in the next forward; weights are exported and

@@ -201,6 +201,7 @@ class FakeSession:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     buffer: ReadyBuffer | None = None
     rollout_manager: RolloutManager | None = None
+    skipped_in_a_row: int = 0
 
     def __post_init__(self) -> None:
         if self.critic is not None:

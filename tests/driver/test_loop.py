@@ -336,3 +336,25 @@ def test_stop_during_evaluation_still_logs_the_step(tmp_path):
     assert [(c.step, c.version) for c in s.checkpoints] == [(1, 1)]
     rows = read_metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []
     assert [r["step"] for r in rows] == [1]
+
+
+class NonFiniteActor(FakeActor):
+    """Its updates from the ``bad_from``-th on report a skipped optimizer step (non-finite gradients)."""
+
+    def __init__(self, bad_from: int):
+        super().__init__()
+        self.bad_from = bad_from
+
+    async def update(self, placed, advantages, version):
+        m = await super().update(placed, advantages, version)
+        return {**m, "updated": 0.0 if len(self.updates) >= self.bad_from else 1.0}
+
+
+def test_skipped_updates_keep_the_version_and_stop_the_run_after_n_in_a_row(tmp_path):
+    from sao_megatron.driver.learner import TrainingDiverged
+
+    s = FakeSession(config("train.max_skipped_steps=2", "train.steps=6"), actor=NonFiniteActor(bad_from=2))
+    with pytest.raises(TrainingDiverged, match=r"2 steps in a row .*\(train\.max_skipped_steps=2\)"):
+        run(s, rl(s.cfg, True), tmp_path)
+    assert s.syncs == [1]  # the good first update; skipped ones neither bump the version nor sync
+    assert len(s.actor.updates) == 3 and s.skipped_in_a_row == 2
