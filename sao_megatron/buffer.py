@@ -10,7 +10,9 @@ carry no learning signal and would break GAE (``dropped_no_actions``). Batches:
   distinct prompt, in admission order (no barrier: whatever finished first trains first).
 - GRPO baselines (``group_size == G``): ``batch_size / G`` complete groups; a group is
   eligible once all G siblings are admitted, and the time its first finished member waited
-  for the last one is recorded as *group wait*.
+  for the last one is recorded as *group wait*. A group with a dropped member (failed, no
+  action token, too stale) can never be complete: its waiting siblings and every later one are
+  dropped too (``dropped_group``), so no sibling waits forever for a member that will not come.
 
 The learner awaits :meth:`get` (no polling): admission wakes it once a batch is complete.
 A trajectory is handed out at most once (checked). :meth:`state_dict` captures everything
@@ -40,6 +42,8 @@ class BufferStats:
     dropped_failed: Counter = field(default_factory=Counter)
     group_waits_s: list[float] = field(default_factory=list)
     dropped_no_actions: int = 0
+    dropped_group: int = 0
+    """Siblings dropped because another member of their GRPO group was."""
 
 
 class ReadyBuffer:
@@ -58,6 +62,8 @@ class ReadyBuffer:
         self._groups: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self._group_first_finish: dict[str, float] = {}
         self._handed: set[tuple[str, str, int]] = set()
+        self._broken: dict[str, int] = {}
+        """GRPO groups with a dropped member -> members accounted for so far (forgotten at G)."""
         self._admitted = asyncio.Event()
 
     @staticmethod
@@ -72,24 +78,46 @@ class ReadyBuffer:
         return int(token_lag.max()) if token_lag.numel() else 0
 
     def admit(self, t: Trajectory, current_version: int) -> bool:
-        """Add a finished trajectory; False when it is dropped (failed, no action token, too stale)."""
+        """Add a finished trajectory; False when it is dropped (failed, no action token, too stale,
+        or a sibling of a dropped GRPO group member)."""
+        group = t.group_id or t.prompt_id
+        if group in self._broken:
+            self.stats.dropped_group += 1
+            self._account(group, 1)
+            return False
         if t.status == "failed":
             self.stats.dropped_failed[t.status_reason.split(":")[0] or "unknown"] += 1
-            return False
+            return self._break(group)
         if not any(t.action_mask):
             self.stats.dropped_no_actions += 1
-            return False
+            return self._break(group)
         if self.max_policy_lag is not None and self.lag(t, current_version) > self.max_policy_lag:
             self.stats.dropped_stale += 1
-            return False
+            return self._break(group)
         if self.key(t) in self._handed:
             raise ValueError(f"trajectory {self.key(t)} was already handed to the learner")
-        group = t.group_id or t.prompt_id
         self._groups.setdefault(group, []).append(t)
         self._group_first_finish.setdefault(group, t.finished_at or time.time())
         self.stats.admitted += 1
         self._admitted.set()
         return True
+
+    def _break(self, group: str, dropped: int = 1) -> bool:
+        """``dropped`` members of ``group`` were dropped: in GRPO mode its waiting siblings go too,
+        and later ones on arrival. Returns False (the admission's answer)."""
+        if self.group_size > 1:
+            siblings = self._groups.pop(group, [])
+            self._group_first_finish.pop(group, None)
+            self.stats.dropped_group += len(siblings)
+            self._account(group, dropped + len(siblings))
+        return False
+
+    def _account(self, group: str, n: int) -> None:
+        seen = self._broken.get(group, 0) + n
+        if seen >= self.group_size:
+            self._broken.pop(group, None)  # every member accounted for: forget the group
+        else:
+            self._broken[group] = seen
 
     def __len__(self) -> int:
         return sum(len(g) for g in self._groups.values())
@@ -147,12 +175,18 @@ class ReadyBuffer:
         dropped = 0
         for group in list(self._groups):
             keep = [t for t in self._groups[group] if self.lag(t, current_version) <= self.max_policy_lag]
-            dropped += len(self._groups[group]) - len(keep)
-            if keep:
+            stale = len(self._groups[group]) - len(keep)
+            dropped += stale
+            if keep and not (stale and self.group_size > 1):
                 self._groups[group] = keep
+            elif keep:  # GRPO: the group lost members, its siblings go too
+                self._groups[group] = keep
+                self._break(group, dropped=stale)
             else:
                 del self._groups[group]
                 self._group_first_finish.pop(group, None)
+                if self.group_size > 1:
+                    self._account(group, stale)
         self.stats.dropped_stale += dropped
         return dropped
 
@@ -168,7 +202,9 @@ class ReadyBuffer:
                       "dropped_stale": self.stats.dropped_stale,
                       "dropped_failed": dict(self.stats.dropped_failed),
                       "group_waits_s": list(self.stats.group_waits_s),
-                      "dropped_no_actions": self.stats.dropped_no_actions},
+                      "dropped_no_actions": self.stats.dropped_no_actions,
+                      "dropped_group": self.stats.dropped_group},
+            "broken": dict(self._broken),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -181,4 +217,5 @@ class ReadyBuffer:
         s = state["stats"]
         self.stats = BufferStats(s["admitted"], s["handed_out"], s["dropped_stale"],
                                  Counter(s["dropped_failed"]), list(s["group_waits_s"]),
-                                 s.get("dropped_no_actions", 0))  # fmt: skip
+                                 s.get("dropped_no_actions", 0), s.get("dropped_group", 0))  # fmt: skip
+        self._broken = dict(state.get("broken", {}))

@@ -60,7 +60,8 @@ def test_observer_reports_the_drops_by_cause():
     buf.admit(empty, 0)
     m = buffer_metrics(buf)
     assert m == {"buffer/waiting": 1.0, "buffer/dropped_stale": 0.0, "buffer/dropped_failed": 1.0,
-                 "buffer/dropped_failed/engine": 1.0, "buffer/dropped_no_actions": 1.0}  # fmt: skip
+                 "buffer/dropped_failed/engine": 1.0, "buffer/dropped_no_actions": 1.0,
+                 "buffer/dropped_group": 0.0}  # fmt: skip
 
 
 def test_group_mode_waits_for_siblings_and_measures_the_wait():
@@ -92,3 +93,27 @@ def test_never_hands_out_twice_and_round_trips_state():
 def test_bad_sizes_are_rejected():
     with pytest.raises(ValueError, match="multiple of group_size"):
         ReadyBuffer(batch_size=6, group_size=4)
+
+
+def test_a_dropped_grpo_member_drops_its_siblings_so_none_waits_forever():
+    buf = ReadyBuffer(batch_size=4, group_size=2, max_policy_lag=1)
+    assert buf.admit(traj(1, group="g1", member=0), 0)  # waits for its sibling ...
+    assert not buf.admit(traj(1, group="g1", member=1, status="failed"), 0)  # ... which failed
+    assert len(buf) == 0 and buf.stats.dropped_group == 1 and buf._broken == {}  # all accounted for
+    assert not buf.admit(traj(2, group="g2", member=0, status="failed"), 0)  # failed first
+    assert not buf.admit(traj(2, group="g2", member=1), 0)  # the later sibling is dropped on arrival
+    assert buf.stats.dropped_group == 2 and buf._broken == {}
+    for g in ("g3", "g4"):
+        for m in (0, 1):
+            assert buf.admit(traj(3, group=g, member=m), 0)
+    assert [t.group_id for t in buf.take() or []] == ["g3", "g3", "g4", "g4"]  # whole groups only
+    # A member gone stale while waiting takes its sibling with it, and a late sibling is dropped too.
+    buf3 = ReadyBuffer(batch_size=3, group_size=3, max_policy_lag=1)
+    assert buf3.admit(traj(5, version=0, group="g5", member=0), 0)
+    assert buf3.admit(traj(5, version=2, group="g5", member=1), 2)
+    assert buf3.discard_stale(2) == 1 and len(buf3) == 0 and buf3.stats.dropped_group == 1
+    state = buf3.state_dict()
+    restored = ReadyBuffer(batch_size=3, group_size=3, max_policy_lag=1)
+    restored.load_state_dict(state)
+    assert not restored.admit(traj(5, version=2, group="g5", member=2), 2)
+    assert restored.stats.dropped_group == 2 and restored._broken == {}

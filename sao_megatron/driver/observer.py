@@ -65,7 +65,7 @@ def buffer_metrics(buffer: ReadyBuffer) -> dict[str, float]:
     b = buffer.stats
     out = {"buffer/waiting": float(len(buffer)), "buffer/dropped_stale": float(b.dropped_stale),
            "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
-           "buffer/dropped_no_actions": float(b.dropped_no_actions)}  # fmt: skip
+           "buffer/dropped_no_actions": float(b.dropped_no_actions), "buffer/dropped_group": float(b.dropped_group)}  # fmt: skip
     for reason, n in sorted(b.dropped_failed.items()):  # engine, environment, reward, task, ...
         out[f"buffer/dropped_failed/{reason.replace(' ', '_')}"] = float(n)
     if b.group_waits_s:
