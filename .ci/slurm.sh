@@ -102,7 +102,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
-KillWait=30
+KillWait=10
 MinJobAge=600
 NodeName=saoci NodeHostname=$(hostname) NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
 PartitionName=ci Nodes=saoci Default=YES MaxTime=INFINITE State=UP

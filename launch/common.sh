@@ -56,15 +56,19 @@ sao_ray_resources() {
 
 # sao_wait_ray ADDRESS NODES TIMEOUT_S [PID...]: until NODES nodes are alive in the Ray cluster;
 # fails at once when one of the PIDs (the `ray start` processes or their srun steps) has exited.
+# `ray status` runs behind SAO_RAY_STATUS_PREFIX (an array; the container's srun/apptainer prefix).
+SAO_RAY_STATUS_PREFIX=()
 sao_wait_ray() {
-  local address=$1 want=$2 timeout=$3 start=$SECONDS have=0 pid
+  local address=$1 want=$2 timeout=$3 start=$SECONDS have=0 pid status=("${SAO_RAY_STATUS_PREFIX[@]}" ray status)
   shift 3
   if [[ ${SAO_DRY_RUN:-0} == 1 ]]; then
-    printf '# wait (at most %ss) until ray status --address=%s lists %s nodes\n' "$timeout" "$address" "$want"
+    printf '# wait (at most %ss) until %s --address=%s lists %s nodes\n' "$timeout" "$(sao_quote "${status[@]}")" \
+      "$address" "$want"
     return
   fi
   while ((SECONDS - start < timeout)); do
-    have=$(timeout 30 ray status --address="$address" 2>/dev/null | grep -c ' node_' || true)
+    have=$(timeout $((${#SAO_RAY_STATUS_PREFIX[@]} ? 120 : 30)) "${status[@]}" --address="$address" 2>/dev/null |
+      grep -c ' node_' || true)
     if ((have >= want)); then
       sao_log "Ray cluster at $address: $have node(s) alive after $((SECONDS - start)) s"
       return 0

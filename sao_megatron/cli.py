@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,30 @@ def _rank_failed(verb: str, err: Exception) -> int:
     return 1
 
 
+def resume_if_present(cfg: SAOConfig) -> Path | None:
+    """``sao train --resume-if-present``: ``run.run_dir`` when it holds a complete checkpoint
+    (a Slurm restart of a requeued job, or a resubmission), else None (a fresh run there).
+
+    A half-written checkpoint (``checkpoint.staging/``) never counts:
+    :meth:`RunState.complete_checkpoint` decides."""
+    from sao_megatron.driver.run_state import RunState
+
+    if not cfg.run.run_dir:
+        raise ConfigError("sao train --resume-if-present needs run.run_dir=DIR (where to look for a "
+                          "checkpoint and where a fresh run writes); sao submit sets it")  # fmt: skip
+    run_dir = Path(cfg.run.run_dir)
+    checkpoint = RunState.complete_checkpoint(run_dir)
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if checkpoint is None:
+        print(f"no complete checkpoint in {run_dir} (Slurm restart count {restart}): starting a fresh run")
+        return None
+    print(f"resuming from the complete checkpoint {checkpoint} (Slurm restart count {restart})")
+    return run_dir
+
+
 def cmd_train(args) -> int:
+    if args.resume_if_present:
+        args.resume = resume_if_present(_load(args))
     if args.resume:
         run_dir = Path(args.resume)
         path, overrides = _split_config_arg(args)
@@ -176,14 +200,13 @@ def cmd_plan(args) -> int:
 
 def cmd_submit(args) -> int:
     """Render the Slurm job of a config (node groups from its ``cluster`` section) and sbatch it."""
-    import os
     import shlex
 
     from sao_megatron import submit
 
     path, overrides = _split_config_arg(args)
     extra = args.sbatch_args if args.sbatch_args is not None else os.environ.get("SAO_SBATCH_ARGS", "")
-    job = submit.render(path, overrides, shlex.split(extra), resume=args.resume)
+    job = submit.render(path, overrides, shlex.split(extra), resume=args.resume, requeue=args.requeue)
     if args.dry_run:
         print(submit.dry_run(job))
         return 0
@@ -425,9 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(p)
         p.set_defaults(fn=fn)
         if name == "train":
-            p.add_argument(
+            resume = p.add_mutually_exclusive_group()
+            resume.add_argument(
                 "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint"
             )
+            resume.add_argument("--resume-if-present", action="store_true",
+                                help="continue from run.run_dir's complete checkpoint when it has one, else start "
+                                     "a fresh run there (what sao submit's jobs do, so a requeued job resumes)")  # fmt: skip
             p.add_argument("--report", action="store_true", help="write plots and the summary at the end")
         if name == "plan":
             p.add_argument("--analytic", action="store_true",
@@ -436,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             p.add_argument("--dry-run", action="store_true", help="print sbatch and the per-node commands")
             p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (its checkpoint)")
+            p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
+                           help="let Slurm restart the job (preemption, node failure, scontrol requeue); a "
+                                "restarted job resumes from its latest complete checkpoint (default: on)")  # fmt: skip
             p.add_argument("--sbatch-args", default=None,
                            help="extra sbatch options, e.g. '--partition=gpu --time=48:00:00' "
                                 "(default: $SAO_SBATCH_ARGS)")  # fmt: skip

@@ -183,6 +183,18 @@ def test_node_groups_follow_the_cluster_section():
     assert plan.role_nodes(load_config("configs/tiny_cpu.yaml")) == {"actor": 0, "critic": 0, "rollout": 0}
 
 
+def test_cpu_runs_take_explicit_node_groups():
+    """A CPU-only multi-node cluster (CI's .ci/slurm_multinode.sh) names every role's nodes."""
+    groups = ["cluster.actor_nodes=2", "cluster.critic_nodes=1", "cluster.rollout_nodes=1"]
+    assert plan.role_nodes(load_config("configs/tiny_cpu.yaml", groups)) == {
+        "actor": 2,
+        "critic": 1,
+        "rollout": 1,
+    }
+    with pytest.raises(ConfigError, match=r"cluster.critic_nodes=0 on a CPU-only run"):
+        load_config("configs/tiny_cpu.yaml", groups[::2])
+
+
 @pytest.mark.parametrize(
     "override,key",
     [

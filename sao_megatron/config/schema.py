@@ -398,6 +398,28 @@ class RunConfig:
     """Also log metrics to this Weights & Biases project (needs ``wandb`` installed); empty: off."""
 
 
+ContainerRuntime = Literal["none", "pyxis", "apptainer"]
+"""How launch/slurm/sao.sbatch runs its commands: on the host, in a pyxis/enroot container
+(``srun --container-image``), or under ``apptainer exec``."""
+
+
+@dataclass
+class ContainerConfig:
+    """The container every srun'd command of a Slurm job runs in (Ray daemons and the driver)."""
+
+    runtime: ContainerRuntime = "none"
+    """``none``: on the host; ``pyxis``: ``srun --container-image=IMAGE --container-mounts=...
+    --container-workdir=...``; ``apptainer``: ``apptainer exec [--nv] --bind ... --pwd ... IMAGE``."""
+    image: str = ""
+    """pyxis: an enroot image (``nvcr.io#nvidia/pytorch:25.01-py3``, a ``.sqsh`` file); apptainer:
+    a ``.sif`` file. It must provide ``sao`` and ``ray`` on its PATH (or mount a checkout and its venv)."""
+    mounts: list[str] = field(default_factory=list)
+    """Bind mounts ``SRC[:DST[:FLAGS]]`` (``/lustre:/lustre``, ``/scratch:/scratch:ro``); the repository
+    checkout and the run directory are always mounted at their host paths."""
+    workdir: str = ""
+    """Working directory inside the container; empty: the repository checkout (``SAO_ROOT``)."""
+
+
 @dataclass
 class ClusterConfig:
     """Hardware and node placement of a run, read by ``sao submit`` (Slurm + Ray) and ``sao plan``.
@@ -425,6 +447,19 @@ class ClusterConfig:
     ``SAO_RAY_HEAD=1 launch/local.sh`` set it for the Ray cluster they started."""
     cpus_per_rank: float = 0.5
     """Ray CPUs each trainer rank (actor or critic) reserves."""
+    placement_timeout_s: float = 600.0
+    """How long a role's ranks or an engine may wait for Ray to place them before the run fails
+    with what they need and what each node offers (instead of waiting forever)."""
+    checkpoint_gb_per_s: float = 2.0
+    """Assumed checkpoint write bandwidth per training node in GiB/s (a share of a parallel file
+    system; measure yours). ``sao submit`` sizes the pre-time-limit signal from it: 120 s plus the
+    time to write the actor and critic checkpoints (weights + optimizer state, from ``sao plan``'s
+    parameter counts) at this rate from their nodes."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """The container the Slurm job's commands run in (``sao submit``; see docs/launch.md)."""
+    env: dict = field(default_factory=dict)
+    """Environment variables exported on every node before Ray starts (NCCL / InfiniBand settings,
+    e.g. ``{NCCL_IB_HCA: mlx5, NCCL_SOCKET_IFNAME: ib0}``); names must be shell identifiers."""
 
 
 @dataclass

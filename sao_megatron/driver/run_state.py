@@ -48,6 +48,19 @@ class RunState:
         tmp.replace(directory / "state.json")
 
     @classmethod
+    def complete_checkpoint(cls, run_dir: Path) -> Path | None:
+        """The run's latest complete checkpoint directory, or None.
+
+        Complete means published: ``checkpoint/state.json`` (written last into the staging
+        directory, after the actor and critic saves returned), or ``checkpoint.old/state.json``
+        when a run died between the two renames of :meth:`publish` (:meth:`load` restores it).
+        ``checkpoint.staging/`` is never complete, whatever it holds."""
+        old, final = Path(run_dir) / "checkpoint.old", cls.checkpoint_dir(run_dir)
+        if final.exists():
+            return final if (final / "state.json").is_file() else None
+        return old if (old / "state.json").is_file() else None
+
+    @classmethod
     def load(cls, run_dir: Path) -> RunState:
         old, final = Path(run_dir) / "checkpoint.old", cls.checkpoint_dir(run_dir)
         if not final.exists() and old.exists():  # killed between the two renames of publish()

@@ -22,14 +22,17 @@ def uses_critic(cfg: SAOConfig) -> bool:
 
 
 def role_nodes(cfg: SAOConfig) -> dict[str, int]:
-    """Nodes per role group (0 for every role when ``gpus_per_node == 0``: one shared node)."""
+    """Nodes per role group. CPU-only (``gpus_per_node == 0``): the explicit counts when any is
+    given (a multi-node CPU cluster, e.g. CI's), else 0 for every role (one shared node)."""
     c = cfg.cluster
-    if not c.gpus_per_node:
-        return {"actor": 0, "critic": 0, "rollout": 0}
-    g = c.gpus_per_node
     gpus = {"actor": cfg.actor.parallel.world_size, "critic": cfg.critic.parallel.world_size if uses_critic(cfg) else 0,
             "rollout": cfg.rollout.num_engines * cfg.rollout.tensor_parallel}  # fmt: skip
     explicit = {"actor": c.actor_nodes, "critic": c.critic_nodes, "rollout": c.rollout_nodes}
+    if not c.gpus_per_node:
+        if not any(explicit.values()):
+            return {"actor": 0, "critic": 0, "rollout": 0}
+        return {k: explicit[k] if gpus[k] else 0 for k in gpus}
+    g = c.gpus_per_node
     return {k: explicit[k] or -(-gpus[k] // g) for k in gpus}
 
 

@@ -12,9 +12,11 @@ import pytest
 
 from sao_megatron.config import REPO_ROOT
 
-SCRIPTS = [
-    REPO_ROOT / p for p in ("launch/common.sh", "launch/local.sh", "launch/slurm/sao.sbatch", ".ci/slurm.sh")
-]
+SCRIPTS = sorted(
+    {*REPO_ROOT.glob("launch/**/*.sh"), *REPO_ROOT.glob(".ci/*.sh")}
+    | {REPO_ROOT / p for p in ("launch/slurm/sao.sbatch", ".ci/run", "benchmarks/gpu/run.sh")}
+)
+"""Every launch script; .ci/run lints the same set with shellcheck before the tests."""
 STUB = Path(__file__).with_name("stub_driver.py")
 
 
@@ -25,7 +27,8 @@ def test_bash_syntax(script):
 
 
 @pytest.mark.skipif(
-    shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)"
+    shutil.which("shellcheck") is None,
+    reason="shellcheck not installed (.ci/run installs it; apt-get install shellcheck)",
 )
 def test_shellcheck_clean():
     out = subprocess.run(
