@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from sao_megatron.config import SAOConfig
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec
@@ -68,14 +69,23 @@ class RemoteEngine:
     each), on the rollout node group (the ``sao_rollout`` resource); the engine's nodes meet at
     node 0's address (``--nnodes``, ``--node-rank``, ``--dist-init-addr``)."""
 
-    def __init__(self, spec: EngineSpec, gpus_per_engine: int, gpus_per_node: int = 0):
+    def __init__(self, spec: EngineSpec, gpus_per_engine: int, gpus_per_node: int = 0,
+                 placement_timeout_s: float = 600.0):  # fmt: skip
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         nodes, per_node = engine_nodes(gpus_per_engine, gpus_per_node)
         bundle = {"CPU": 0.1, "sao_rollout": per_node or 0.01, **({"GPU": per_node} if per_node else {})}
         self.group = placement_group([bundle] * nodes, strategy="STRICT_SPREAD" if nodes > 1 else "PACK")
-        ray.get(self.group.ready())
+        try:
+            ray.get(self.group.ready(), timeout=placement_timeout_s)
+        except GetTimeoutError:
+            from ray.util.placement_group import remove_placement_group
+
+            from sao_megatron.driver.roles import placement_error
+
+            remove_placement_group(self.group)
+            raise placement_error(f"an engine over {nodes} node(s)", bundle, placement_timeout_s) from None
         self.hosts: list[Any] = [
             EngineHost.options(
                 num_cpus=0.1, num_gpus=per_node, resources={"sao_rollout": bundle["sao_rollout"]},
@@ -116,7 +126,7 @@ async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path) -> list
     engines: list[Engine]
     if remote:
         gpus = r.tensor_parallel if c.gpus_per_node else 0
-        engines = [RemoteEngine(spec, gpus, c.gpus_per_node) for spec in specs]
+        engines = [RemoteEngine(spec, gpus, c.gpus_per_node, c.placement_timeout_s) for spec in specs]
     else:
         engines = [EngineProcess(spec).start() for spec in specs]
     await asyncio.gather(*(asyncio.to_thread(e.wait_healthy) for e in engines))

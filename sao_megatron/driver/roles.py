@@ -120,7 +120,8 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
         role = self.cfg.actor if self.kind == "actor" else self.cfg.critic
         world = role.parallel.world_size
         self.group = placement_group([self._bundle()] * world, strategy="PACK", name=f"sao_{self.kind}")
-        await self.group.ready()
+        await wait_placed(self.group, f"the {self.kind}'s {world} ranks", self._bundle(),
+                          self.cfg.cluster.placement_timeout_s)  # fmt: skip
         order = rank_order(placement_group_table(self.group)["bundles_to_node_id"])
         logs = self.run_dir / "logs"
         self.ranks = [
@@ -186,6 +187,28 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
 
             remove_placement_group(self.group)
             self.group = None
+
+
+def placement_error(what: str, bundle: dict[str, float], timeout_s: float) -> RuntimeError:
+    """What to say when Ray could not place ``what`` (bundles of ``bundle``) in ``timeout_s``."""
+    nodes = [(n["NodeManagerAddress"], n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    return RuntimeError(
+        f"Ray could not place {what} within {timeout_s:.0f} s: each needs {bundle}; the cluster's nodes "
+        f"offer {nodes}. Check the node groups (cluster.*_nodes) and the CPUs/GPUs each node advertises "
+        "to Ray, or raise cluster.placement_timeout_s"
+    )
+
+
+async def wait_placed(group: Any, what: str, bundle: dict[str, float], timeout_s: float) -> None:
+    """Wait for a placement group; fail after ``timeout_s`` instead of waiting forever for a
+    bundle no node can hold (the group is removed)."""
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        await asyncio.wait_for(group.ready(), timeout_s)
+    except TimeoutError:
+        remove_placement_group(group)
+        raise placement_error(what, bundle, timeout_s) from None
 
 
 def rank_order(bundle_nodes: dict[int, str]) -> list[int]:

@@ -49,3 +49,26 @@ def test_engine_command_spans_nodes_with_dp_attention():
     assert "--nnodes" not in single and "--dp-size" not in single
     with pytest.raises(ValueError, match="dist_init_addr"):
         _command(EngineSpec(model_path="/m", port=1, nnodes=2), cpu=False)
+
+
+def test_a_role_that_no_node_can_hold_fails_with_what_it_needs(tmp_path):
+    """A bundle no node can hold (a resource the cluster lacks) fails within the timeout, naming
+    the bundle and what the nodes offer, instead of waiting forever."""
+    import asyncio
+
+    import ray
+
+    from sao_megatron.driver.roles import init_ray, wait_placed
+
+    started_here = not ray.is_initialized()  # another test's Ray stays up for the session
+    init_ray(num_cpus=1)
+    try:
+        from ray.util.placement_group import placement_group
+
+        bundle = {"CPU": 0.1, "sao_actor": 1.0}  # no node advertises sao_actor here
+        group = placement_group([bundle], strategy="PACK")
+        with pytest.raises(RuntimeError, match=r"could not place the actor's 1 ranks within 2 s.*sao_actor"):
+            asyncio.run(wait_placed(group, "the actor's 1 ranks", bundle, 2.0))
+    finally:
+        if started_here:
+            ray.shutdown()
