@@ -5,15 +5,19 @@
   ``base_commit``) and :func:`unified_diff` (git-style patches between two snapshots).
 * :mod:`~sao_megatron.envs.swe.reward`: :func:`compute_reward`, the hidden-test reward of an
   edited workspace (apply ``test_patch``, run ``FAIL_TO_PASS`` + ``PASS_TO_PASS``).
+* :mod:`~sao_megatron.envs.swe.editor`: :class:`FileEditor`, OpenHands' ``str_replace_editor``
+  (view / create / str_replace / insert / undo_edit) confined to a workspace.
 
 The bundled task set (``data/swe/tasks.jsonl``) is written by ``tools/make_swe_tasks.py``.
 """
 
+from sao_megatron.envs.swe.editor import FileEditor
 from sao_megatron.envs.swe.reward import SWEReward, compute_reward, episode_patch, local_runner
 from sao_megatron.envs.swe.tasks import DATA_PATH, SWETask, load_tasks, materialise, unified_diff
 
 __all__ = [
     "DATA_PATH",
+    "FileEditor",
     "SWEReward",
     "SWETask",
     "compute_reward",
