@@ -13,6 +13,7 @@ layouts raise :class:`ConfigError` with a one-line reason and the fix, before an
 directory (:func:`save_config`).
 """
 
+from sao_megatron.config.cluster import validate_cluster
 from sao_megatron.config.load import (
     _build,
     _read_yaml,
@@ -23,7 +24,6 @@ from sao_megatron.config.load import (
     to_dict,
     validate,
     validate_algo,
-    validate_cluster,
     validate_model,
     validate_parallel,
     validate_rollout,
