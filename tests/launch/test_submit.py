@@ -110,12 +110,16 @@ def test_cluster_env_is_exported_to_every_node_and_printed(tmp_path):
     assert not any(line.startswith("export NCCL") for line in plain)
 
 
+# ray start, with the CPU count read on each node inside its srun step
+RAY_START = """bash -c 'exec ray start --num-cpus="${SAO_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-$(nproc)}}" "$@"' ray-start"""
+
+
 def test_pyxis_wraps_every_srun_and_runs_the_driver_as_a_step(tmp_path):
     job, lines = _dry(tmp_path, BIG, PYXIS)
     opts = ("'--container-image=nvcr.io#nvidia/pytorch:25.01-py3' "
             f"--container-workdir={REPO_ROOT} --container-mounts=/lustre:/lustre,{REPO_ROOT},{tmp_path}/run")  # fmt: skip
     sruns = [line for line in lines if line.startswith("srun ")]
-    assert len(sruns) == 4 and all(f" {opts} ray start " in line for line in sruns)
+    assert len(sruns) == 4 and all(f" {opts} {RAY_START} " in line for line in sruns)
     driver = _line(lines, "env --default-signal=INT ")
     assert driver.startswith(f"env --default-signal=INT srun --nodes=1 --ntasks=1 --overlap --nodelist=node01 {opts} "
                              "sao train --resume-if-present ")  # fmt: skip
@@ -134,7 +138,7 @@ def test_apptainer_prefixes_every_command_with_gpus_on_gpu_nodes(tmp_path):
     prefix = (f"apptainer exec --nv --bind /scratch:/scratch:ro,{REPO_ROOT},{tmp_path}/run --pwd {REPO_ROOT} "
               "/images/sao.sif")  # fmt: skip
     sruns = [line for line in lines if line.startswith("srun ")]
-    assert len(sruns) == 4 and all(f" {prefix} ray start " in line for line in sruns)
+    assert len(sruns) == 4 and all(f" {prefix} {RAY_START} " in line for line in sruns)
     assert _line(lines, "env --default-signal=INT ").startswith(
         f"env --default-signal=INT {prefix} sao train "
     )
