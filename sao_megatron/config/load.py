@@ -559,3 +559,9 @@ def validate_rollout(r: RolloutConfig) -> None:
                           "1 never stops the run for failed episodes")  # fmt: skip
     if r.failure_window < 1:
         raise ConfigError(f"rollout.failure_window must be >= 1 (got {r.failure_window})")
+    if r.env_workers < 0:
+        raise ConfigError(f"rollout.env_workers={r.env_workers} must be >= 0 (0: environments in the driver)")
+    if r.env_worker_episodes < 1:
+        raise ConfigError(f"rollout.env_worker_episodes must be >= 1 (got {r.env_worker_episodes})")
+    if not r.env_worker_cpus > 0:
+        raise ConfigError(f"rollout.env_worker_cpus={r.env_worker_cpus} must be > 0 (Ray CPUs per worker)")

@@ -28,6 +28,8 @@ WeightSync = Literal["distributed", "disk"]
 """``distributed``: broadcast group trainer rank 0 -> engines; ``disk``: engines load a saved copy."""
 Backend = Literal["auto", "nccl", "gloo"]
 """torch.distributed backend of the trainer ranks."""
+NodeGroup = Literal["actor", "critic", "rollout"]
+"""A node group of a cluster run (``cluster.*_nodes``; its nodes advertise ``sao_<group>`` to Ray)."""
 
 
 class ConfigError(ValueError):
@@ -299,6 +301,16 @@ class RolloutConfig:
     (engine, environment, reward or task errors); failed episodes are never trained."""
     failure_window: int = 100
     """Episodes the failure share is measured over (the check starts once this many finished)."""
+    env_workers: int = 0
+    """Worker processes (Ray actors) that hold the episodes' environments and run their reset, steps,
+    reward and close; 0: environments run in the driver process."""
+    env_worker_episodes: int = 16
+    """Episodes open at once on one env worker; more wait for a free slot."""
+    env_worker_cpus: float = 1.0
+    """Ray CPUs each env worker reserves."""
+    env_node_group: NodeGroup = "rollout"
+    """Node group the env workers run on when ``cluster.ray_address`` is set (the nodes advertising
+    ``sao_<group>``); locally they share the one node."""
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """Turn and token limits and sampling of every episode."""
     weight_sync: WeightSync = "distributed"

@@ -189,12 +189,16 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
             self.group = None
 
 
+def offered() -> list[tuple[str, dict[str, float]]]:
+    """``(address, resources)`` of every live node of the Ray cluster, for error messages."""
+    return [(n["NodeManagerAddress"], n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
 def placement_error(what: str, bundle: dict[str, float], timeout_s: float) -> RuntimeError:
     """What to say when Ray could not place ``what`` (bundles of ``bundle``) in ``timeout_s``."""
-    nodes = [(n["NodeManagerAddress"], n["Resources"]) for n in ray.nodes() if n.get("Alive")]
     return RuntimeError(
         f"Ray could not place {what} within {timeout_s:.0f} s: each needs {bundle}; the cluster's nodes "
-        f"offer {nodes}. Check the node groups (cluster.*_nodes) and the CPUs/GPUs each node advertises "
+        f"offer {offered()}. Check the node groups (cluster.*_nodes) and the CPUs/GPUs each node advertises "
         "to Ray, or raise cluster.placement_timeout_s"
     )
 
@@ -289,8 +293,11 @@ class CriticGroup(RoleGroup[CriticWorker]):
         )
 
 
-def init_ray(address: str = "", num_cpus: int | None = None) -> None:
-    """Local Ray by default; the job's cluster when ``address`` is given (``cluster.ray_address``)."""
+def init_ray(
+    address: str = "", num_cpus: int | None = None, resources: dict[str, float] | None = None
+) -> None:
+    """Local Ray by default; the job's cluster when ``address`` is given (``cluster.ray_address``).
+    ``resources``: custom resources the local node advertises (tests: a node group's ``sao_<group>``)."""
     import os
 
     from sao_megatron.logs import RAY_WORKER_SETUP_HOOK
@@ -302,5 +309,5 @@ def init_ray(address: str = "", num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, runtime_env=quiet)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 object_store_memory=512 << 20, runtime_env=quiet)  # fmt: skip
+        ray.init(num_cpus=num_cpus or os.cpu_count(), resources=resources, include_dashboard=False,
+                 log_to_driver=False, object_store_memory=512 << 20, runtime_env=quiet)  # fmt: skip

@@ -14,19 +14,26 @@ from sao_megatron.config import SAOConfig
 from sao_megatron.config.load import check_init_from
 from sao_megatron.driver.advantages import Advantages
 from sao_megatron.driver.engines import Engine, start_engines
+from sao_megatron.driver.env_workers import EnvWorkerPool
 from sao_megatron.driver.roles import ActorGroup, CriticGroup, init_ray
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.envs.base import Task
-from sao_megatron.envs.registry import make_env, make_task
+from sao_megatron.envs.format import tool_format_of
+from sao_megatron.envs.registry import make_task
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineClient
+from sao_megatron.rollout.env_workers import EnvFactory, local_env_factory
 from sao_megatron.rollout.manager import PromptCursor, RolloutManager
 from sao_megatron.tokenizer import load_tokenizer
 
 
 class Session:
     """Everything a stage needs, started once per ``sao train``."""
+
+    env_pool: EnvWorkerPool | None = None
+    """The env workers holding the episodes' environments (``rollout.env_workers`` > 0), once
+    :meth:`start_rollouts` ran; None: environments run in this process."""
 
     def __init__(self, cfg: SAOConfig, run_dir: Path, actor: ActorGroup):
         self.cfg = cfg
@@ -87,7 +94,13 @@ class Session:
         return hf_dir
 
     async def start_rollouts(self, version: int) -> None:
-        """Export the current policy, start the engines from it and connect the weight sync."""
+        """Start the env workers (``rollout.env_workers`` > 0), export the current policy, start the
+        engines from it and connect the weight sync."""
+        r = self.cfg.rollout
+        if r.env_workers > 0 and self.env_pool is None:  # first: placement errors come before engine loads
+            group = r.env_node_group if self.cfg.cluster.ray_address else None
+            self.env_pool = await EnvWorkerPool.start(r.env_workers, r.env_worker_episodes, r.env_worker_cpus,
+                                                      group, self.cfg.cluster.placement_timeout_s)  # fmt: skip
         hf_dir = await self._export_policy()
         self._policy_exported = False  # the actor trains from here on: later exports are fresh
         self.engines = await start_engines(self.cfg, hf_dir, self.run_dir)
@@ -114,6 +127,17 @@ class Session:
         report = await self.actor.sync_weights(urls, version, self.sync_address)
         return {f"time/{k}": v for k, v in report.items()}
 
+    def env_factory(self) -> EnvFactory:
+        """Where every episode's environment lives, for the manager and evaluation alike: on the env
+        workers when there are any, else in this process."""
+        r = self.cfg.rollout
+        if self.env_pool is not None:
+            tool_format = tool_format_of(getattr(self.tokenizer, "chat_template", None))  # the agent loops'
+            return self.env_pool.factory(r.env, r.env_kwargs, tool_format)
+        if r.env_workers > 0:
+            raise RuntimeError("rollout.env_workers > 0 but the env workers are not started (start_rollouts)")
+        return local_env_factory(r.env, r.env_kwargs)
+
     def manager(
         self, buffer: ReadyBuffer, version: Callable[[], int], cursor: PromptCursor
     ) -> RolloutManager:
@@ -122,7 +146,8 @@ class Session:
                               group_size=self.cfg.algo.group_size, max_concurrent=self.cfg.rollout.max_concurrent,
                               env_kwargs=self.cfg.rollout.env_kwargs, cursor=cursor,
                               max_failed_fraction=self.cfg.rollout.max_failed_fraction,
-                              failure_window=self.cfg.rollout.failure_window)  # fmt: skip
+                              failure_window=self.cfg.rollout.failure_window,
+                              env_factory=self.env_factory())  # fmt: skip
 
     async def evaluate(self) -> dict[str, float]:
         """The paper's two held-out figures on the first ``train.eval_prompts`` held-out prompts
@@ -149,10 +174,11 @@ class Session:
                  for s in settings]  # fmt: skip
         sem = asyncio.Semaphore(self.cfg.rollout.max_concurrent)
         samples = [self.task.get("heldout", i) for i in range(n)]
+        make_env = self.env_factory()
 
         async def one(kind: int, i: int, j: int) -> Trajectory:
             async with sem:
-                env = make_env(self.cfg.rollout.env, **self.cfg.rollout.env_kwargs)
+                env = await make_env()
                 loop = loops[kind][(i * (k + 1) + j) % len(self.clients)]
                 return await loop.run(env, samples[i], split="heldout", index=i)
 
@@ -195,6 +221,9 @@ class Session:
             await client.close()
         for engine in self.engines:
             engine.stop()
+        if self.env_pool is not None:
+            self.env_pool.shutdown()
+            self.env_pool = None
         for group in (self.actor, self.critic):
             if group is not None:
                 group.shutdown()

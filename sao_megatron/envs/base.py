@@ -11,6 +11,11 @@ Dataflow of one episode (the rollout worker drives it)::
           if step.done: break
           append the template's rendering of step.observation (format.ChatFormat)
     result = env.reward()                    # RewardResult(reward, correct, details)
+    env.close()                              # always, even after a failure: release resources
+
+The agent loop calls the async forms (``areset``, ``astep``, ``areward``, ``aclose``), whose
+defaults run the sync ones inline; with ``rollout.env_workers`` > 0 it drives a
+:class:`~sao_megatron.rollout.env_workers.RemoteEnv` that forwards them to a worker process.
 
 Tasks index prompts by ``(split, index)`` with ``index >= 0``: a resumable cursor is just the
 next index. ``train`` and ``heldout`` never share a question.
@@ -104,8 +109,10 @@ class Env(ABC):
 
     Subclasses set ``task_class`` (built by ``make_task``) and implement :meth:`reset`,
     :meth:`step` and :meth:`reward`. ``step`` must never raise on model output: malformed
-    actions become an observation or end the episode. Async workers call :meth:`astep`, which
-    subclasses with slow tools (sandboxes, judges) override to avoid blocking the event loop.
+    actions become an observation or end the episode. The agent loop calls the async forms
+    (:meth:`areset`, :meth:`astep`, :meth:`areward`, :meth:`aclose`), which subclasses with slow
+    tools (sandboxes, judges) override to avoid blocking the event loop. Environments holding
+    resources release them in :meth:`close`.
     """
 
     task_class: ClassVar[type[Task]]
@@ -125,6 +132,22 @@ class Env(ABC):
     @abstractmethod
     def reward(self) -> RewardResult:
         """The episode's reward; valid once :meth:`step` returned ``done``."""
+
+    async def areset(self, sample: Sample) -> str:
+        """Async :meth:`reset`; the default runs it inline."""
+        return self.reset(sample)
+
+    async def areward(self) -> RewardResult:
+        """Async :meth:`reward`; override when grading is slow (hidden tests, a judge model)."""
+        return self.reward()
+
+    def close(self) -> None:  # noqa: B027  (an optional hook: most environments hold nothing)
+        """Release the episode's resources (a workspace directory, a container); the default holds
+        none. Called once when the episode ends, finished or failed; must tolerate any state."""
+
+    async def aclose(self) -> None:
+        """Async :meth:`close`; the default runs it inline."""
+        self.close()
 
     @property
     def tools(self) -> list[dict]:

@@ -11,6 +11,11 @@ Every conversation is rendered by the tokenizer's chat template (:class:`ChatFor
                         marker, up to the next generation prompt (suffix method) (action_mask 0)
     until:   answer, max turns, max response tokens or max context
     reward   = env.reward()
+    env.close()                                             (always; an error there is only logged)
+
+The environment is driven through its async methods (``areset``, ``astep``, ``areward``,
+``aclose``), so the same loop runs an Env in this process or a
+:class:`~sao_megatron.rollout.env_workers.RemoteEnv` on an env worker.
 
 Earlier turns are never re-tokenised: the context is the exact id sequence the engine saw
 plus the ids it produced. The tool format (``<tool>`` tags or native ``<tool_call>`` JSON)
@@ -21,6 +26,7 @@ reason; they never raise to the caller.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -30,8 +36,11 @@ from sao_megatron.envs.base import Env, Sample
 from sao_megatron.envs.format import ChatFormat, ChatTemplateError, ToolFormat, tool_format_of
 from sao_megatron.records import OBSERVATION_VERSION, Status, Trajectory, Turn
 from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
+from sao_megatron.rollout.env_workers import EnvWorkerError, environment_failure
 
 __all__ = ["AgentLoop", "AgentLoopConfig"]  # AgentLoopConfig: the run config's ``rollout.loop`` section
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +68,14 @@ class _Episode:
 
 class _RewardError(Exception):
     """The environment's reward function raised (its message is the failure reason)."""
+
+
+async def _close(env: Env, sample: Sample) -> None:
+    """Release the episode's environment; a failure to do so is logged, never the episode's."""
+    try:
+        await env.aclose()
+    except Exception as err:
+        log.warning("closing the environment of %s failed: %s: %s", sample.prompt_id, type(err).__name__, err)
 
 
 def _version(label: str) -> int:
@@ -95,11 +112,13 @@ class AgentLoop:
         status, reason = "finished", ""
         try:
             chat = self.chat_format(env)
-            question = env.reset(sample)
+            question = await env.areset(sample)
             prompt_ids = chat.prompt_ids(question)
             status, reason = await self._turns(env, chat, chat.prompt_messages(question), prompt_ids, ep)
             try:
-                result = env.reward()
+                result = await env.areward()
+            except EnvWorkerError:
+                raise  # the worker is gone, not the reward function: an environment failure
             except Exception as err:
                 raise _RewardError(f"reward: {type(err).__name__}: {err}") from err
             reward, correct, details = result.reward, result.correct, dict(result.details)
@@ -111,9 +130,10 @@ class AgentLoop:
             status, reason, reward, correct, details = "failed", f"engine: {err}", 0.0, None, {}
         except ChatTemplateError as err:  # the template breaks the suffix method: fail loudly
             status, reason, reward, correct, details = "failed", f"chat template: {err}", 0.0, None, {}
-        except Exception as err:  # a broken environment must not stop the manager
-            status, reason, reward, correct = "failed", f"environment: {type(err).__name__}: {err}", 0.0, None
-            details = {}
+        except Exception as err:  # a broken environment (or its worker) must not stop the manager
+            status, reason, reward, correct, details = "failed", environment_failure(err), 0.0, None, {}
+        finally:
+            await _close(env, sample)
         return Trajectory(
             prompt_id=sample.prompt_id, prompt_ids=prompt_ids, response_ids=ep.response_ids,
             action_mask=ep.action_mask, behavior_logprobs=ep.behavior_logprobs, policy_versions=ep.policy_versions,

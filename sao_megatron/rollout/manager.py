@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sao_megatron.envs.base import Split, Task
-from sao_megatron.envs.registry import make_env
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
+from sao_megatron.rollout.env_workers import EnvFactory, environment_failure, local_env_factory
 
 
 @dataclass
@@ -70,16 +70,20 @@ class RolloutManager:
     def __init__(self, loops: list[AgentLoop], task: Task, env_name: str, on_finished: Callable[[Trajectory], object],
                  group_size: int = 1, max_concurrent: int = 64, env_kwargs: dict | None = None,
                  cursor: PromptCursor | None = None, max_failed_fraction: float = 1.0,
-                 failure_window: int = 100):  # fmt: skip
+                 failure_window: int = 100, env_factory: EnvFactory | None = None):  # fmt: skip
         """Failed episodes (a reason in ``status_reason``) are handed on like any other and never
         stop the run, unless more than ``max_failed_fraction`` of the last ``failure_window``
-        failed: then :meth:`run` raises :class:`TooManyFailures` naming the commonest reasons."""
+        failed: then :meth:`run` raises :class:`TooManyFailures` naming the commonest reasons.
+
+        Each episode's Env comes from ``env_factory`` (e.g. an env worker pool's); by default it is
+        ``make_env(env_name, **env_kwargs)`` in this process."""
         if not loops:
             raise ValueError("RolloutManager needs at least one engine (AgentLoop)")
         self.loops = loops
         self.task = task
         self.env_name = env_name
         self.env_kwargs = env_kwargs or {}
+        self.env_factory = env_factory or local_env_factory(env_name, self.env_kwargs)
         self.on_finished = on_finished
         self.group_size = group_size
         self.max_concurrent = max_concurrent
@@ -131,9 +135,9 @@ class RolloutManager:
                 traj = _failed(sub, f"task: {type(err).__name__}: {err}")
             else:
                 try:
-                    env = make_env(self.env_name, **self.env_kwargs)
+                    env = await self.env_factory()
                 except Exception as err:
-                    traj = _failed(sub, f"environment: {type(err).__name__}: {err}", sample.prompt_id)
+                    traj = _failed(sub, environment_failure(err), sample.prompt_id)
                 else:
                     traj = await loop.run(
                         env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at

@@ -1,11 +1,13 @@
-"""Fakes for async plumbing tests: an agent loop with scripted durations, a trivial task."""
+"""Fakes for async plumbing tests: an agent loop with scripted durations, a trivial task, an
+environment that sleeps (env worker tests load it in the workers as ``tests.rollout.fakes:SleepyEnv``)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
-from sao_megatron.envs.base import Sample, Task
+from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult, Task
 from sao_megatron.records import Status, Trajectory, Turn
 
 
@@ -69,3 +71,33 @@ class ScriptedClient:
         reason = self.finish_reasons[k] if k < len(self.finish_reasons) else "stop"
         return Generation(output_ids=ids, behavior_logprobs=[-0.5] * len(ids), weight_versions=["3"] * len(ids),
                           finish_reason=reason, prompt_tokens=len(input_ids), latency_s=0.0)  # fmt: skip
+
+
+class SleepyEnv(Env):
+    """One step that sleeps ``delay_s`` and ends the episode. Counts the SleepyEnvs of this process
+    open at once (built, not yet closed); the reward reports the most so far and the pid."""
+
+    task_class = CountingTask
+    open_now = 0
+    max_open = 0
+
+    def __init__(self, delay_s: float = 0.2):
+        self.delay_s = delay_s
+        SleepyEnv.open_now += 1
+        SleepyEnv.max_open = max(SleepyEnv.max_open, SleepyEnv.open_now)
+
+    def reset(self, sample: Sample) -> str:
+        return sample.question
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(None, True)
+
+    async def astep(self, action: str) -> StepResult:
+        await asyncio.sleep(self.delay_s)
+        return self.step(action)
+
+    def reward(self) -> RewardResult:
+        return RewardResult(1.0, True, {"max_open": SleepyEnv.max_open, "pid": os.getpid()})
+
+    def close(self) -> None:
+        SleepyEnv.open_now -= 1
