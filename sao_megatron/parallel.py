@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from datetime import timedelta
 
 import torch
@@ -48,12 +49,38 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))  # fmt: skip
 
 
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host`` (not every interface) and listening; ``port`` 0: any free one."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own server does
+        sock.bind(address)
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def open_store(host: str, world_size: int, port: int = 0, timeout_s: float = 600.0) -> TCPStore:
     """Rank 0's rendezvous store on ``host``; ``port`` 0 lets the OS pick a free port while the
     store holds it (read it back from ``store.port``), so no other process can take it between
-    choosing and binding. Other ranks call :func:`join_store`."""
-    return TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)  # fmt: skip
+    choosing and binding. Other ranks call :func:`join_store`.
+
+    The store listens on ``host`` only: 127.0.0.1 for a world on one machine, the node's cluster
+    address on a cluster (where the other nodes reach it). TCPStore's own server would listen on
+    every interface, and it has no authentication; so the socket is bound here and handed over
+    (``master_listen_fd``)."""
+    sock = listening_socket(host, port)
+    bound = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here on
+    try:
+        return TCPStore(host, bound, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                        wait_for_workers=False, master_listen_fd=fd)  # fmt: skip
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def join_store(host: str, port: int, world_size: int, timeout_s: float = 600.0) -> TCPStore:

@@ -57,7 +57,13 @@ def _entry(rank, payload, world_size, port, backend, out_dir, log_to):
 
     try:
         fn, args = pickle.loads(payload)  # only now: unpickling imports fn's module (and Megatron)
-        parallel.init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=300)
+        # Rank 0's store listens on loopback only (a tcp:// init_method would listen on every interface).
+        if rank == 0:
+            store = parallel.open_store("127.0.0.1", world_size, port, timeout_s=300)
+        else:
+            store = parallel.join_store("127.0.0.1", port, world_size, timeout_s=300)
+        parallel.init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=300,
+                                  store=store)  # fmt: skip
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except Exception:
         result = {"ok": False, "error": traceback.format_exc()}

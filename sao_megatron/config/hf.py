@@ -57,11 +57,16 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{file} not found; pass an HF model directory or its config.json") from None
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{file}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise ConfigError(f"{file}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno}); fix the file "
+                          "or re-download the checkpoint's config.json") from None  # fmt: skip
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{file}: not UTF-8 (byte {err.start}); re-download the checkpoint's config.json"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: top level must be a JSON object")
     return data

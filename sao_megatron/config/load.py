@@ -141,10 +141,21 @@ def _build(cls, values: dict[str, Any], prefix: str = "", base=None):
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError as err:
-        raise ConfigError(f"config file {path} not found; pass an existing YAML file") from err
+    except FileNotFoundError:
+        hint = "" if path.suffix in (".yaml", ".yml") else " (an override is written key=value)"
+        raise ConfigError(f"config file {path} not found; pass an existing YAML file{hint}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: invalid YAML ({err.__class__.__name__}); fix the syntax") from err
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or err.__class__.__name__
+        context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+        if (
+            context
+            and start is not None
+            and (start.line, start.column) != (mark and (mark.line, mark.column))
+        ):
+            problem += f"; {context} started at line {start.line + 1}"  # e.g. an unclosed '{' or '['
+        raise ConfigError(f"{where}: invalid YAML ({problem}); fix the syntax there") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of keys to values")
     return data
@@ -154,6 +165,9 @@ def resolve_model_file(name_or_path: str) -> Path:
     """``tiny_moe`` -> ``configs/models/tiny_moe.yaml``; a path is returned as is."""
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml"):
+        if not candidate.is_file():
+            raise ConfigError(f"model file {candidate} not found; set 'model' to an existing YAML file or a "
+                              f"name in {MODEL_CONFIG_DIR}")  # fmt: skip
         return candidate
     path = MODEL_CONFIG_DIR / f"{name_or_path}.yaml"
     if not path.exists():
@@ -220,7 +234,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 continue
             cfg = _build(SAOConfig, _nest(keys, value), base=cfg)
         except ConfigError as err:
-            raise ConfigError(f"override '{text}': {err}") from None
+            message = str(err)  # parse_override's own errors already name the override
+            raise ConfigError(
+                message if message.startswith(f"override '{text}'") else f"override '{text}': {message}"
+            ) from None
     resolve_init_from(cfg, model_given)
     validate(cfg)
     return cfg
@@ -299,9 +316,84 @@ def check_init_from(cfg: SAOConfig) -> None:
     """``sao train`` start-up: every ``init_from`` must be a readable checkpoint of ``cfg.model``."""
     for role in ("actor", "critic"):
         path = getattr(cfg, role).init_from
-        if path:
-            checkpoint_kind(path, f"{role}.init_from")
+        if path and checkpoint_kind(path, f"{role}.init_from") == "hf":
+            check_hf_weights(path, f"{role}.init_from")
     resolve_init_from(cfg)
+
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_SAFETENSORS_SINGLE = "model.safetensors"
+_SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors format's own limit
+
+
+def safetensors_header(file: Path, key: str) -> dict[str, Any]:
+    """The JSON header of a safetensors file, checked against the file's size (no tensor data is
+    read); a one-line ConfigError naming ``key`` and the file when it is truncated or corrupt."""
+    fix = "re-download or re-copy the checkpoint"
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > min(size - 8, _SAFETENSORS_MAX_HEADER):
+                raise ConfigError(f"{key}: {file} is truncated or not a safetensors file ({size} bytes, header "
+                                  f"length {n}); {fix}")  # fmt: skip
+            header = json.loads(f.read(n).decode("utf-8"))
+    except OSError as err:
+        raise ConfigError(
+            f"{key}: cannot read {file} ({err.strerror}); check the checkpoint's files"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ConfigError(f"{key}: {file} has a corrupt safetensors header (not JSON); {fix}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{key}: {file} has a corrupt safetensors header (not a JSON object); {fix}")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ConfigError(f"{key}: {file} has a corrupt safetensors header (tensor '{name}' has no "
+                              f"data_offsets); {fix}")  # fmt: skip
+        end = max(end, offsets[1])
+    if 8 + n + end > size:
+        raise ConfigError(f"{key}: {file} is truncated ({size} bytes; its header needs {8 + n + end}); {fix}")
+    return header
+
+
+def check_hf_weights(path: str | Path, key: str) -> None:
+    """``sao train`` start-up: the safetensors files of HF checkpoint ``path`` are complete, as far
+    as their headers and sizes tell (every shard the index names is present, holds the tensors
+    mapped to it and is not truncated). Reads headers only; torch and safetensors are not imported."""
+    p = Path(path).expanduser()
+    index = p / _SAFETENSORS_INDEX
+    if not index.is_file():
+        single = p / _SAFETENSORS_SINGLE
+        if not single.is_file():
+            raise ConfigError(f"{key}={path} has neither {_SAFETENSORS_INDEX} nor {_SAFETENSORS_SINGLE}; "
+                              "save the checkpoint with save_pretrained (the loader reads only those)")  # fmt: skip
+        safetensors_header(single, key)
+        return
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise ConfigError(f"{key}: {index} is not a safetensors index (JSON with a 'weight_map' of tensor -> "
+                          "shard file); re-download or re-save the checkpoint") from None  # fmt: skip
+    shards: dict[str, list[str]] = {}
+    for tensor, shard in weight_map.items():
+        shards.setdefault(shard, []).append(tensor)
+    for shard, tensors in sorted(shards.items()):
+        file = p / shard
+        if not file.is_file():
+            raise ConfigError(f"{key}: {index} maps '{tensors[0]}' to the shard {shard}, which is missing "
+                              f"from {p}; copy the whole checkpoint directory")  # fmt: skip
+        header = safetensors_header(file, key)
+        absent = [t for t in tensors if t not in header]
+        if absent:
+            raise ConfigError(f"{key}: {index} maps '{absent[0]}' to {shard}, which does not hold it; "
+                              "re-download or re-save the checkpoint")  # fmt: skip
 
 
 def check_init_tokenizer(cfg: SAOConfig, tools_from: str = "") -> None:
@@ -316,6 +408,21 @@ def check_init_tokenizer(cfg: SAOConfig, tools_from: str = "") -> None:
 _TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+class _UnreadableFile(ValueError):
+    """A tokenizer file that is not valid UTF-8 JSON (the message names it)."""
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise _UnreadableFile(
+            f"JSONDecodeError in {file}: {err.msg} at line {err.lineno} column {err.colno}"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise _UnreadableFile(f"UnicodeDecodeError in {file}: byte {err.start} is not UTF-8") from None
+
+
 def tokenizer_size(path: str | Path) -> int | None:
     """Largest token id + 1 of the HF tokenizer in ``path`` (``tokenizer.json``'s vocabulary and
     added tokens, ``tokenizer_config.json``'s ``added_tokens_decoder``), read as plain JSON;
@@ -323,33 +430,114 @@ def tokenizer_size(path: str | Path) -> int | None:
     p = Path(path).expanduser()
     if not (p / "tokenizer.json").is_file():
         return None
-    data = json.loads((p / "tokenizer.json").read_text(encoding="utf-8"))
+    data = _read_json(p / "tokenizer.json")
     vocab = (data.get("model") or {}).get("vocab") or {}
     ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1] if vocab else []
     ids += [int(t["id"]) for t in data.get("added_tokens") or [] if "id" in t]
     config = p / "tokenizer_config.json"
     if config.is_file():
-        ids += [
-            int(k) for k in (json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder") or {})
-        ]
+        ids += [int(k) for k in (_read_json(config).get("added_tokens_decoder") or {})]
     return max(ids) + 1 if ids else None
 
 
 def chat_template_source(path: str | Path) -> str | None:
     """The chat template text(s) of the HF tokenizer in ``path`` (``tokenizer_config.json``'s
     ``chat_template``, ``chat_template.jinja``, ``chat_template.json``), joined; None when absent."""
+    parts = [text for _, text in chat_templates(path)]
+    return "\n".join(parts) if any(parts) else None
+
+
+def chat_templates(path: str | Path) -> list[tuple[Path, str]]:
+    """Every chat template of the HF tokenizer in ``path`` with the file that holds it."""
     p = Path(path).expanduser()
-    parts: list[str] = []
+    found: list[tuple[Path, str]] = []
     for name in ("tokenizer_config.json", "chat_template.json"):
         if (p / name).is_file():
-            template = json.loads((p / name).read_text(encoding="utf-8")).get("chat_template")
+            template = _read_json(p / name).get("chat_template")
             if isinstance(template, list):  # named templates: [{"name": .., "template": ..}]
-                parts += [str(t.get("template", "")) for t in template if isinstance(t, dict)]
+                found += [(p / name, str(t.get("template", ""))) for t in template if isinstance(t, dict)]
             elif isinstance(template, str):
-                parts.append(template)
+                found.append((p / name, template))
     if (p / "chat_template.jinja").is_file():
-        parts.append((p / "chat_template.jinja").read_text(encoding="utf-8"))
-    return "\n".join(parts) if any(parts) else None
+        found.append((p / "chat_template.jinja", (p / "chat_template.jinja").read_text(encoding="utf-8")))
+    return found
+
+
+_SAMPLE_TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
+                  "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
+                                 "required": ["code"]}}}]  # fmt: skip
+_SAMPLE_MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
+                    {"role": "user", "content": "And 4 + 4?"}]  # fmt: skip
+
+
+def render_chat_template(template: str, special_tokens: dict[str, str], tools: bool) -> str:
+    """Render ``template`` on a short conversation (with tools when ``tools``) the way
+    transformers' ``apply_chat_template`` does (sandboxed Jinja, ``tojson``, ``raise_exception``,
+    ``{% generation %}``); raises jinja2's errors (or whatever the template raises)."""
+    import datetime
+
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):  # transformers' assistant-mask tags: render the body as is
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    compiled = env.from_string(template)
+    return compiled.render(messages=_SAMPLE_MESSAGES, tools=_SAMPLE_TOOLS if tools else None,
+                           add_generation_prompt=True, **special_tokens)  # fmt: skip
+
+
+def _special_tokens(p: Path) -> dict[str, str]:
+    config = _read_json(p / "tokenizer_config.json") if (p / "tokenizer_config.json").is_file() else {}
+    out: dict[str, str] = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            out[name] = token
+    return out
+
+
+def _check_templates_render(p: Path, key: str, tools: bool) -> None:
+    """Every chat template in ``p`` renders a short conversation; a one-line ConfigError otherwise."""
+    import jinja2
+
+    special = _special_tokens(p)
+    for file, template in chat_templates(p):
+        try:
+            render_chat_template(template, special, tools)
+        except jinja2.TemplateSyntaxError as err:
+            raise ConfigError(f"{key}: the chat template in {file} is not valid Jinja ({err.message}, template line "
+                              f"{err.lineno}); fix it or use the tokenizer files of the model it came from") from None  # fmt: skip
+        except Exception as err:  # what a template raises is open-ended (raise_exception, TypeError, ...)
+            what = str(err).splitlines()[0] if str(err) else ""
+            raise ConfigError(f"{key}: the chat template in {file} fails to render a user/assistant conversation"
+                              f"{' with tools' if tools else ''} ({type(err).__name__}: {what}); fix it or use "
+                              "the tokenizer files of the model it came from") from None  # fmt: skip
 
 
 def _tiny_template() -> str:
@@ -386,12 +574,13 @@ def check_hf_tokenizer(path: str | Path, vocab_size: int, tools_from: str = "") 
             raise ConfigError(f"{key}: the chat template in {p / 'tokenizer_config.json'} does not render tools "
                               f"(it never reads 'tools') but {tools_from} declares tools; use a checkpoint whose "
                               "template supports tools (e.g. Qwen3 Instruct) or replace its 'chat_template'")  # fmt: skip
+        _check_templates_render(p, key, bool(tools_from))
     except (OSError, ValueError, TypeError, AttributeError) as err:
         if isinstance(err, ConfigError):
             raise
+        what = str(err) if isinstance(err, _UnreadableFile) else f"{type(err).__name__}: {err}"
         raise ConfigError(
-            f"{key}: cannot read its tokenizer files ({type(err).__name__}: {err}); "
-            "re-save them with tokenizer.save_pretrained(DIR)"
+            f"{key}: cannot read its tokenizer files ({what}); re-save them with tokenizer.save_pretrained(DIR)"
         ) from None
 
 
@@ -495,9 +684,10 @@ def validate(cfg: SAOConfig) -> None:
     validate_parallel(cfg.critic.parallel, cfg.model, "critic")
     if cfg.critic.updates_per_step < 1:
         raise ConfigError(f"critic.updates_per_step={cfg.critic.updates_per_step}; K must be >= 1")
-    for role in (cfg.actor, cfg.critic):
-        if role.optim.lr < 0 or role.optim.clip_grad < 0:
-            raise ConfigError("optim.lr and optim.clip_grad must be >= 0")
+    for name, role in (("actor", cfg.actor), ("critic", cfg.critic)):
+        for key in ("lr", "clip_grad"):
+            if getattr(role.optim, key) < 0:
+                raise ConfigError(f"{name}.optim.{key}={getattr(role.optim, key)} must be >= 0")
     for pattern in [*cfg.critic.freeze_patterns, *cfg.critic.train_patterns]:
         try:
             re.compile(pattern)

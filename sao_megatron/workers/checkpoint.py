@@ -63,7 +63,8 @@ def load_role(role, directory: str | Path) -> None:
         role.optimizer.load_state_dict(state["optimizer"])
     extra_path = directory / f"extra_rank{dist.get_rank()}.pt"
     if extra_path.exists():
-        extra = torch.load(extra_path, weights_only=False)
+        # Plain data (schedule numbers, step count, RNG bytes): never unpickle objects from a file.
+        extra = torch.load(extra_path, weights_only=True)
         role.scheduler.load_state_dict(extra["scheduler"])
         role.steps = extra["steps"]
         torch.set_rng_state(extra["rng"])

@@ -22,6 +22,7 @@ from sao_megatron.config.load import (
     tokenizer_size,
 )
 from sao_megatron.tokenizer import TOKENIZER_DIR
+from tests.config.test_init_from import EMPTY_SAFETENSORS
 
 TOOLS_TEMPLATE = (
     "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -36,7 +37,7 @@ def _hf_dir(path, tokenizer: str | None = "tiny", template: str | None = None, s
     in-repo tiny tokenizer (``tiny``), a synthetic one of ``size`` ids, or none."""
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(hf_config.hf_config_from_model(load_config().model)))
-    (path / "model.safetensors").write_bytes(b"")
+    (path / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)  # a valid header, no tensors
     if tokenizer == "tiny":
         for f in TOKENIZER_DIR.iterdir():
             shutil.copy(f, path / f.name)

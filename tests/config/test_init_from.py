@@ -14,6 +14,9 @@ from sao_megatron.config import ConfigError, load_config
 from sao_megatron.config import hf as hf_config
 from sao_megatron.config.load import check_init_from
 
+EMPTY_SAFETENSORS = (2).to_bytes(8, "little") + b"{}"
+"""A safetensors file without tensors: only headers are read before training."""
+
 
 def _tiny():
     return load_config().model
@@ -24,7 +27,7 @@ def _hf_dir(path, m=None, **changes):
     config = hf_config.hf_config_from_model(m or _tiny())
     config.update(changes)
     (path / "config.json").write_text(json.dumps(config))
-    (path / "model.safetensors").write_bytes(b"")  # only the file's presence is checked here
+    (path / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)  # a valid header, no tensors
     return path
 
 

@@ -1,0 +1,309 @@
+"""Bad inputs are refused before training starts, in one line naming the file/line/key and the fix.
+
+One table: each case builds a bad input under ``tmp_path`` and returns the call that must refuse
+it. Most go through the real entry point, ``sao train`` (:func:`sao_megatron.cli.main`), which
+must return 2 with ``config error: <one line>`` on stderr and make no run directory; training
+itself is replaced by a function that fails the test, so a case the checks miss cannot start a
+run. The rest call what reads the input (SWE task files, a dataset's split). The pattern must
+match the one-line message (``{tmp}`` stands for the test's ``tmp_path``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sao_megatron.cli import main
+from sao_megatron.config import ConfigError, load_config
+from sao_megatron.config import hf as hf_config
+from sao_megatron.config.schema import DEFAULT_RUN_CONFIG, DataConfig
+from sao_megatron.tokenizer import TOKENIZER_DIR
+
+Call = Callable[[], object]
+Build = Callable[[Path], Call]
+
+
+def _header(tensors: dict[str, tuple[list[int], int]]) -> bytes:
+    """A safetensors header for float32 ``tensors`` (name -> (shape, bytes)), data not included."""
+    offset, header = 0, {}
+    for name, (shape, size) in tensors.items():
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _sao_train(tmp: Path, *argv: str) -> Call:
+    return lambda: main(["train", *argv, f"run.output_dir={tmp / 'out'}"])
+
+
+def _yaml(text: str) -> Build:
+    """``sao train RUN.yaml`` with ``text`` as the run file."""
+
+    def build(tmp: Path) -> Call:
+        (tmp / "run.yaml").write_text(text)
+        return _sao_train(tmp, str(tmp / "run.yaml"))
+
+    return build
+
+
+def _overrides(*overrides: str) -> Build:
+    """``sao train configs/tiny_cpu.yaml OVERRIDES``."""
+    return lambda tmp: _sao_train(tmp, str(DEFAULT_RUN_CONFIG), *overrides)
+
+
+TOOLS = "{% if tools %}{{ tools | tojson }}{% endif %}"  # the run's env (arith_tool) declares tools
+GOOD_ROW = json.dumps({"prompt": "What is 2 + 3?", "answer": "5"}) + "\n"
+
+
+def _data(content: bytes, name: str = "train.jsonl", *overrides: str) -> Build:
+    """``sao train ... data.train=FILE`` with ``content`` in FILE (a good held-out file)."""
+
+    def build(tmp: Path) -> Call:
+        (tmp / name).write_bytes(content)
+        (tmp / "eval.jsonl").write_text(GOOD_ROW)
+        return _sao_train(tmp, str(DEFAULT_RUN_CONFIG), f"data.train={tmp / name}",
+                          f"data.eval={tmp / 'eval.jsonl'}", *overrides)  # fmt: skip
+
+    return build
+
+
+def _hf_checkpoint(path: Path) -> Path:
+    """The tiny_moe shape as an HF directory: config.json, one (header-valid) tensor, the
+    in-repo tiny tokenizer. Passes every start-up check."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(hf_config.hf_config_from_model(load_config().model)))
+    (path / "model.safetensors").write_bytes(_header({"lm_head.weight": ([2], 8)}) + bytes(8))
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def _checkpoint(mutate: Callable[[Path], object], role: str = "actor") -> Build:
+    """``sao train ... {role}.init_from=CKPT`` where CKPT is :func:`_hf_checkpoint` after ``mutate``."""
+
+    def build(tmp: Path) -> Call:
+        ckpt = _hf_checkpoint(tmp / "ckpt")
+        mutate(ckpt)
+        return _sao_train(tmp, str(DEFAULT_RUN_CONFIG), f"{role}.init_from={ckpt}")
+
+    return build
+
+
+def _config_json(**changes) -> Callable[[Path], object]:
+    def mutate(ckpt: Path) -> None:
+        config = json.loads((ckpt / "config.json").read_text())
+        config.update(changes)
+        (ckpt / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+
+    return mutate
+
+
+def _write(name: str, content: str | bytes) -> Callable[[Path], object]:
+    def mutate(ckpt: Path) -> None:
+        data = content.encode() if isinstance(content, str) else content
+        (ckpt / name).write_bytes(data)
+
+    return mutate
+
+
+def _sharded(ckpt: Path) -> None:
+    """model.safetensors -> model-00001-of-00002.safetensors, with an index naming a second shard."""
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
+    index = {"metadata": {"total_size": 16}, "weight_map": {
+        "lm_head.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _swe_tasks(content: str) -> Build:
+    from sao_megatron.envs.swe.tasks import load_tasks
+
+    def build(tmp: Path) -> Call:
+        (tmp / "tasks.jsonl").write_text(content)
+        return lambda: load_tasks(tmp / "tasks.jsonl")
+
+    return build
+
+
+def _swe_row_without(key: str) -> str:
+    from sao_megatron.envs.swe.tasks import REQUIRED
+
+    return json.dumps({k: "x" for k in REQUIRED if k != key}) + "\n"
+
+
+def _split(tmp: Path) -> Call:
+    from sao_megatron.envs.dataset import DatasetTask
+
+    (tmp / "train.jsonl").write_text(GOOD_ROW)
+    task = DatasetTask(DataConfig(train=str(tmp / "train.jsonl")))
+    return lambda: task.get("validation", 0)  # type: ignore[arg-type]  # the wrong split is the point
+
+
+# fmt: off
+CASES: list[tuple[str, Build, str]] = [
+    # ---- the run file and overrides
+    ("unknown-top-level-key", _yaml("model: tiny_moe\ntrian:\n  steps: 3\n"),
+     r"^{tmp}/run\.yaml: unknown config key 'trian'; did you mean 'train'\?$"),
+    ("unknown-nested-key-close-match", _yaml("actor:\n  optim:\n    lrr: 1.0e-5\n"),
+     r"^{tmp}/run\.yaml: unknown config key 'actor\.optim\.lrr'; did you mean 'lr'\?$"),
+    ("key-one-section-too-high", _yaml("rollout:\n  max_new_tokens: 8\n"),
+     r"unknown config key 'rollout\.max_new_tokens'; it is 'rollout\.loop\.max_new_tokens'$"),
+    ("wrong-type", _yaml("algo:\n  batch_size: eight\n"),
+     r"^{tmp}/run\.yaml: algo\.batch_size: expected an integer, got 'eight'$"),
+    ("string-not-quoted", _overrides("run.name=[a, b]"),
+     r"^override 'run\.name=\[a, b\]': run\.name: expected a string, got \['a', 'b'\]; quote it$"),
+    ("zero-micro-batch", _overrides("actor.parallel.micro_batch_size=0"),
+     r"^actor\.parallel\.micro_batch_size must be >= 1 \(got 0\)$"),
+    ("negative-engines", _overrides("rollout.num_engines=-1"), r"^rollout\.num_engines must be >= 1 \(got -1\)$"),
+    ("negative-lr-names-the-role", _overrides("critic.optim.lr=-0.1"), r"^critic\.optim\.lr=-0\.1 must be >= 0$"),
+    ("world-size-not-a-multiple", _overrides("critic.parallel.world_size=3", "critic.parallel.tensor_parallel=2"),
+     r"^critic\.parallel\.world_size=3 is not a multiple of tensor_parallel\*pipeline_parallel\*context_parallel=2; "
+     r"change world_size or the layout$"),
+    ("tp-does-not-divide-heads", _overrides("actor.parallel.world_size=3", "actor.parallel.tensor_parallel=3"),
+     r"^actor\.parallel\.tensor_parallel=3 does not divide model\.num_attention_heads=4 and "
+     r"model\.num_query_groups=2; use one of \[1, 2\]$"),
+    ("ep-does-not-divide-experts", _overrides("actor.parallel.world_size=3", "actor.parallel.expert_parallel=3"),
+     r"^actor\.parallel\.expert_parallel=3 does not divide model\.num_experts=8; use one of \[1, 2, 4, 8\]$"),
+    ("batch-not-a-multiple-of-group", _overrides("algo.batch_size=10", "algo.group_size=4"),
+     r"^algo\.batch_size=10 must be a positive multiple of algo\.group_size=4$"),
+    ("bad-policy-loss", _overrides("algo.policy_loss=ppo2"), r"^override 'algo\.policy_loss=ppo2': algo\.policy_loss: 'ppo2' is not one of 'dis', "),
+    ("bad-advantage", _overrides("algo.advantage=gea"), r"^override 'algo\.advantage=gea': algo\.advantage: 'gea' is not one of 'gae', "),
+    ("yaml-syntax-error-line", _yaml("run:\n  name: x\nactor: {optim: {lr: 1e-5}\ncritic: {}\n"),
+     r"^{tmp}/run\.yaml:4:1: invalid YAML \(expected ',' or '\}', but got '<scalar>'; while parsing a flow "
+     r"mapping started at line 3\); fix the syntax there$"),
+    ("yaml-top-level-not-a-mapping", _yaml("- model: tiny_moe\n"), r"^{tmp}/run\.yaml: top level must be a mapping"),
+    ("override-without-equals", _overrides("actor.optim.lr"),
+     r"^override 'actor\.optim\.lr' is not key=value; write e\.g\. actor\.optim\.lr=1e-5$"),
+    ("override-as-first-argument-without-equals", lambda tmp: _sao_train(tmp, "actor.optim.lr"),
+     r"^config file actor\.optim\.lr not found; pass an existing YAML file \(an override is written key=value\)$"),
+    ("override-value-not-yaml", _overrides("run.name=[x"), r"^override 'run\.name=\[x': value is not valid YAML; quote it$"),
+    ("model-from-unknown-name", _yaml("model:\n  from: tiny_mo\n"),
+     r"^{tmp}/run\.yaml: model 'tiny_mo' not found in .*configs/models; available: \[.*'tiny_moe'.*\]$"),
+    ("model-file-missing", _yaml("model: models/nope.yaml\n"),
+     r"^{tmp}/run\.yaml: model file models/nope\.yaml not found; set 'model' to an existing YAML file or a name in "),
+    ("bad-regex", _overrides("critic.freeze_patterns=['(']"), r"^critic\.freeze_patterns/train_patterns: bad regex '\('"),
+    # ---- datasets (every row is read at start-up)
+    ("data-line-not-json", _data((GOOD_ROW + "{prompt: 1}\n").encode()),
+     r"^{tmp}/train\.jsonl:2: bad JSON \(.* at column 2\); write one JSON object per line$"),
+    ("data-row-not-an-object", _data(b"[1, 2]\n"), r"^{tmp}/train\.jsonl:1: the row is a JSON list, not an object"),
+    ("data-missing-prompt-field", _data(GOOD_ROW.encode() + b'{"question": "q", "answer": "1"}\n'),
+     r"^{tmp}/train\.jsonl:2: no field 'prompt' \(the row has: answer, question\); set data\.prompt_field to the "
+     r"row's field or add it to the row$"),
+    ("data-renamed-prompt-field", _data(GOOD_ROW.encode(), "train.jsonl", "data.prompt_field=question"),
+     r"^{tmp}/train\.jsonl:1: no field 'question' .*set data\.prompt_field"),
+    ("data-empty-file", _data(b"\n\n"), r"^{tmp}/train\.jsonl: no rows \(the file is empty\); write one JSON object per line$"),
+    ("data-not-utf8", _data(GOOD_ROW.encode() + b'{"prompt": "caf\xe9", "answer": "1"}\n'),
+     r"^{tmp}/train\.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\); re-encode the file as UTF-8$"),
+    ("data-file-missing", _overrides("data.train=/nonexistent/train.jsonl", "data.eval=/nonexistent/eval.jsonl"),
+     r"^/nonexistent/train\.jsonl: data file not found; fix data\.train / data\.eval"),
+    ("data-eval-missing", _overrides("data.train=train.jsonl"), r"^data\.train is set but data\.eval is empty; set data\.eval=FILE"),
+    ("data-prompt-is-messages", _data(b'{"prompt": [{"role": "user", "content": "q"}], "answer": "1"}\n'),
+     r"^{tmp}/train\.jsonl:1: data\.prompt_field='prompt' is a list \(chat messages\?\), not a non-empty string; .*"
+     r"set data\.prompt_format=messages"),
+    ("data-bad-prompt-format", _overrides("data.prompt_format=chat"),
+     r"^override 'data\.prompt_format=chat': data\.prompt_format: 'chat' is not one of 'text', 'messages'$"),
+    ("data-parquet-unreadable", _data(b"not parquet", "train.parquet"), r"^{tmp}/train\.parquet: not a readable Parquet file"),
+    ("data-wrong-split", _split, r"^unknown split 'validation': use one of \('train', 'heldout'\)$"),
+    # ---- checkpoints (actor.init_from / critic.init_from)
+    ("init-from-missing-directory", lambda tmp: _sao_train(tmp, str(DEFAULT_RUN_CONFIG), f"actor.init_from={tmp}/nope"),
+     r"^actor\.init_from={tmp}/nope: no such directory; point it at an HF model directory"),
+    ("critic-init-from-missing-config-json", _checkpoint(lambda c: (c / "config.json").unlink(), "critic"),
+     r"^critic\.init_from={tmp}/ckpt is neither an HF checkpoint \(config\.json \+ \*\.safetensors\) nor a Megatron"),
+    ("config-json-not-json", _checkpoint(_write("config.json", '{"architectures": ["Qwen3MoeForCausalLM"],\n}')),
+     r"^actor\.init_from={tmp}/ckpt: {tmp}/ckpt/config\.json:2: not valid JSON \(.*\); fix the file or re-download"),
+    ("config-json-shape-disagrees", _checkpoint(_config_json(num_hidden_layers=2)),
+     r"^model 'tiny_moe' and actor\.init_from={tmp}/ckpt disagree on num_layers=4 vs 2; drop 'model' from the run "
+     r"file \(the checkpoint's shape is used\) or fix it$"),
+    ("config-json-missing-field", _checkpoint(_config_json(hidden_size=None)),
+     r"^actor\.init_from={tmp}/ckpt: config\.json lacks 'hidden_size', which Qwen3MoeForCausalLM needs"),
+    ("config-json-unsupported-architecture", _checkpoint(_config_json(architectures=["LlamaForCausalLM"])),
+     r"^actor\.init_from={tmp}/ckpt: architectures=\['LlamaForCausalLM'\] is not supported"),
+    ("safetensors-truncated", _checkpoint(_write("model.safetensors", _header({"lm_head.weight": ([4], 16)}) + bytes(4))),
+     r"^actor\.init_from: {tmp}/ckpt/model\.safetensors is truncated \(\d+ bytes; its header needs \d+\); "
+     r"re-download or re-copy the checkpoint$"),
+    ("safetensors-not-safetensors", _checkpoint(_write("model.safetensors", b"<html>404 Not Found</html>")),
+     r"^actor\.init_from: {tmp}/ckpt/model\.safetensors is truncated or not a safetensors file"),
+    ("safetensors-corrupt-header", _checkpoint(_write("model.safetensors", (6).to_bytes(8, "little") + b"{oops}")),
+     r"^actor\.init_from: {tmp}/ckpt/model\.safetensors has a corrupt safetensors header \(not JSON\)"),
+    ("safetensors-index-missing-shard", _checkpoint(_sharded),
+     r"^actor\.init_from: {tmp}/ckpt/model\.safetensors\.index\.json maps 'model\.norm\.weight' to the shard "
+     r"model-00002-of-00002\.safetensors, which is missing from {tmp}/ckpt; copy the whole checkpoint directory$"),
+    ("safetensors-index-not-json", _checkpoint(_write("model.safetensors.index.json", "{")),
+     r"^actor\.init_from: {tmp}/ckpt/model\.safetensors\.index\.json is not a safetensors index"),
+    ("safetensors-without-a-loadable-name", _checkpoint(lambda c: (c / "model.safetensors").rename(c / "weights.safetensors")),
+     r"^actor\.init_from={tmp}/ckpt has neither model\.safetensors\.index\.json nor model\.safetensors"),
+    # ---- tokenizers next to an HF checkpoint
+    ("tokenizer-json-missing", _checkpoint(lambda c: (c / "tokenizer.json").unlink()),
+     r"^actor\.init_from={tmp}/ckpt: the checkpoint has no tokenizer \(needs tokenizer\.json and "
+     r"tokenizer_config\.json\); copy the tokenizer files"),
+    ("tokenizer-json-corrupt", _checkpoint(_write("tokenizer.json", '{"model": {"vocab": {"a": 0,}}}')),
+     r"^actor\.init_from={tmp}/ckpt: cannot read its tokenizer files \(JSONDecodeError in {tmp}/ckpt/tokenizer\.json: "
+     r".* at line 1 column 29\); re-save them with tokenizer\.save_pretrained\(DIR\)$"),
+    ("chat-template-syntax-error", _checkpoint(_write("chat_template.jinja", TOOLS + "{% for m in messages %}\n{{ m['content'] }}")),
+     r"^actor\.init_from={tmp}/ckpt: the chat template in {tmp}/ckpt/chat_template\.jinja is not valid Jinja \(.*"
+     r"'endfor'.*, template line 2\); fix it or use the tokenizer files of the model it came from$"),
+    ("chat-template-fails-to-render", _checkpoint(_write("chat_template.jinja", "{{ raise_exception('no tools') }}")),
+     r"^actor\.init_from={tmp}/ckpt: the chat template in {tmp}/ckpt/chat_template\.jinja fails to render a "
+     r"user/assistant conversation with tools \(TemplateError: no tools\); fix it"),
+    ("chat-template-type-error", _checkpoint(_write("chat_template.jinja", TOOLS + "{{ messages[0]['content'] + 1 }}")),
+     r"^actor\.init_from={tmp}/ckpt: the chat template in .*chat_template\.jinja fails to render .*\(TypeError: "),
+    # ---- SWE task files
+    ("swe-task-line-not-json", _swe_tasks('{"instance_id": "a"\n'),
+     r"^{tmp}/tasks\.jsonl:1: bad JSON \(.*\); write one JSON object per line$"),
+    ("swe-task-missing-fail-to-pass", _swe_tasks(_swe_row_without("FAIL_TO_PASS")),
+     r"^{tmp}/tasks\.jsonl:1: no field 'FAIL_TO_PASS' \(the row has: .*\); an SWE task needs .*FAIL_TO_PASS"),
+    ("swe-task-file-empty", _swe_tasks(""), r"^{tmp}/tasks\.jsonl: no tasks \(the file is empty\)"),
+]
+# fmt: on
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """A case the start-up checks miss fails here instead of starting a run."""
+    import sao_megatron.pipeline
+
+    def train(*args, **kwargs):
+        raise AssertionError("training started: the bad input was not refused at start-up")
+
+    monkeypatch.setattr(sao_megatron.pipeline, "train", train)
+
+
+@pytest.mark.parametrize(("build", "pattern"), [pytest.param(b, p, id=i) for i, b, p in CASES])
+def test_a_bad_input_is_refused_before_training_in_one_line(tmp_path, capsys, no_training, build, pattern):
+    call = build(tmp_path)
+    capsys.readouterr()
+    try:
+        rc = call()
+    except (ConfigError, ValueError) as err:  # a reader called directly
+        message = str(err)
+    else:
+        err_text = capsys.readouterr().err
+        assert rc == 2, f"exit status {rc}, stderr {err_text!r}"
+        assert err_text.startswith("config error: ") and err_text.count("\n") == 1, err_text
+        message = err_text.removeprefix("config error: ").rstrip("\n")
+        assert not (tmp_path / "out").exists(), "a run directory was made"
+    assert "\n" not in message, message
+    assert re.search(pattern.replace("{tmp}", re.escape(str(tmp_path))), message), message
+
+
+def test_the_table_is_big_enough_and_its_good_checkpoint_passes(tmp_path, capsys, no_training):
+    """The unmutated checkpoint (and a sharded one) pass every start-up check, so each checkpoint
+    case fails for its own mutation; a good dataset reaches training."""
+    assert len(CASES) >= 20 and len({i for i, _, _ in CASES}) == len(CASES)
+    ckpt = _hf_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(AssertionError, match="training started"):
+        _sao_train(tmp_path, str(DEFAULT_RUN_CONFIG), f"actor.init_from={ckpt}")()
+    _sharded(ckpt)
+    (ckpt / "model-00002-of-00002.safetensors").write_bytes(
+        _header({"model.norm.weight": ([2], 8)}) + bytes(8)
+    )
+    with pytest.raises(AssertionError, match="training started"):
+        _sao_train(tmp_path, str(DEFAULT_RUN_CONFIG), f"actor.init_from={ckpt}")()
+    with pytest.raises(AssertionError, match="training started"):
+        _data(GOOD_ROW.encode())(tmp_path)()
