@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, type[Env] | str] = {
     "arith_tool": "sao_megatron.envs.arith_tool:ArithToolEnv",
     "math_python": "sao_megatron.envs.math_python:MathPythonEnv",
+    "swe": "sao_megatron.envs.swe.env:SWEEnv",
     "writing_shift": "sao_megatron.envs.writing_shift:WritingShiftEnv",
 }
 
@@ -29,10 +30,10 @@ _HOW = (
 )
 
 
-def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
+def register_env[E: Env](name: str) -> Callable[[type[E]], type[E]]:
     """Class decorator: make ``make_env(name)`` build this Env subclass."""
 
-    def deco(cls: type[Env]) -> type[Env]:
+    def deco(cls: type[E]) -> type[E]:
         if not (isinstance(cls, type) and issubclass(cls, Env)):
             raise TypeError(f"register_env({name!r}) needs an Env subclass, got {cls!r}")
         existing = _REGISTRY.get(name)

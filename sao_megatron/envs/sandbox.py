@@ -29,6 +29,10 @@ outermost first (what this host provides is reported by :func:`detect_isolation`
 5. **Supervisor**: wall-clock deadline, incremental reading of stdout/stderr with a byte cap
    (the process is killed as soon as a cap is exceeded), then kill-and-reap of everything the
    sandbox started, and removal of the host-side temporary directory.
+
+The same bootstrap and supervisor run the SWE agent's shell (:mod:`sao_megatron.envs.shell`),
+which adds bind mounts, a PID namespace, a fixed uid, merged output and an ``execv`` of
+``bash`` after the set-up (the keyword arguments of :func:`_argv` and :func:`_supervised`).
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "sandbox_error"]
 
@@ -141,6 +146,8 @@ class Isolation:
     """Each sandbox gets its own uid (``uid_base + pid``); otherwise all share ``nobody``."""
     uid_base: int
     """First uid of the per-sandbox range (ignored unless ``unique_uids``)."""
+    pidns: bool = False
+    """A new PID namespace with its own /proc can be created (used by the shell, with mountns)."""
 
     @property
     def full(self) -> bool:
@@ -159,8 +166,17 @@ def _truncate(text: str, max_chars: int) -> str:
 # (:func:`_bootstrap_source`), before the model's code: they may use only ``os``, ``sys`` and
 # each other (``ctypes``/``resource`` are imported inside), and only builtin annotations.
 # ----------------------------------------------------------------------------------------------
-def _c_isolate_files(src: bytes, uid: int, tmpfs_bytes: int, hidden: list, expose: list) -> None:
-    """Mount namespace: private /tmp + workdir, hidden dirs (interpreter re-exposed), read-only /."""
+def _c_isolate_files(
+    src: bytes, uid: int, tmpfs_bytes: int, hidden: list, expose: list, binds: list, pidns: bool
+) -> None:
+    """Mount namespace: private /tmp + workdir, hidden dirs (interpreter re-exposed), read-only /.
+
+    ``binds`` (``(mode, source, target)``, mode ``rw`` or ``ro``) are host directories mounted at
+    ``target``: each source is opened first, so it may lie under /tmp or a hidden directory.
+    With ``pidns`` the process forks into a new PID namespace with its own /proc: the parent
+    stays root and outside, reaps the namespace's init (the child) and exits with its status;
+    when that init ends, the kernel kills and reaps everything else in the namespace.
+    """
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -173,6 +189,7 @@ def _c_isolate_files(src: bytes, uid: int, tmpfs_bytes: int, hidden: list, expos
             raise OSError(err, "mount " + target + ": " + os.strerror(err))
 
     mount(None, "/", None, rec | mprivate)
+    held = [(os.open(source, os.O_PATH | os.O_DIRECTORY), mode, target) for mode, source, target in binds]
     private = f"size={max(tmpfs_bytes, 1 << 20)},nr_inodes=16384,mode=1777"
     mount("tmpfs", "/tmp", "tmpfs", nosuid | nodev, private)
     under = [e for e in expose if any(e == h or e.startswith(h + "/") for h in hidden)]
@@ -191,6 +208,11 @@ def _c_isolate_files(src: bytes, uid: int, tmpfs_bytes: int, hidden: list, expos
         mount(None, path, None, remount | bind | rdonly | nosuid | nodev)
         libc.umount2(spot.encode(), detach)
         os.rmdir(spot)
+    for fd, mode, target in held:
+        os.makedirs(target, mode=0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", target, None, bind | rec)
+        mount(None, target, None, remount | bind | nosuid | nodev | (rdonly if mode == "ro" else 0))
+        os.close(fd)
     for path in hidden:
         if os.path.isdir(path):
             mount(None, path, None, remount | rdonly | nosuid | nodev, "size=64k,mode=755")
@@ -206,6 +228,13 @@ def _c_isolate_files(src: bytes, uid: int, tmpfs_bytes: int, hidden: list, expos
     if uid >= 0:
         os.chown("/tmp/work", uid, uid)
     os.chdir("/tmp/work")
+    if pidns:
+        os.unshare(os.CLONE_NEWPID)
+        child = os.fork()
+        if child:
+            code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+            os._exit(code if code >= 0 else 128 - code)
+        mount("proc", "/proc", "proc", nosuid | nodev | 8)  # 8: MS_NOEXEC
 
 
 def _c_audit(event: str, args: tuple) -> None:
@@ -219,7 +248,7 @@ def _c_setup(argv: list) -> bytes:
     """Everything before the model's code: namespaces, mounts, rlimits, uid drop. Returns the code."""
     import resource
 
-    uid_rule, ns, preload, lim, hidden, expose = argv
+    uid_rule, ns, preload, lim, hidden, expose, binds = argv[:7]
     uid = os.getpid() + int(uid_rule[4:]) if uid_rule.startswith("pid+") else int(uid_rule)
     cpu, mem, fsize, nofile, nproc, tmpfs, nice = (int(x) for x in lim.split(","))
     os.nice(nice)
@@ -229,8 +258,9 @@ def _c_setup(argv: list) -> bytes:
     if flags:
         os.unshare(flags)
     if ns[1] == "1":
+        lines = [[p for p in arg.split("\n") if p] for arg in (hidden, expose, binds)]
         _c_isolate_files(
-            src, uid, tmpfs, [p for p in hidden.split("\n") if p], [p for p in expose.split("\n") if p]
+            src, uid, tmpfs, lines[0], lines[1], [b.split("\t") for b in lines[2]], ns[2:] == "1"
         )
     elif uid >= 0:
         os.chown(".", uid, uid)
@@ -253,11 +283,14 @@ def _c_setup(argv: list) -> bytes:
 
 
 def _c_main(argv: list) -> None:
-    """Set up, then run the code as the real ``__main__`` (so pickle/multiprocessing find it)."""
+    """Set up, then run the code as the real ``__main__`` (so pickle/multiprocessing find it), or,
+    when arguments follow the seven of the set-up, ``execv`` them (the code stays in ./main.py)."""
     sys_ = sys
     os_ = os
     try:
         src = _c_setup(argv)
+        if len(argv) > 7:
+            os_.execv(argv[7], argv[7:])
     except BaseException as exc:
         sys_.stderr.write(f"sandbox setup failed: {exc!r}\n")
         sys_.stderr.flush()
@@ -347,10 +380,23 @@ def _stdlib_world_readable() -> bool:
     return all(os.stat(part).st_mode & 0o005 == 0o005 for part in (path, *path.parents))
 
 
-def _argv(limits: SandboxLimits, iso: Isolation) -> list[str]:
-    hidden, expose = _hidden_paths(limits), _exposed_paths()
-    if any("\n" in p for p in (*hidden, *expose)):
-        raise ValueError("sandbox paths must not contain newlines")
+def _argv(
+    limits: SandboxLimits,
+    iso: Isolation,
+    *,
+    uid_rule: str | None = None,
+    expose: tuple[str, ...] = (),
+    binds: tuple[tuple[str, str, str], ...] = (),
+    exec_argv: tuple[str, ...] = (),
+    pidns: bool = False,
+) -> list[str]:
+    """The sandbox's command line. The keyword arguments serve other sandboxed programs (the shell):
+    a fixed uid rule, extra read-only paths, ``(mode, source, target)`` binds, a program to exec,
+    a PID namespace (when ``iso`` allows it)."""
+    hidden, expose = _hidden_paths(limits), (*_exposed_paths(), *expose)
+    bind_paths = [p for b in binds for p in b]
+    if any("\n" in p for p in (*hidden, *expose, *bind_paths)) or any("\t" in p for p in bind_paths):
+        raise ValueError("sandbox paths must not contain newlines or tabs")
     preload = _PRELOAD if (iso.uid_drop and not iso.mountns and not _stdlib_world_readable()) else "-"
     lim = (limits.cpu_s, limits.memory_bytes, limits.file_size_bytes, limits.open_files, limits.processes)
     return [
@@ -359,12 +405,14 @@ def _argv(limits: SandboxLimits, iso: Isolation) -> list[str]:
         "-S",
         "-c",
         _bootstrap_source(),
-        _uid_rule(iso),
-        f"{int(iso.netns)}{int(iso.mountns)}",
+        uid_rule or _uid_rule(iso),
+        f"{int(iso.netns)}{int(iso.mountns)}{int(pidns and iso.pidns and iso.mountns)}",
         preload,
         ",".join(str(max(1, int(x))) for x in (*lim, limits.tmpfs_bytes)) + f",{max(0, limits.nice)}",
         "\n".join(hidden),
         "\n".join(expose),
+        "\n".join("\t".join(b) for b in binds),
+        *exec_argv,
     ]
 
 
@@ -395,7 +443,7 @@ def _probe(iso: Isolation) -> bool:
     with tempfile.TemporaryDirectory(prefix="sao_sandbox_probe_") as tmp:
         Path(tmp, "main.py").write_bytes(b"pass\n")
         try:
-            argv = _argv(SandboxLimits(), iso)
+            argv = _argv(SandboxLimits(), iso, pidns=iso.pidns)
             proc = subprocess.run(argv, cwd=tmp, env=_child_env(iso, tmp), capture_output=True, timeout=60)
         except (OSError, subprocess.SubprocessError, ValueError):
             return False
@@ -418,19 +466,21 @@ def detect_isolation() -> Isolation:
         return base
     netns = _probe(replace(base, netns=True))
     mountns = _probe(replace(base, mountns=True))
-    return replace(base, netns=netns, mountns=mountns)
+    pidns = mountns and _probe(replace(base, mountns=True, pidns=True))
+    return replace(base, netns=netns, mountns=mountns, pidns=pidns)
 
 
 # ----------------------------------------------------------------------------------------------
 # Supervisor
 # ----------------------------------------------------------------------------------------------
 class _Collector:
-    """Buffers stdout/stderr up to their caps; futures for exit, overflow and both pipes' EOF."""
+    """Buffers the pipes (fd 1, and 2 unless merged) up to their caps; futures for exit,
+    overflow and every pipe's EOF."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, caps: dict[int, int]) -> None:
         self.caps = caps
-        self.bufs: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
-        self.open_pipes = {1, 2}
+        self.bufs: dict[int, bytearray] = {fd: bytearray() for fd in caps}
+        self.open_pipes = set(caps)
         self.exited: asyncio.Future[None] = loop.create_future()
         self.overflow: asyncio.Future[int] = loop.create_future()
         self.closed: asyncio.Future[None] = loop.create_future()
@@ -463,13 +513,13 @@ class _PipeReader(asyncio.Protocol):
         self.coll.eof(self.fd)
 
 
-def _spawn(argv: list[str], cwd: str, env: dict[str, str]) -> subprocess.Popen:
+def _spawn(argv: list[str], cwd: str, env: dict[str, str], merge: bool = False) -> subprocess.Popen:
     """Start the sandbox (blocking: called in a worker thread so the event loop never waits)."""
     return subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
         cwd=cwd,
         env=env,
         start_new_session=True,
@@ -492,6 +542,19 @@ async def _reap(proc: subprocess.Popen, uid: int | None, iso: Isolation) -> None
         pass
     if iso.unique_uids and uid is not None:
         await asyncio.to_thread(_kill_uid, uid)
+
+
+def _kill_children(pid: int) -> None:
+    """SIGKILL the direct children of ``pid`` (best effort: needs /proc/PID/task/TID/children)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return
+    for child in children:
+        try:
+            os.kill(int(child), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 class _ExitWatch:
@@ -571,25 +634,54 @@ async def arun_python(code: str, limits: SandboxLimits | None = None) -> Sandbox
         shutil.rmtree(host_dir, ignore_errors=True)
 
 
-async def _supervise(limits: SandboxLimits, iso: Isolation, host_dir: str) -> SandboxResult:
+@dataclass
+class _Supervised:
+    """What :func:`_supervised` saw: the pipes' bytes, the process (None if it never started)."""
+
+    coll: _Collector
+    proc: subprocess.Popen | None
+    timed_out: bool
+    wall_s: float
+    uid: int | None
+    error: str = ""
+
+
+async def _supervised(
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str],
+    wall_s: float,
+    caps: dict[int, int],
+    iso: Isolation,
+    uid_of: Callable[[int], int | None],
+    pidns: bool = False,
+) -> _Supervised:
+    """Spawn ``argv`` (stderr merged into stdout when ``caps`` has only fd 1), read its pipes up to
+    ``caps`` until it exits, overflows or ``wall_s`` passes, then kill and reap all of it. With
+    ``pidns`` (``argv`` forks into a PID namespace) the namespace's init is killed first, so the
+    kernel kills the rest and the root parent reaps it: no zombie is left to the host's init."""
     loop = asyncio.get_running_loop()
-    coll = _Collector(loop, {1: limits.max_stdout_bytes, 2: limits.max_stderr_bytes})
+    coll = _Collector(loop, caps)
     start = time.monotonic()
     try:
-        proc = await asyncio.to_thread(_spawn, _argv(limits, iso), host_dir, _child_env(iso, host_dir))
+        proc = await asyncio.to_thread(_spawn, argv, cwd, env, 2 not in caps)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        return SandboxResult("sandbox_error", "", "", None, time.monotonic() - start, f"cannot start: {exc}")
+        return _Supervised(coll, None, False, time.monotonic() - start, None, f"cannot start: {exc}")
     start = time.monotonic()  # the limit counts from a started process, not from the spawn queue
-    uid = _uid_of(iso, proc.pid)
+    uid = uid_of(proc.pid)
     watch = _ExitWatch(loop, proc, coll)
     transports = []
     try:
         for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
-            transport, _ = await loop.connect_read_pipe(functools.partial(_PipeReader, coll, fd), pipe)
-            transports.append(transport)
+            if pipe is not None:
+                transport, _ = await loop.connect_read_pipe(functools.partial(_PipeReader, coll, fd), pipe)
+                transports.append(transport)
         done, _ = await asyncio.wait(
-            {coll.exited, coll.overflow}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED
+            {coll.exited, coll.overflow}, timeout=wall_s, return_when=asyncio.FIRST_COMPLETED
         )
+        if pidns and not coll.exited.done():  # let the root parent reap the namespace first
+            _kill_children(proc.pid)
+            await asyncio.wait({coll.exited}, timeout=0.5)
         await _reap(proc, uid, iso)
         await asyncio.wait({coll.closed, coll.exited}, timeout=1.0, return_when=asyncio.ALL_COMPLETED)
     finally:
@@ -597,21 +689,46 @@ async def _supervise(limits: SandboxLimits, iso: Isolation, host_dir: str) -> Sa
         for transport in transports:
             transport.close()
         proc.poll()
-    status, detail = _classify(coll, not done, proc.returncode, limits)
-    out, err = (coll.bufs[fd].decode("utf-8", "replace") for fd in (1, 2))
-    return SandboxResult(
-        status, out, err, proc.returncode, time.monotonic() - start, detail, pid=proc.pid, uid=uid
+    return _Supervised(coll, proc, not done, time.monotonic() - start, uid)
+
+
+async def _supervise(limits: SandboxLimits, iso: Isolation, host_dir: str) -> SandboxResult:
+    try:
+        argv = _argv(limits, iso)
+    except ValueError as exc:
+        return SandboxResult("sandbox_error", "", "", None, 0.0, f"cannot start: {exc}")
+    run = await _supervised(
+        argv,
+        host_dir,
+        _child_env(iso, host_dir),
+        limits.wall_s,
+        {1: limits.max_stdout_bytes, 2: limits.max_stderr_bytes},
+        iso,
+        functools.partial(_uid_of, iso),
     )
+    if run.proc is None:
+        return SandboxResult("sandbox_error", "", "", None, run.wall_s, run.error)
+    status, detail = _classify(run.coll, run.timed_out, run.proc.returncode, limits)
+    out, err = (run.coll.bufs[fd].decode("utf-8", "replace") for fd in (1, 2))
+    return SandboxResult(
+        status, out, err, run.proc.returncode, run.wall_s, detail, pid=run.proc.pid, uid=run.uid
+    )
+
+
+def run_blocking[T](coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion from synchronous code: its own event loop, or a worker thread
+    with one when this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: list[T] = []
+    worker = threading.Thread(target=lambda: box.append(asyncio.run(coro)))
+    worker.start()
+    worker.join()
+    return box[0]
 
 
 def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     """Blocking variant of :func:`arun_python` (own event loop; a worker thread if one is running)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(arun_python(code, limits))
-    box: list[SandboxResult] = []
-    worker = threading.Thread(target=lambda: box.append(asyncio.run(arun_python(code, limits))))
-    worker.start()
-    worker.join()
-    return box[0]
+    return run_blocking(arun_python(code, limits))

@@ -7,6 +7,9 @@
   edited workspace (apply ``test_patch``, run ``FAIL_TO_PASS`` + ``PASS_TO_PASS``).
 * :mod:`~sao_megatron.envs.swe.editor`: :class:`FileEditor`, OpenHands' ``str_replace_editor``
   (view / create / str_replace / insert / undo_edit) confined to a workspace.
+* :mod:`~sao_megatron.envs.swe.env`: :class:`~sao_megatron.envs.swe.env.SWEEnv`, the ``swe``
+  environment (``execute_bash`` in a sandboxed shell, the editor, ``finish``; hidden-test reward),
+  imported on use through the registry (it pulls in the shell sandbox).
 
 The bundled task set (``data/swe/tasks.jsonl``) is written by ``tools/make_swe_tasks.py``.
 """

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 from sao_megatron.envs.base import RewardResult
-from sao_megatron.envs.swe.tasks import SWETask, git, patched_paths
+from sao_megatron.envs.swe.tasks import SWETask, git, patched_paths, trust_repository
 
 Mode = Literal["all", "fail_to_pass_fraction", "all_tests_fraction"]
 MODES: tuple[Mode, ...] = ("all", "fail_to_pass_fraction", "all_tests_fraction")
@@ -202,6 +202,7 @@ def compute_reward(
     root = Path(workspace)
     test_files = patched_paths(task.test_patch)
     try:
+        trust_repository(root)
         patch = episode_patch(root, task.base_commit, exclude=test_files)
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:  # e.g. the agent deleted .git
         return SWEReward(0.0, False, f"no episode patch: {err}", "")

@@ -27,6 +27,7 @@ import difflib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ COMMIT_MESSAGE = "Initial snapshot\n"
 _GIT_SAFETY = (
     "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "commit.gpgsign=false",
     "-c", "init.defaultBranch=main", "-c", "core.autocrlf=false",
+    "-c", "safe.directory=*",  # workspaces belong to their sandbox's uid; trust_repository vets their config
 )  # fmt: skip
 
 
@@ -171,6 +173,27 @@ def materialise(task: SWETask, directory: str | Path) -> Path:
             f"{task.instance_id}: materialised commit {head} is not base_commit {task.base_commit}"
         )
     return root
+
+
+_TRUSTED_CONFIG = (
+    "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n\tlogallrefupdates = true\n"
+)
+
+
+def trust_repository(root: str | Path) -> None:
+    """Make an agent-edited workspace safe for host-side git: the repository's own config (where
+    filter, diff and fsmonitor commands would live), ``commondir`` redirection and hooks are
+    replaced by trusted ones. Raises RuntimeError when ``.git`` is not a plain directory."""
+    gitdir = Path(root) / ".git"
+    if gitdir.is_symlink() or not gitdir.is_dir():
+        raise RuntimeError(f"{gitdir} is not a git directory (deleted or replaced)")
+    for name in ("config", "commondir", "hooks"):
+        target = gitdir / name
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.is_dir():
+            shutil.rmtree(target)
+    (gitdir / "config").write_text(_TRUSTED_CONFIG, encoding="utf-8")
 
 
 def unified_diff(before: Mapping[str, str], after: Mapping[str, str]) -> str:
