@@ -174,13 +174,13 @@ def _read_state(path: Path) -> str | None:
     return text if _END in text and len(text) <= _MIB else None
 
 
-def _wrapper(state: str, workdir: str, persist: bool) -> str:
-    """The ``bash -c`` program: restore cwd and env, arm the saving trap, ``eval`` ./main.py.
+def _wrapper(state: str, workdir: str, persist: bool, command_file: str = "main.py") -> str:
+    """The ``bash -c`` program: restore cwd and env, arm the saving trap, ``eval`` the command file.
 
     One line, so the command's own errors report its line numbers (``bash: line 1: ...``)."""
     steps = [
         f"declare -r __sao_s={shlex.quote(state)} __sao_w={shlex.quote(workdir)}",
-        '__sao_cmd=$(<main.py) && cd -- "$__sao_w" || exit 125',
+        f'__sao_cmd=$(<{shlex.quote(command_file)}) && cd -- "$__sao_w" || exit 125',
     ]
     if persist:
         steps += [
@@ -200,6 +200,71 @@ def _memory_exhausted(output: str) -> bool:
     )
 
 
+_CMD_AT = "/tmp/.sao_cmd"  # the command file's directory inside a container
+_PLAIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """Run every command of a session in a container image instead of the namespace sandbox.
+
+    The runtime provides the isolation (Apptainer: ``--containall``, a PID namespace, a writable
+    tmpfs over the read-only image, no network unless ``network``; enroot: its read-only root
+    filesystem, and it shares the host's network); this module adds the wall deadline, the output
+    cap, the kill of the whole process group and the emulated persistent shell. The workspace is
+    bound read-write at ``workdir`` (SWE-bench images keep the repository, installed in
+    development mode, at ``/testbed``: binding the episode's copy there keeps that install
+    pointing at it)."""
+
+    image: str
+    """Apptainer: a SIF path or ``docker://...`` reference; enroot: a container name made by
+    ``enroot create`` on every node (or an image path ``enroot start`` accepts)."""
+    runtime: str = "apptainer"
+    """``apptainer`` or ``enroot``."""
+    workdir: str = "/testbed"
+    executable: str = ""
+    """The runtime's program (default: ``runtime`` on PATH)."""
+    network: bool = False
+    """Apptainer only: keep the host network (default: ``--net --network none``)."""
+    env: Mapping[str, str] | None = None
+    """Variables every command sees (e.g. a conda environment's ``PATH``)."""
+
+    def __post_init__(self) -> None:
+        if self.runtime not in ("apptainer", "enroot"):
+            raise ValueError(f"container runtime {self.runtime!r}: use 'apptainer' or 'enroot'")
+        if not self.image:
+            raise ValueError(
+                "container image is empty: name the image (Apptainer SIF/docker://, enroot name)"
+            )
+        if not self.workdir.startswith("/"):
+            raise ValueError(f"container workdir {self.workdir!r} must be an absolute path inside the image")
+
+    def argv(
+        self, binds: Sequence[tuple[str, str]], env: Mapping[str, str], command: Sequence[str]
+    ) -> list[str]:
+        """The runtime's command line: ``binds`` (host, inside) read-write; ``command`` runs under
+        ``env -i`` with exactly ``env`` (nothing of the host's environment leaks in)."""
+        exe = self.executable or self.runtime
+        inner = ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *command]
+        if self.runtime == "apptainer":
+            net = [] if self.network else ["--net", "--network", "none"]
+            mounts = [a for src, dst in binds for a in ("--bind", f"{src}:{dst}")]
+            return [
+                exe,
+                "exec",
+                "--containall",
+                "--writable-tmpfs",
+                *net,
+                *mounts,
+                "--pwd",
+                _CMD_AT,
+                self.image,
+                *inner,
+            ]
+        mounts = [a for src, dst in binds for a in ("--mount", f"{src}:{dst}")]
+        return [exe, "start", *mounts, self.image, *inner]
+
+
 class ShellSession:
     """One episode's shell over one workspace directory (a git repo on the host).
 
@@ -210,13 +275,17 @@ class ShellSession:
     WORKDIR = "/workspace"
 
     def __init__(
-        self, workspace: str | Path, limits: ShellLimits | None = None, env: Mapping[str, str] | None = None
-    ) -> None:
+        self, workspace: str | Path, limits: ShellLimits | None = None, env: Mapping[str, str] | None = None,
+        container: ContainerSpec | None = None,
+    ) -> None:  # fmt: skip
         self.host_workspace = Path(workspace).resolve()
         if not self.host_workspace.is_dir():
             raise NotADirectoryError(f"workspace {workspace} is not a directory")
         self.limits = limits or ShellLimits()
+        self.container = container
         iso = detect_isolation()
+        if container is not None:  # the runtime isolates: no uid, namespaces or binds of ours
+            iso = replace(iso, netns=False, mountns=False, pidns=False, uid_drop=False, unique_uids=False)
         self._refused = (
             f"isolation unavailable: {iso}" if self.limits.require_isolation and not iso.full else ""
         )
@@ -228,14 +297,14 @@ class ShellSession:
         self._dir = Path(tempfile.mkdtemp(prefix="sao_shell_"))
         self._dir.chmod(0o755)
         (self._dir / "rw" / "home").mkdir(parents=True)
-        self._workdir = str(self.host_workspace)
+        self._workdir = container.workdir if container is not None else str(self.host_workspace)
         if iso.mountns:
             try:
                 os.makedirs(self.WORKDIR, mode=0o755, exist_ok=True)  # an empty mount point on the host
                 self._workdir = self.WORKDIR
             except OSError:
                 pass  # the workspace is then bound at its own path
-        self._inside = _STATE_AT if iso.mountns else str(self._dir)
+        self._inside = _STATE_AT if iso.mountns or container is not None else str(self._dir)
         self.cwd = self._workdir
         prefix = os.path.realpath(sys.prefix)
         self._binds: tuple[tuple[str, str, str], ...] = ()
@@ -247,9 +316,9 @@ class ShellSession:
                 *sorted((("ro", p, p) for p in ro if os.path.isdir(p)), key=lambda b: len(b[2])),
             )
         self.env = {
-            "PATH": f"{prefix}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PATH": _PLAIN_PATH if container is not None else f"{prefix}/bin:{_PLAIN_PATH}",
             "HOME": f"{self._inside}/rw/home",
-            "TMPDIR": "/tmp" if iso.mountns else f"{self._inside}/rw/home",
+            "TMPDIR": "/tmp" if iso.mountns or container is not None else f"{self._inside}/rw/home",
             "LANG": "C.UTF-8",
             "TERM": "dumb",
             "PAGER": "cat",
@@ -257,6 +326,7 @@ class ShellSession:
             "GIT_CONFIG_COUNT": "1",
             "GIT_CONFIG_KEY_0": "safe.directory",
             "GIT_CONFIG_VALUE_0": "*",
+            **((container.env or {}) if container is not None else {}),
             **(env or {}),
         }
         self._lock = threading.Lock()
@@ -315,11 +385,24 @@ class ShellSession:
         host_dir = tempfile.mkdtemp(prefix="sao_shell_cmd_")
         try:
             Path(host_dir, "main.py").write_bytes(data)
-            script = _wrapper(self._inside, self._workdir, persist)
-            uid_rule = "-1" if self.uid is None else str(self.uid)
-            argv = _argv(box, self._iso, uid_rule=uid_rule, binds=self._binds, exec_argv=("/bin/bash", "-c", script, "bash"), pidns=self._pidns)  # fmt: skip
+            env = self.env
+            if self.container is not None:
+                script = _wrapper(self._inside, self._workdir, persist, f"{_CMD_AT}/main.py")
+                binds = [
+                    (str(self.host_workspace), self._workdir),
+                    (str(self._dir), _STATE_AT),
+                    (host_dir, _CMD_AT),
+                ]
+                argv = self.container.argv(binds, self.env, ("/bin/bash", "-c", script, "bash"))
+                env = {
+                    "PATH": os.environ.get("PATH", _PLAIN_PATH)
+                }  # finds the runtime; the command gets self.env
+            else:
+                script = _wrapper(self._inside, self._workdir, persist)
+                uid_rule = "-1" if self.uid is None else str(self.uid)
+                argv = _argv(box, self._iso, uid_rule=uid_rule, binds=self._binds, exec_argv=("/bin/bash", "-c", script, "bash"), pidns=self._pidns)  # fmt: skip
             run = await _supervised(
-                argv, host_dir, self.env, wall, {1: max_output}, self._iso, lambda _: self.uid, self._pidns
+                argv, host_dir, env, wall, {1: max_output}, self._iso, lambda _: self.uid, self._pidns
             )
         except ValueError as exc:
             return ShellResult("sandbox_error", "", None, 0.0, str(exc), self.cwd)

@@ -47,7 +47,7 @@ from sao_megatron.envs.base import Env, RewardResult, Sample, Split, StepResult,
 from sao_megatron.envs.format import ToolFormat, Turn
 from sao_megatron.envs.registry import register_env
 from sao_megatron.envs.sandbox import run_blocking
-from sao_megatron.envs.shell import ShellLimits, ShellSession
+from sao_megatron.envs.shell import ContainerSpec, ShellLimits, ShellSession
 from sao_megatron.envs.swe.editor import COMMANDS, FileEditor
 from sao_megatron.envs.swe.reward import MODES, Mode, compute_reward
 from sao_megatron.envs.swe.tasks import DATA_PATH, SWETask, git, load_tasks, materialise
@@ -65,7 +65,10 @@ from sao_megatron.envs.tool_parse import (
 
 WORKDIR = ShellSession.WORKDIR
 
-TOOLS: list[dict] = [
+
+def tool_schemas(workdir: str = WORKDIR) -> list[dict]:
+    """The three tools as OpenAI-style schemas; paths are described relative to ``workdir``."""
+    return [
     {"type": "function", "function": {
         "name": "execute_bash",
         "description": ("Run a bash command in the repository's sandboxed shell (no network). The working "
@@ -84,7 +87,7 @@ TOOLS: list[dict] = [
                         "insert_line; undo_edit: revert the last edit of path."),
         "parameters": {"type": "object", "required": ["command", "path"], "properties": {
             "command": {"type": "string", "enum": list(COMMANDS)},
-            "path": {"type": "string", "description": f"Absolute path under {WORKDIR}, or relative to it."},
+            "path": {"type": "string", "description": f"Absolute path under {workdir}, or relative to it."},
             "file_text": {"type": "string"},
             "old_str": {"type": "string"},
             "new_str": {"type": "string"},
@@ -100,6 +103,9 @@ TOOLS: list[dict] = [
         }},
     }},
 ]  # fmt: skip
+
+
+TOOLS = tool_schemas()
 
 INSTRUCTIONS = (
     "The repository is checked out at {workdir} (a git repository). Resolve the issue below by editing "
@@ -159,6 +165,11 @@ class SWEEnv(Env):
             node-local disk on clusters.
         memory_mb / processes: per-command limits of the shell (and the tests).
         require_isolation: refuse to run tools unless namespaces and the uid drop are available.
+        container: run every command (and the hidden tests) in the task's container image
+            instead of the namespace sandbox: ``{image, runtime, workdir, executable, network,
+            env}`` of :class:`~sao_megatron.envs.shell.ContainerSpec`; ``{instance_id}`` in
+            ``image`` is the task's id (SWE-bench images: ``docker://swebench/sweb.eval.x86_64.
+            {instance_id}:latest``, workdir ``/testbed``, ``env: {PATH: <the testbed env's bin>:...}``).
     """
 
     task_class = SWETaskSet
@@ -174,6 +185,7 @@ class SWEEnv(Env):
         memory_mb: int = 2048,
         processes: int = 64,
         require_isolation: bool = False,
+        container: dict | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -191,6 +203,10 @@ class SWEEnv(Env):
             wall_s=command_timeout_s, memory_bytes=memory_mb << 20, processes=processes,
             expose_paths=(sys.prefix,), require_isolation=require_isolation,
         )  # fmt: skip
+        self.container = dict(container or {})
+        if self.container:  # checked now: a bad spec fails at construction, naming the key
+            self._container_for("check")
+        self.workdir = str(self.container.get("workdir", "/testbed")) if self.container else WORKDIR
         self.tool_format: ToolFormat = "tags"
         self.task: SWETask | None = None
         self.scratch: Path | None = None  # holds the workspace; removed at close()
@@ -205,7 +221,7 @@ class SWEEnv(Env):
     # ---- the interface --------------------------------------------------------------------------
     @property
     def tools(self) -> list[dict]:
-        return TOOLS
+        return TOOLS if self.workdir == WORKDIR else tool_schemas(self.workdir)
 
     @property
     def system_prompt(self) -> str | None:
@@ -227,11 +243,26 @@ class SWEEnv(Env):
             Path(root).mkdir(parents=True, exist_ok=True)
         self.scratch = Path(tempfile.mkdtemp(prefix="sao_swe_", dir=root))
         self.workspace = materialise(self.task, self.scratch / "repo")
-        self.shell = ShellSession(self.workspace, self.limits)
+        spec = self._container_for(self.task.instance_id) if self.container else None
+        self.shell = ShellSession(self.workspace, self.limits, container=spec)
+        self.workdir = self.shell.workdir  # /workspace, the image's workdir, or the host path
         self.editor = FileEditor(self.workspace, max_chars=self.max_observation_chars)
         self.turns, self.finished, self.done = 0, False, False
         self.counts = dict.fromkeys(self.counts, 0)
-        return sample.question
+        return INSTRUCTIONS.format(workdir=self.workdir, issue=self.task.problem_statement)
+
+    def _container_for(self, instance_id: str) -> ContainerSpec:
+        """``container`` (env_kwargs) as a spec; ``{instance_id}`` in ``image`` names the task's image."""
+        spec = dict(self.container)
+        unknown = sorted(set(spec) - {"image", "runtime", "workdir", "executable", "network", "env"})
+        if unknown:
+            raise ValueError(f"rollout.env_kwargs.container: unknown key(s) {unknown}; use image, runtime, "
+                             "workdir, executable, network, env")  # fmt: skip
+        try:
+            spec["image"] = str(spec.get("image", "")).format(instance_id=instance_id)
+            return ContainerSpec(**spec)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"rollout.env_kwargs.container: {err}") from None
 
     async def areset(self, sample: Sample) -> str:
         return await asyncio.to_thread(self.reset, sample)
@@ -292,11 +323,11 @@ class SWEEnv(Env):
     def parse(self, action: str) -> NativeCall | Answer | Malformed:
         """The action as a tool call, a finish (answer) or a malformed action; never raises."""
         if self.tool_format == "json":
-            return parse_native_action(action, TOOLS)
+            return parse_native_action(action, self.tools)
         parsed = parse_action(action)
         if isinstance(parsed, Answer | Malformed):
             return parsed
-        return parse_native_action(f"{TOOL_CALL_OPEN}{parsed.code}{TOOL_CALL_CLOSE}", TOOLS)
+        return parse_native_action(f"{TOOL_CALL_OPEN}{parsed.code}{TOOL_CALL_CLOSE}", self.tools)
 
     async def run_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """One validated call's observation; bad arguments are observations, never exceptions."""
@@ -336,8 +367,8 @@ class SWEEnv(Env):
         """``/workspace/...`` (what the shell shows) -> the workspace's host path; others unchanged
         (the editor refuses whatever lies outside the workspace)."""
         assert self.workspace is not None
-        if isinstance(path, str) and (path == WORKDIR or path.startswith(WORKDIR + "/")):
-            return str(self.workspace) + path[len(WORKDIR) :]
+        if isinstance(path, str) and (path == self.workdir or path.startswith(self.workdir + "/")):
+            return str(self.workspace) + path[len(self.workdir) :]
         return path if isinstance(path, str) else ""
 
     # ---- scripted agents ------------------------------------------------------------------------
@@ -389,7 +420,7 @@ def reference_actions(task: SWETask, env: SWEEnv, via: str = "editor") -> list[s
             path = line[3:]
             after = (repo / path).read_text(encoding="utf-8") if (repo / path).exists() else None
             before = task.files.get(path)
-            target = f"{WORKDIR}/{path}"
+            target = f"{env.workdir}/{path}"
             if before is None and after is not None:
                 actions.append(env.call_text("str_replace_editor", {"command": "create", "path": target,
                                                                     "file_text": after}))  # fmt: skip
