@@ -63,6 +63,10 @@ def listening_socket(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
+class RendezvousError(RuntimeError):
+    """A world could not meet: the message names the endpoint, what went wrong and what to check."""
+
+
 def open_store(host: str, world_size: int, port: int = 0, timeout_s: float = 600.0) -> TCPStore:
     """Rank 0's rendezvous store on ``host``; ``port`` 0 lets the OS pick a free port while the
     store holds it (read it back from ``store.port``), so no other process can take it between
@@ -72,7 +76,14 @@ def open_store(host: str, world_size: int, port: int = 0, timeout_s: float = 600
     address on a cluster (where the other nodes reach it). TCPStore's own server would listen on
     every interface, and it has no authentication; so the socket is bound here and handed over
     (``master_listen_fd``)."""
-    sock = listening_socket(host, port)
+    try:
+        sock = listening_socket(host, port)
+    except OSError as err:
+        raise RendezvousError(
+            f"cannot open the rendezvous store at {host}:{port} ({err.strerror or err}): "
+            + ("another process holds the port; use port 0 (any free one)" if port else
+               f"{host} is not an address of this node")
+        ) from None  # fmt: skip
     bound = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the descriptor from here on
     try:
@@ -84,8 +95,17 @@ def open_store(host: str, world_size: int, port: int = 0, timeout_s: float = 600
 
 
 def join_store(host: str, port: int, world_size: int, timeout_s: float = 600.0) -> TCPStore:
-    """A client of rank 0's store (:func:`open_store`); fails after ``timeout_s`` if it never answers."""
-    return TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    """A client of rank 0's store (:func:`open_store`); :class:`RendezvousError` naming the endpoint
+    after ``timeout_s`` if it never answers."""
+    try:
+        return TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as err:  # DistNetworkError / DistStoreError subclass RuntimeError
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise RendezvousError(
+            f"no rendezvous store answered at {host}:{port} within {timeout_s:g} s ({first}): rank 0 did not "
+            "start or died (see its log), or this node cannot reach that address (firewall, "
+            "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)"
+        ) from None
 
 
 def initialize_model_parallel(p: ParallelConfig) -> None:
