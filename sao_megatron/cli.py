@@ -23,6 +23,7 @@ import yaml
 
 from sao_megatron.config import ConfigError, SAOConfig, load_config, save_config, to_dict
 from sao_megatron.config.load import check_init_from, check_init_tokenizer
+from sao_megatron.faults import DRIVER_PID
 from sao_megatron.logs import quiet_third_party
 
 EPILOG = """examples:
@@ -119,6 +120,7 @@ def cmd_train(args) -> int:
         rows = check_data(cfg.data)
         print("data: " + ", ".join(f"{split} {n} rows" for split, n in rows.items()))
     print(f"run directory: {run_dir}")
+    os.environ[DRIVER_PID] = str(os.getpid())  # before Ray starts: a fault point in a worker kills the run
     import asyncio
 
     from sao_megatron.pipeline import train

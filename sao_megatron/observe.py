@@ -123,5 +123,12 @@ class RunLog:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of ``<run_dir>/metrics.jsonl`` in file order, one per (stage, step).
+
+    The file is append-only across resumes: a run killed after it logged a step but before that
+    step's checkpoint logs it again once resumed (the first attempt's effects were lost with it).
+    The last record of a (stage, step) is the one kept, in its place; the file keeps both."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    last = {(r.get("stage"), r.get("step")): i for i, r in enumerate(records)}
+    return [r for i, r in enumerate(records) if last[(r.get("stage"), r.get("step"))] == i]

@@ -29,6 +29,7 @@ from sao_megatron.driver.learner import learner_step, run_whole
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
 from sao_megatron.driver.stages import Stage, open_stage, rl, sft, value_pretraining
+from sao_megatron.faults import kill_point
 from sao_megatron.observe import RunLog
 from sao_megatron.records import Trajectory
 
@@ -52,6 +53,8 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> N
             metrics |= await s.evaluate()
         log.log(done, stage.name, metrics)
         log.samples(done, trajectories, s.tokenizer, s.cfg.train.sample_trajectories)
+        if stage.resumable:
+            kill_point("rl:after_update")  # trained, synced and logged; not yet checkpointed
         if stage.save_every and done % stage.save_every == 0:
             await s.checkpoint(state, manager, buffer, estimator)
         return metrics

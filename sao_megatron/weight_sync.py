@@ -30,6 +30,7 @@ from sao_megatron.parallel import open_store
 from sao_megatron.rollout.client import EngineClient
 
 
+from sao_megatron.faults import kill_point
 @dataclass
 class SyncReport:
     version: int
@@ -130,6 +131,7 @@ class WeightSync:
         finally:
             await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
             paused = time.perf_counter() - paused
+                kill_point("weight_sync:bucket")  # engines hold a partly updated model
             for c in clients:
                 await c.close()
         return SyncReport(version, tensors, nbytes, time.perf_counter() - t0, paused)

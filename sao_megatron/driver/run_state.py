@@ -12,6 +12,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sao_megatron.faults import kill_point
+
 
 @dataclass
 class RunState:
@@ -73,10 +75,12 @@ class RunState:
     @classmethod
     def publish(cls, run_dir: Path) -> None:
         """Atomically replace ``checkpoint/`` by the completed ``checkpoint.staging/``."""
+        kill_point("checkpoint:staged")  # the staging directory is complete, nothing published yet
         staging, final = cls.staging_dir(run_dir), cls.checkpoint_dir(run_dir)
         old = Path(run_dir) / "checkpoint.old"
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             final.rename(old)
+            kill_point("checkpoint:renaming")  # no checkpoint/, the previous one is checkpoint.old/
         staging.rename(final)
         shutil.rmtree(old, ignore_errors=True)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 
+from sao_megatron.faults import kill_point
+
 if TYPE_CHECKING:
     import torch
 
@@ -195,6 +197,7 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         body = await self._call("POST", "/generate", payload, timeout_s)
+        kill_point("rollout:generate")  # mid-episode: a turn generated, its episode not finished
         return parse_generation(body, loop.time() - t0)
 
     async def score(self, input_ids: list[int], start: int) -> list[float]:

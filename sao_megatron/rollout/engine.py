@@ -10,7 +10,9 @@ proxies ``/generate`` (and ``/flush_cache``) but not pause, continue, abort or w
 those control calls must go to every engine directly (``EngineClient(engine.url)``).
 
 Each server runs in its own session; ``stop()`` ends that process group by the PID this
-module started, never by name.
+module started, never by name. A server also dies with the process that started it (Linux
+``PR_SET_PDEATHSIG``): a SIGKILLed ``sao train`` leaves no engine behind (SGLang's own
+subprocesses already die with the server).
 """
 
 from __future__ import annotations
@@ -111,6 +113,31 @@ def _environment(cpu: bool) -> dict[str, str]:
     return env
 
 
+def _die_with_parent():
+    """A ``preexec_fn``: the child gets SIGKILL when the thread that started it ends (the
+    process killed included; servers start on the event loop's thread, or on a restart in one of
+    its executor threads, which live as long as the loop); None where the kernel cannot do that.
+    ``prctl`` is looked up here, in the parent, so the child only calls it (as Ray does)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.restype, prctl.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                                                  ctypes.c_ulong]  # fmt: skip
+    pr_set_pdeathsig, parent = 1, os.getpid()
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
 class _ServerProcess:
     """A server subprocess in its own session, polled until healthy, stopped by process group."""
 
@@ -143,10 +170,14 @@ class _ServerProcess:
         log = open(self.log_path, "wb")  # noqa: SIM115  (owned by the child for its lifetime)
         self.proc = subprocess.Popen(
             self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self._environment(), start_new_session=True,
+            env=self._environment(), start_new_session=True, preexec_fn=_die_with_parent(),
         )  # fmt: skip
         log.close()
         return self
+
+    def alive(self) -> bool:
+        """The server process this object started is running."""
+        return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 25) -> str:
         try:
