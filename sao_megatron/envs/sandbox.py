@@ -246,8 +246,13 @@ def _c_audit(event: str, args: tuple) -> None:
 
 def _c_setup(argv: list) -> bytes:
     """Everything before the model's code: namespaces, mounts, rlimits, uid drop. Returns the code."""
+    import ctypes
     import resource
 
+    die_with_parent = ctypes.CDLL(
+        None
+    ).prctl  # PR_SET_PDEATHSIG=SIGKILL: a killed supervisor ends the sandbox
+    die_with_parent(1, 9, 0, 0, 0)  # (set again below: a fork or a uid change clears it)
     uid_rule, ns, preload, lim, hidden, expose, binds = argv[:7]
     uid = os.getpid() + int(uid_rule[4:]) if uid_rule.startswith("pid+") else int(uid_rule)
     cpu, mem, fsize, nofile, nproc, tmpfs, nice = (int(x) for x in lim.split(","))
@@ -279,6 +284,7 @@ def _c_setup(argv: list) -> bytes:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    die_with_parent(1, 9, 0, 0, 0)
     return src
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -262,3 +263,43 @@ def test_degraded_isolation_and_require_isolation(monkeypatch: pytest.MonkeyPatc
     finally:
         asyncio.run(sess.close())
         subprocess.run(["rm", "-rf", str(ws)], check=False)
+
+
+def _sleepers(marker: str) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().split(b"\0")[:2] == [
+                b"sleep",
+                marker.encode(),
+            ]:
+                out.append(int(proc.name))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_command_dies_with_its_killed_supervisor(tmp_path):
+    """SIGKILL of the process running a session (a killed ``sao train``) ends its command too."""
+    marker = "1234.5"
+    code = (
+        "import asyncio, sys\n"
+        "from sao_megatron.envs.shell import ShellLimits, ShellSession\n"
+        f"asyncio.run(ShellSession(sys.argv[1], ShellLimits(wall_s=300)).run('sleep {marker}'))\n"
+    )
+    supervisor = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while not _sleepers(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _sleepers(marker), "the command never started"
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    deadline = time.monotonic() + 10
+    while _sleepers(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _sleepers(marker)
+    for pid in left:  # do not leave them behind even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"sandboxed processes outlived their supervisor: {left}"
