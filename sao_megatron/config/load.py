@@ -744,6 +744,9 @@ def validate_rollout(r: RolloutConfig) -> None:
     for name in ("max_turns", "max_new_tokens"):
         if getattr(r.loop, name) < 1:
             raise ConfigError(f"rollout.loop.{name} must be >= 1 (got {getattr(r.loop, name)})")
+    for name in ("generate_timeout_s", "env_step_timeout_s"):
+        if not getattr(r.loop, name) > 0:
+            raise ConfigError(f"rollout.loop.{name}={getattr(r.loop, name)} must be > 0 (seconds)")
     if not 0 < r.max_failed_fraction <= 1:
         raise ConfigError(f"rollout.max_failed_fraction={r.max_failed_fraction} must be in (0, 1]; "
                           "1 never stops the run for failed episodes")  # fmt: skip

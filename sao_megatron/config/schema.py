@@ -273,6 +273,12 @@ class AgentLoopConfig:
     """Nucleus sampling threshold; 1 samples from the whole distribution."""
     generate_timeout_s: float = 300.0
     """Seconds one engine call may take before the episode fails."""
+    env_step_timeout_s: float = 600.0
+    """Seconds one environment call (``areset``, each tool call ``astep``, ``areward``; ``aclose``
+    too, which is only logged) may take before the episode fails (``environment: tool timed out ...``,
+    ``reward: timed out ...``). It bites only at an ``await``: an environment whose sync ``step``
+    runs inline blocks the event loop and cannot be interrupted (make slow tools async, or run the
+    environments on env workers)."""
     enable_thinking: bool | None = None
     """The chat template's thinking switch (Qwen3: ``enable_thinking``); None leaves the template's
     default. Ignored by templates without one."""

@@ -8,6 +8,10 @@ id without taking any of that resource (the group's ranks and engines hold all o
 they share the one node. One placement group holds their CPU bundles, spread over the nodes, and a
 placement that cannot happen fails within ``cluster.placement_timeout_s`` naming what was asked.
 
+A call the driver stops waiting for (a tool call past ``rollout.loop.env_step_timeout_s``: the
+agent loop cancels its wait) is cancelled in the worker too (``ray.cancel``), so a hung tool does
+not linger there after its episode was closed.
+
 Each episode goes to the live worker with the fewest open episodes (ties in turn). A worker that
 dies fails the episodes it held (``environment: env worker ...``) and takes no new ones; with
 every worker dead, new episodes fail the same way. The manager never crashes on either.
@@ -50,8 +54,12 @@ class _Worker:
         """Run ``EnvWorker.<method>(*args)`` on this worker (a :data:`WorkerCall`)."""
         if self.died:
             raise EnvWorkerError(f"{self.name} died earlier ({self.died}); {method} not run")
+        ref = getattr(self.actor, method).remote(*args)
         try:
-            return await getattr(self.actor, method).remote(*args)
+            return await ref
+        except asyncio.CancelledError:  # e.g. rollout.loop.env_step_timeout_s: end the call in the worker too
+            ray.cancel(ref)
+            raise
         except RayTaskError as err:  # the environment raised: its own exception, as in the driver
             raise (err.cause if isinstance(err.cause, Exception) else err) from None
         except RayActorError as err:

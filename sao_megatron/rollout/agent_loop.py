@@ -15,7 +15,15 @@ Every conversation is rendered by the tokenizer's chat template (:class:`ChatFor
 
 The environment is driven through its async methods (``areset``, ``astep``, ``areward``,
 ``aclose``), so the same loop runs an Env in this process or a
-:class:`~sao_megatron.rollout.env_workers.RemoteEnv` on an env worker.
+:class:`~sao_megatron.rollout.env_workers.RemoteEnv` on an env worker. Each of those calls may take
+at most ``rollout.loop.env_step_timeout_s`` seconds: a hanging tool fails the episode
+(``environment: tool timed out after Xs ...``; ``environment: reset timed out ...``,
+``reward: timed out ...``) and the environment is still closed (that close bounded the same way).
+The limit bites only where the call awaits: an environment whose ``astep`` blocks synchronously
+(the default ``astep`` runs the sync ``step`` inline) holds the event loop, every other episode
+with it, until it returns, and no timeout can interrupt it. Slow tools must be async (a subprocess,
+``asyncio.to_thread``), or the environments must run on env workers (``rollout.env_workers``),
+where the driver's wait is bounded whatever the worker does.
 
 Earlier turns are never re-tokenised: the context is the exact id sequence the engine saw
 plus the ids it produced. The tool format (``<tool>`` tags or native ``<tool_call>`` JSON)
@@ -26,9 +34,11 @@ reason; they never raise to the caller.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from sao_megatron.config import AgentLoopConfig
@@ -70,10 +80,31 @@ class _RewardError(Exception):
     """The environment's reward function raised (its message is the failure reason)."""
 
 
-async def _close(env: Env, sample: Sample) -> None:
+class _EnvTimeout(Exception):
+    """An environment call ran past ``rollout.loop.env_step_timeout_s`` (its message is the reason)."""
+
+
+async def _bounded[T](call: Awaitable[T], timeout_s: float, reason: str) -> T:
+    """``await call``, cancelled after ``timeout_s``: then :class:`_EnvTimeout` with ``reason``.
+
+    A TimeoutError the environment raises itself (e.g. its own subprocess limit) is not this
+    timeout and propagates as the environment's error."""
+    limit = asyncio.timeout(timeout_s)
+    try:
+        async with limit:
+            return await call
+    except TimeoutError:
+        if limit.expired():
+            raise _EnvTimeout(
+                f"{reason} timed out after {timeout_s:g}s (rollout.loop.env_step_timeout_s)"
+            ) from None
+        raise
+
+
+async def _close(env: Env, sample: Sample, timeout_s: float) -> None:
     """Release the episode's environment; a failure to do so is logged, never the episode's."""
     try:
-        await env.aclose()
+        await _bounded(env.aclose(), timeout_s, "close")
     except Exception as err:
         log.warning("closing the environment of %s failed: %s: %s", sample.prompt_id, type(err).__name__, err)
 
@@ -112,19 +143,21 @@ class AgentLoop:
         status, reason = "finished", ""
         try:
             chat = self.chat_format(env)
-            question = await env.areset(sample)
+            question = await _bounded(env.areset(sample), self.cfg.env_step_timeout_s, "environment: reset")
             prompt_ids = chat.prompt_ids(question)
             status, reason = await self._turns(env, chat, chat.prompt_messages(question), prompt_ids, ep)
             try:
-                result = await env.areward()
+                result = await _bounded(env.areward(), self.cfg.env_step_timeout_s, "reward:")
             except EnvWorkerError:
                 raise  # the worker is gone, not the reward function: an environment failure
+            except _EnvTimeout as err:
+                raise _RewardError(str(err)) from err
             except Exception as err:
                 raise _RewardError(f"reward: {type(err).__name__}: {err}") from err
             reward, correct, details = result.reward, result.correct, dict(result.details)
             if not math.isfinite(reward):
                 status, reason, reward = "failed", f"reward: non-finite reward {reward}", 0.0
-        except _RewardError as err:
+        except (_RewardError, _EnvTimeout) as err:
             status, reason, reward, correct, details = "failed", str(err), 0.0, None, {}
         except EngineError as err:
             status, reason, reward, correct, details = "failed", f"engine: {err}", 0.0, None, {}
@@ -133,7 +166,7 @@ class AgentLoop:
         except Exception as err:  # a broken environment (or its worker) must not stop the manager
             status, reason, reward, correct, details = "failed", environment_failure(err), 0.0, None, {}
         finally:
-            await _close(env, sample)
+            await _close(env, sample, self.cfg.env_step_timeout_s)
         return Trajectory(
             prompt_id=sample.prompt_id, prompt_ids=prompt_ids, response_ids=ep.response_ids,
             action_mask=ep.action_mask, behavior_logprobs=ep.behavior_logprobs, policy_versions=ep.policy_versions,
@@ -163,7 +196,7 @@ class AgentLoop:
                 return "failed", "engine returned no tokens"
             ep.add_action(gen.output_ids, gen.behavior_logprobs, [_version(v) for v in gen.weight_versions])
             action_text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)
-            step = await env.astep(action_text)
+            step = await _bounded(env.astep(action_text), cfg.env_step_timeout_s, "environment: tool")
             if step.done:
                 return "finished", ""
             if (

@@ -85,12 +85,14 @@ class EnvWorker:
         self._opened = 0
         self.max_open = 0
         self.calls: Counter[str] = Counter()
+        self.running = 0
+        """Environment calls (reset, step, reward) in progress now."""
 
     async def info(self) -> dict[str, Any]:
-        """pid, host, episodes open now and at most so far, calls per method."""
+        """pid, host, episodes open now and at most so far, calls per method, calls in progress."""
         pid, host = self.where
         return {"pid": pid, "host": host, "open": len(self._envs), "max_open": self.max_open,
-                "max_episodes": self.max_episodes, "calls": dict(self.calls)}  # fmt: skip
+                "max_episodes": self.max_episodes, "calls": dict(self.calls), "running": self.running}  # fmt: skip
 
     async def open(self, env_name: str, env_kwargs: Mapping[str, Any],
                    tool_format: ToolFormat) -> tuple[str, list[dict], str | None, Where]:  # fmt: skip
@@ -124,14 +126,21 @@ class EnvWorker:
             )
         return env
 
+    async def _running[T](self, call: Awaitable[T]) -> tuple[T, Where]:
+        self.running += 1
+        try:
+            return await call, self.where
+        finally:
+            self.running -= 1
+
     async def reset(self, episode_id: str, sample: Sample) -> tuple[str, Where]:
-        return await self._env(episode_id, "reset").areset(sample), self.where
+        return await self._running(self._env(episode_id, "reset").areset(sample))
 
     async def step(self, episode_id: str, action: str) -> tuple[StepResult, Where]:
-        return await self._env(episode_id, "step").astep(action), self.where
+        return await self._running(self._env(episode_id, "step").astep(action))
 
     async def reward(self, episode_id: str) -> tuple[RewardResult, Where]:
-        return await self._env(episode_id, "reward").areward(), self.where
+        return await self._running(self._env(episode_id, "reward").areward())
 
     async def close(self, episode_id: str) -> tuple[None, Where]:
         """Close the episode's Env and free its slot; closing twice is a no-op."""
