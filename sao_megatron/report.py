@@ -3,7 +3,7 @@
 Panels (those whose metrics exist): reward and accuracy, held-out accuracy, response length
 and turns, policy lag (trajectory mean/max and histogram), DIS kept fraction by lag bucket and
 advantage sign, ratio quantiles, critic value loss and explained variance, gradient norms,
-throughput, buffer and learner waits, weight-sync time.
+throughput, engine faults, buffer and learner waits, weight-sync time.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ PANELS = [
                                               "critic/grad_rms/other"]),
     ("throughput", ["rollout/trajectories_per_s", "rollout/tokens_per_s"]),
     ("engine utilisation", ["rollout/engine_util"]),
+    ("engine faults (cumulative)", ["rollout/engine_restarts", "rollout/engine_dropped", "rollout/episode_retries"]),
     ("waits and sync (s)", ["time/learner_wait_s", "buffer/wait_s", "buffer/group_wait_s", "time/sync_s",
                             "time/sync_pause_s",
                             "time/step_s"]),
@@ -132,6 +133,11 @@ def summary(records: list[dict]) -> str:
             with_key = [r for r in evals if key in r]
             head.append(f"held-out {what.format(k=key.split('@')[1])}: {with_key[0][key]:.3f} (step "
                         f"{with_key[0]['step']}) -> {with_key[-1][key]:.3f} (step {with_key[-1]['step']})")  # fmt: skip
+    faults = [k for k in ("rollout/engine_restarts", "rollout/engine_dropped", "rollout/episode_retries")
+              if rl and k in rl[-1]]  # fmt: skip
+    if faults:  # cumulative counts: the last step's are the run's
+        head.append("engine faults: " + ", ".join(f"{k.split('/')[1].replace('_', ' ')} {rl[-1][k]:.0f}"
+                                                  for k in faults))  # fmt: skip
     if rl:
         head.append(f"wall time of RL: {rl[-1]['time'] - rl[0]['time'] + rl[0].get('time/step_s', 0):.0f} s")
     return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"

@@ -9,13 +9,17 @@ the trainer's TP/EP/PP shards by ``models.hf_weights``):
                 || trainer broadcasts each tensor from rank 0, in the same order
     engines: /end_weight_update -> /flush_cache (done by the update) -> /continue_generation
 
-In-flight episodes continue under the new version; their later tokens carry it. The disk path
+In-flight episodes continue under the new version; their later tokens carry it. When the
+engines change (one restarted on a new port, or dropped), the group is re-formed under a new
+name: :meth:`WeightSync.close` destroys the old one on the engines still running
+(``/destroy_weights_update_group``) and here. The disk path
 (``update_weights_from_disk``) is the fallback when no broadcast group can be formed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,11 +30,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store  # pyright: ignore[reportPrivateImportUsage]  # public API
 
+from sao_megatron.faults import kill_point
 from sao_megatron.parallel import open_store
 from sao_megatron.rollout.client import EngineClient
 
+log = logging.getLogger(__name__)
 
-from sao_megatron.faults import kill_point
+
 @dataclass
 class SyncReport:
     version: int
@@ -125,16 +131,35 @@ class WeightSync:
                                                                              str(version)) for c in clients))  # fmt: skip
                 await asyncio.get_running_loop().run_in_executor(None, self._broadcast, bucket)
                 await posts
+                kill_point("weight_sync:bucket")  # engines hold a partly updated model
                 tensors += len(bucket)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             await asyncio.gather(*(c.end_weight_update() for c in clients))
         finally:
             await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
             paused = time.perf_counter() - paused
-                kill_point("weight_sync:bucket")  # engines hold a partly updated model
             for c in clients:
                 await c.close()
         return SyncReport(version, tensors, nbytes, time.perf_counter() - t0, paused)
+
+    async def close(self, engine_urls: Iterable[str] | None = None) -> None:
+        """Destroy the group: on ``engine_urls`` (default: all of this group's engines; a dead one's
+        error is ignored) and in this process. Never raises: the group is being given up."""
+
+        async def leave(url: str) -> None:
+            try:
+                async with EngineClient(url, timeout_s=30.0) as client:
+                    await client.destroy_weights_update_group(self.group_name)
+            except Exception as err:  # gone with its engine, or broken by a failed update
+                log.info("engine %s: destroying weight-sync group %s failed: %s", url, self.group_name, err)
+
+        await asyncio.gather(*(leave(u) for u in (self.engine_urls if engine_urls is None else engine_urls)))
+        if self.group is not None:
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception as err:  # a group broken by a dead peer may not tear down cleanly
+                log.info("destroying weight-sync group %s here failed: %s", self.group_name, err)
+            self.group = None
 
     def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         for _, tensor in bucket:

@@ -752,6 +752,11 @@ def validate_rollout(r: RolloutConfig) -> None:
                           "1 never stops the run for failed episodes")  # fmt: skip
     if r.failure_window < 1:
         raise ConfigError(f"rollout.failure_window must be >= 1 (got {r.failure_window})")
+    for key in ("engine_max_restarts", "episode_max_retries"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"rollout.{key} must be >= 0 (got {getattr(r, key)})")
+    if r.engine_check_s <= 0:
+        raise ConfigError(f"rollout.engine_check_s must be > 0 (got {r.engine_check_s})")
     if r.env_workers < 0:
         raise ConfigError(f"rollout.env_workers={r.env_workers} must be >= 0 (0: environments in the driver)")
     if r.env_worker_episodes < 1:

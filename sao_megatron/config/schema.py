@@ -307,6 +307,17 @@ class RolloutConfig:
     (engine, environment, reward or task errors); failed episodes are never trained."""
     failure_window: int = 100
     """Episodes the failure share is measured over (the check starts once this many finished)."""
+    engine_max_restarts: int = 3
+    """Restarts of one engine (its process exited, or it stopped answering) before it is dropped and
+    the run continues on the others; with none left the run stops. A restarted engine starts from
+    ``<run_dir>/hf/policy`` and takes episodes once a weight sync gave it the current version."""
+    engine_check_s: float = 5.0
+    """Period of the engine watchdog: each engine's process is polled and its ``/model_info`` asked;
+    an exited process, or three missed answers in a row, marks the engine down for a restart."""
+    episode_max_retries: int = 2
+    """Times an episode that failed because of its engine (an ``engine:`` reason, or aborted) is
+    run again from scratch (same prompt and group member, a fresh environment) before it counts as
+    a failed episode."""
     env_workers: int = 0
     """Worker processes (Ray actors) that hold the episodes' environments and run their reset, steps,
     reward and close; 0: environments run in the driver process."""

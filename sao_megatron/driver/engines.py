@@ -20,6 +20,10 @@ class Engine(Protocol):
 
     def wait_healthy(self) -> float: ...
 
+    def alive(self) -> bool:
+        """The server process (every node's, for a multi-node engine) is running."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -48,6 +52,9 @@ class EngineHost:
         assert self.proc is not None, "launch() first"
         self.proc.wait_healthy()
         return self.proc.url
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -102,6 +109,12 @@ class RemoteEngine:
         self.url = str(ray.get(self.host.wait_healthy.remote()))
         return 0.0
 
+    def alive(self) -> bool:
+        try:
+            return all(ray.get([h.alive.remote() for h in self.hosts], timeout=30))
+        except Exception:  # a host (or its node) is gone, or does not answer
+            return False
+
     def stop(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
@@ -113,21 +126,31 @@ class RemoteEngine:
             remove_placement_group(self.group)
 
 
-async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path) -> list[Engine]:
-    """``rollout.num_engines`` servers of ``model_path``, healthy when this returns."""
+async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices: list[int] | None = None,
+                        restart: int = 0) -> list[Engine]:  # fmt: skip
+    """``rollout.num_engines`` servers of ``model_path`` (or only engines ``indices``), healthy when
+    this returns; each on a fresh port. ``restart`` > 0: the engines' ``restart``-th start (its own
+    log, ``engine<i>.restart<k>.log``, so the dead server's log stays). If one does not become
+    healthy, all are stopped and the error raised."""
     r, c = cfg.rollout, cfg.cluster
     remote = bool(c.ray_address)  # the rollout node group (the run directory is on a shared filesystem)
+    suffix = f".restart{restart}" if restart else ""
     specs = [EngineSpec(model_path=str(model_path), port=0 if remote else free_port(),
                         tensor_parallel=r.tensor_parallel, expert_parallel=r.expert_parallel, dtype=r.dtype,
                         max_total_tokens=r.max_total_tokens, dp_attention=c.engine_dp_attention,
                         mem_fraction_static=c.engine_mem_fraction if c.gpus_per_node else None,
-                        random_seed=cfg.run.seed + i, log_path=str(run_dir / "logs" / f"engine{i}.log"))
-             for i in range(r.num_engines)]  # fmt: skip
+                        random_seed=cfg.run.seed + i, log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"))
+             for i in (range(r.num_engines) if indices is None else indices)]  # fmt: skip
     engines: list[Engine]
     if remote:
         gpus = r.tensor_parallel if c.gpus_per_node else 0
         engines = [RemoteEngine(spec, gpus, c.gpus_per_node, c.placement_timeout_s) for spec in specs]
     else:
         engines = [EngineProcess(spec).start() for spec in specs]
-    await asyncio.gather(*(asyncio.to_thread(e.wait_healthy) for e in engines))
+    try:
+        await asyncio.gather(*(asyncio.to_thread(e.wait_healthy) for e in engines))
+    except BaseException:
+        for e in engines:
+            await asyncio.to_thread(e.stop)
+        raise
     return engines

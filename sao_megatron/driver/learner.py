@@ -64,25 +64,26 @@ async def learner_step(s: Session, estimator: Advantages, trajectories: list[Tra
         if train_actor:
             out.actor = await actor.update(actor.place(batch), advantages, version)
 
-    await asyncio.gather(critic_updates(), actor_update())
-    skipped = [
-        role for role, m in (("actor", out.actor), ("critic", out.critic)) if m.get("updated", 1.0) == 0
-    ]
-    s.skipped_in_a_row = s.skipped_in_a_row + 1 if skipped else 0
-    if skipped:
-        ids = sorted({t.prompt_id for t in trajectories})
-        log.warning("step at version %d: %s update skipped (non-finite loss or gradient, %d in a row); "
-                    "trajectories %s", version, " and ".join(skipped), s.skipped_in_a_row, ids)  # fmt: skip
-        limit = s.cfg.train.max_skipped_steps
-        if s.skipped_in_a_row >= limit:
-            raise TrainingDiverged(
-                f"{s.skipped_in_a_row} steps in a row skipped an update for non-finite losses or gradients "
-                f"(train.max_skipped_steps={limit}); last batch's trajectories {ids[:8]}. Lower the learning "
-                "rate or inspect those trajectories (sao report shows samples); resume from the last checkpoint"
-            )
-    if train_actor and "actor" not in skipped:
-        out.version = version + 1
-        out.sync = await s.sync_weights(out.version)
+    async with s.weights_lock:  # from the actor's update to the engines' sync: no engine restart between
+        await asyncio.gather(critic_updates(), actor_update())
+        skipped = [
+            role for role, m in (("actor", out.actor), ("critic", out.critic)) if m.get("updated", 1.0) == 0
+        ]
+        s.skipped_in_a_row = s.skipped_in_a_row + 1 if skipped else 0
+        if skipped:
+            ids = sorted({t.prompt_id for t in trajectories})
+            log.warning("step at version %d: %s update skipped (non-finite loss or gradient, %d in a row); "
+                        "trajectories %s", version, " and ".join(skipped), s.skipped_in_a_row, ids)  # fmt: skip
+            limit = s.cfg.train.max_skipped_steps
+            if s.skipped_in_a_row >= limit:
+                raise TrainingDiverged(
+                    f"{s.skipped_in_a_row} steps in a row skipped an update for non-finite losses or gradients "
+                    f"(train.max_skipped_steps={limit}); last batch's trajectories {ids[:8]}. Lower the learning "
+                    "rate or inspect those trajectories (sao report shows samples); resume from the last checkpoint"
+                )
+        if train_actor and "actor" not in skipped:
+            out.version = version + 1
+            out.sync = await s.sync_weights(out.version)
     out.seconds = time.perf_counter() - t0
     return out
 

@@ -91,6 +91,7 @@ class StepObserver:
         lag = algo.policy_lag(trained, o.batch.policy_versions, o.batch.action_mask)
         out = learner_metrics(o) | batch_metrics(o.trajectories, lag, o.batch.action_mask)
         out |= buffer_metrics(self.buffer)
+        out |= self.manager.engines.metrics()  # engine restarts and drops, episode retries (cumulative)
         out |= {"time/learner_wait_s": waited_s, "rollout/in_flight_at_take": float(in_flight),
                 "policy_version": float(o.version)}  # fmt: skip
         now = self._counters()

@@ -1,9 +1,20 @@
-"""The long-lived parts of a run: role groups, engines, clients, weight sync, evaluation, checkpoints."""
+"""The long-lived parts of a run: role groups, engines, clients, weight sync, evaluation, checkpoints.
+
+Engine faults: an engine whose process exited, that misses three watchdog checks in a row
+(``rollout.engine_check_s``), or on which an episode hit a connection error, is marked down (no
+new episodes; the managers retry its failed ones elsewhere) and restarted: same index, a fresh
+port, from ``<run_dir>/hf/policy``, then a weight sync of the current version to every engine (the
+broadcast group re-formed with the new URL) before it is marked up again. A sync that fails
+because an engine died restarts that engine and syncs again. After ``rollout.engine_max_restarts``
+restarts an engine is dropped; with none left the run stops (:class:`EnginesLost`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -22,10 +33,19 @@ from sao_megatron.envs.format import tool_format_of
 from sao_megatron.envs.registry import make_task
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
-from sao_megatron.rollout.client import EngineClient
+from sao_megatron.rollout.client import EngineClient, EngineError
 from sao_megatron.rollout.env_workers import EnvFactory, local_env_factory
-from sao_megatron.rollout.manager import PromptCursor, RolloutManager
+from sao_megatron.rollout.manager import EnginesLost, EngineStates, PromptCursor, RolloutManager
 from sao_megatron.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+_CONNECTION_FAILURES = ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "Connection reset",
+                        "Cannot connect")  # fmt: skip
+"""In an episode's ``engine:`` reason: the engine's server is not there (not a slow or refused call)."""
+
+_MISSED_CHECKS = 3
+"""Watchdog checks in a row an engine's ``/model_info`` may go unanswered before it is restarted."""
 
 
 class Session:
@@ -46,6 +66,15 @@ class Session:
         self.clients: list[EngineClient] = []
         self.loops: list[AgentLoop] = []
         self.sync_address = "127.0.0.1"
+        self.engine_states = EngineStates(0)
+        """Which engines take episodes, and the engine-fault counters (set by :meth:`start_rollouts`)."""
+        self.weights_lock = asyncio.Lock()
+        """Held from an actor update to the engines' sync of its weights (the learner step), and by
+        an engine's restart and its sync: a restart never labels new weights with the old version."""
+        self.version = 0
+        """The policy version the engines serve (the last synced)."""
+        self._watchdog: asyncio.Task | None = None
+        self._recovering: dict[int, asyncio.Task] = {}
         self._policy_exported = False  # <run_dir>/hf/policy holds the actor's current weights
         self.skipped_in_a_row = 0  # learner steps that skipped an update (non-finite gradients)
 
@@ -112,20 +141,160 @@ class Session:
             self.loops.append(
                 AgentLoop(client, self.tokenizer, self.cfg.rollout.loop, engine_name=f"engine{i}")
             )
-        await self.sync_weights(version)  # forms the broadcast group; labels tokens with ints
+        self.engine_states = EngineStates(len(self.engines), on_failure=self._episode_failed)
+        async with self.weights_lock:
+            await self.sync_weights(version)  # forms the broadcast group; labels tokens with ints
+        self._watchdog = asyncio.create_task(self._watch())
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        """Engines serve the actor's current weights under ``version``; timing metrics."""
+        """Engines serve the actor's current weights under ``version``; timing metrics. The caller
+        holds :attr:`weights_lock`. An engine that died (before or during the sync) is restarted
+        and the sync repeated; engines serving ``version`` afterwards are marked up."""
+        states = self.engine_states
+        while True:
+            try:
+                metrics = await self._sync_once(version)
+                break
+            except Exception as err:
+                dead = [i for i in states.live() if not await self._responsive(i)]
+                if not dead:
+                    raise
+                log.warning("weight sync to version %d failed (%s: %s); restarting engine(s) %s", version,
+                            type(err).__name__, str(err)[:300], dead)  # fmt: skip
+                for i in dead:
+                    await self._restart(i)
+        self.version = version
+        for i in states.live():
+            try:
+                label = await self.clients[i].weight_version()
+            except EngineError as err:  # died right after the sync: restarted (and synced) in the background
+                states.mark_down(i)
+                self._recover(i, str(err))
+                continue
+            if label != str(version):
+                raise RuntimeError(
+                    f"engine{i} serves weights labelled {label!r} after the sync of version {version}"
+                )
+            self.loops[i].client = self.clients[i]  # a restarted engine's: episodes reach it from now on
+            states.mark_up(i)
+        return metrics
+
+    async def _sync_once(self, version: int) -> dict[str, float]:
+        live = self.engine_states.live()
         if self.cfg.rollout.weight_sync == "disk":
             hf_dir = self.run_dir / "hf" / "policy"
             report = await self.actor.export_hf(hf_dir)
             await asyncio.gather(
-                *(c.update_weights_from_disk(str(hf_dir), str(version)) for c in self.clients)
+                *(self.clients[i].update_weights_from_disk(str(hf_dir), str(version)) for i in live)
             )
             return {"time/sync_s": report.seconds}
-        urls = [e.url for e in self.engines]
+        urls = [self.engines[i].url for i in live]
         report = await self.actor.sync_weights(urls, version, self.sync_address)
         return {f"time/{k}": v for k, v in report.items()}
+
+    # ---- engine faults ----------------------------------------------------------------------
+    async def _responsive(self, i: int) -> bool:
+        """Engine ``i``'s process runs and its HTTP server answers."""
+        if not await asyncio.to_thread(self.engines[i].alive):
+            return False
+        try:
+            await self.clients[i].model_info(timeout_s=5.0)
+            return True
+        except EngineError:
+            return False
+
+    def _episode_failed(self, i: int, reason: str) -> None:
+        """An episode on engine ``i`` failed because of it: a connection failure (the server is not
+        there) marks it down at once, before the episode's retry picks an engine; a check follows."""
+        if i in self._recovering or not self.engine_states.up[i]:
+            return
+        if any(k in reason for k in _CONNECTION_FAILURES):
+            self.engine_states.mark_down(i)
+        self._recover(i, reason)
+
+    def _recover(self, i: int, why: str) -> None:
+        """Check engine ``i`` in the background, restarting it if it is dead (once at a time)."""
+        if i not in self._recovering:
+            task = asyncio.create_task(self._check_and_restart(i, why))
+            self._recovering[i] = task
+            task.add_done_callback(lambda t, i=i: self._recovered(i, t))
+
+    def _recovered(self, i: int, task: asyncio.Task) -> None:
+        self._recovering.pop(i, None)
+        if not task.cancelled() and task.exception() is not None:
+            err = task.exception()
+            log.error("restarting engine%d failed: %s: %s", i, type(err).__name__, err)
+            if self.engine_states.error is None and not isinstance(err, EnginesLost):
+                self.engine_states.drop(i, f"its restart failed: {type(err).__name__}: {err}")
+
+    async def _check_and_restart(self, i: int, why: str) -> None:
+        states = self.engine_states
+        async with self.weights_lock:
+            if i in states.dropped:
+                return
+            if await self._responsive(i):
+                if not states.up[i]:  # a passing failure: it still serves the synced version
+                    if await self.clients[i].weight_version() == str(self.version):
+                        states.mark_up(i)
+                    else:
+                        await self.sync_weights(self.version)
+                return
+            log.warning("engine%d is down (%s); restarting it", i, why[:300])
+            await self._restart(i)
+            if i not in states.dropped:
+                await self.sync_weights(self.version)  # the current policy, before it takes episodes
+
+    async def _restart(self, i: int) -> None:
+        """Replace engine ``i`` by a fresh server (same index, a new port) from ``<run_dir>/hf/policy``,
+        not yet synced nor up; or drop it after ``rollout.engine_max_restarts`` restarts. The caller
+        holds :attr:`weights_lock`."""
+        from sao_megatron.driver.engines import start_engines
+
+        states, limit = self.engine_states, self.cfg.rollout.engine_max_restarts
+        states.mark_down(i)
+        await asyncio.to_thread(self.engines[i].stop)  # what is left of it (SGLang's subprocesses)
+        await self.clients[i].close()
+        while True:
+            if states.restarts[i] >= limit:
+                why = f"dead after {states.restarts[i]} restart(s) (rollout.engine_max_restarts={limit})"
+                log.error("engine%d dropped: %s", i, why)
+                states.drop(i, why)
+                if states.error is not None:
+                    raise EnginesLost(f"{states.error}; the run cannot continue without engines. See the "
+                                      f"engine logs in {self.run_dir / 'logs'}, or raise rollout.engine_max_restarts")  # fmt: skip
+                return
+            states.restarts[i] += 1
+            try:
+                (engine,) = await start_engines(self.cfg, self.run_dir / "hf" / "policy", self.run_dir, [i],
+                                                restart=states.restarts[i])  # fmt: skip
+                break
+            except Exception as err:
+                log.warning("restart %d of engine%d failed: %s", states.restarts[i], i, err)
+        self.engines[i] = engine
+        # Its agent loop keeps the closed client until the sync: an episode still in flight there fails
+        # (and is retried) rather than continue on weights of another version.
+        self.clients[i] = await EngineClient(engine.url).__aenter__()
+        log.warning("engine%d restarted (%d of rollout.engine_max_restarts=%d) at %s", i, states.restarts[i],
+                    limit, engine.url)  # fmt: skip
+
+    async def _watch(self) -> None:
+        """The watchdog: every ``rollout.engine_check_s``, each engine that is up must have a running
+        process and answer ``/model_info`` (at most ``_MISSED_CHECKS`` misses in a row)."""
+        missed = [0] * len(self.engines)
+        while True:
+            await asyncio.sleep(self.cfg.rollout.engine_check_s)
+            for i in self.engine_states.live():
+                if i in self._recovering or not self.engine_states.up[i]:
+                    missed[i] = 0
+                    continue
+                if not await asyncio.to_thread(self.engines[i].alive):
+                    self.engine_states.mark_down(i)
+                    self._recover(i, "its process exited")
+                    continue
+                missed[i] = 0 if await self._responsive(i) else missed[i] + 1
+                if missed[i] >= _MISSED_CHECKS:
+                    self.engine_states.mark_down(i)
+                    self._recover(i, f"no answer to {missed[i]} health checks in a row")
 
     def env_factory(self) -> EnvFactory:
         """Where every episode's environment lives, for the manager and evaluation alike: on the env
@@ -147,7 +316,8 @@ class Session:
                               env_kwargs=self.cfg.rollout.env_kwargs, cursor=cursor,
                               max_failed_fraction=self.cfg.rollout.max_failed_fraction,
                               failure_window=self.cfg.rollout.failure_window,
-                              env_factory=self.env_factory())  # fmt: skip
+                              env_factory=self.env_factory(), engines=self.engine_states,
+                              episode_max_retries=self.cfg.rollout.episode_max_retries)  # fmt: skip
 
     async def evaluate(self) -> dict[str, float]:
         """The paper's two held-out figures on the first ``train.eval_prompts`` held-out prompts
@@ -164,13 +334,14 @@ class Session:
         t = self.cfg.train
         size = self.task.size("heldout")
         n = t.eval_prompts if size is None else min(t.eval_prompts, size)
-        if n <= 0 or not self.clients:
+        clients = [self.clients[i] for i in self.engine_states.live()]  # a restarting engine's client is new
+        if n <= 0 or not clients:
             return {}
         k = t.eval_samples
         settings = [dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_temperature)]
         if k > 0:
             settings.append(dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_sample_temperature))
-        loops = [[AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}") for i, c in enumerate(self.clients)]
+        loops = [[AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}") for i, c in enumerate(clients)]
                  for s in settings]  # fmt: skip
         sem = asyncio.Semaphore(self.cfg.rollout.max_concurrent)
         samples = [self.task.get("heldout", i) for i in range(n)]
@@ -179,7 +350,7 @@ class Session:
         async def one(kind: int, i: int, j: int) -> Trajectory:
             async with sem:
                 env = await make_env()
-                loop = loops[kind][(i * (k + 1) + j) % len(self.clients)]
+                loop = loops[kind][(i * (k + 1) + j) % len(clients)]
                 return await loop.run(env, samples[i], split="heldout", index=i)
 
         jobs = [(0, i, 0) for i in range(n)] + [(1, i, j) for i in range(n) for j in range(k)]
@@ -217,6 +388,11 @@ class Session:
         RunState.publish(self.run_dir)
 
     async def shutdown(self) -> None:
+        for task in [self._watchdog, *self._recovering.values()]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         for client in self.clients:
             await client.close()
         for engine in self.engines:

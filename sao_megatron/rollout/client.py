@@ -217,8 +217,13 @@ class EngineClient:
         except EngineError:
             return False
 
-    async def model_info(self) -> dict:
-        return await self._call("GET", "/model_info")
+    async def model_info(self, timeout_s: float | None = None) -> dict:
+        return await self._call("GET", "/model_info", timeout_s=timeout_s)
+
+    async def weight_version(self, timeout_s: float | None = 10.0) -> str:
+        """The engine's label of the weights it serves (the label ``/generate`` tags tokens with);
+        ``/model_info`` answers even while generation is paused, unlike ``/health``."""
+        return str((await self.model_info(timeout_s)).get("weight_version"))
 
     async def flush_cache(self) -> None:
         await self._call("POST", "/flush_cache")

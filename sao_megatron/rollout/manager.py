@@ -6,6 +6,11 @@ is submitted ``group_size`` times (1 for SAO) under one ``group_id``. Up to
 first). Every finished trajectory, failed or not, goes to ``on_finished`` as soon as it
 finishes: there is no batch barrier here.
 
+Engine faults: an episode that failed because of its engine (an ``engine:`` reason, or aborted)
+is reported to the :class:`EngineStates` (the session restarts a dead engine) and run again from
+scratch, on an engine that is up, up to ``episode_max_retries`` times; only then is it a failed
+episode. New episodes go only to engines marked up, and wait while none is.
+
 Checkpointing: :meth:`state_dict` records the cursor and the submissions still in flight.
 Resuming re-submits those first (their partial work is discarded, never trained), so no prompt
 is lost; prompts handed to the learner are never in flight again, so none is trained twice.
@@ -66,17 +71,95 @@ class TooManyFailures(RuntimeError):
     """More than ``max_failed_fraction`` of the last ``failure_window`` episodes failed."""
 
 
+class EnginesLost(RuntimeError):
+    """Every engine was dropped (each restarted ``rollout.engine_max_restarts`` times): no episode can run."""
+
+
+def engine_failure(traj: Trajectory) -> bool:
+    """The episode failed because of its engine (an error calling it, or a generation it aborted),
+    not because of the environment, the reward or the task: worth running again elsewhere."""
+    return traj.status == "failed" and traj.status_reason.startswith(("engine:", "generation aborted"))
+
+
+class EngineStates:
+    """Which engines (by index) take new episodes: shared by the session, which marks an engine down
+    when it dies and up once it serves the current weights again, and the managers, which route new
+    episodes to engines that are up and report the engine failures of their episodes.
+
+    Also the engine-fault counters (since this process started): restarts per engine, engines
+    dropped, episodes retried."""
+
+    def __init__(self, n: int, on_failure: Callable[[int, str], object] | None = None):
+        """``on_failure(index, reason)``: an episode on engine ``index`` failed because of it."""
+        self.up = [True] * n
+        self.dropped: set[int] = set()
+        self.restarts = [0] * n
+        self.episode_retries = 0
+        self.error: EnginesLost | None = None
+        self.on_failure = on_failure
+        self._changed = asyncio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def mark_down(self, i: int) -> None:
+        self.up[i] = False
+
+    def mark_up(self, i: int) -> None:
+        if i not in self.dropped:
+            self.up[i] = True
+            self._notify()
+
+    def drop(self, i: int, why: str) -> None:
+        """Engine ``i`` is gone for good; with none left every waiting episode raises :class:`EnginesLost`."""
+        self.up[i] = False
+        self.dropped.add(i)
+        if len(self.dropped) == len(self.up):
+            self.error = EnginesLost(f"every engine was dropped; the last, engine{i}: {why}")
+        self._notify()
+
+    def live(self) -> list[int]:
+        """Engines not dropped (up, or down for a restart)."""
+        return [i for i in range(len(self.up)) if i not in self.dropped]
+
+    async def wait_up(self) -> list[int]:
+        """The engines up now; waits while none is. Raises :class:`EnginesLost` once all are dropped."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            ready = [i for i, up in enumerate(self.up) if up]
+            if ready:
+                return ready
+            await self._changed.wait()
+
+    def report(self, i: int, reason: str) -> None:
+        if self.on_failure is not None:
+            self.on_failure(i, reason)
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/engine_restarts``, ``rollout/engine_dropped``, ``rollout/episode_retries``: counts
+        since this process started (like ``buffer/dropped_*``, not per step)."""
+        return {"rollout/engine_restarts": float(sum(self.restarts)),
+                "rollout/engine_dropped": float(len(self.dropped)),
+                "rollout/episode_retries": float(self.episode_retries)}  # fmt: skip
+
+
 class RolloutManager:
     def __init__(self, loops: list[AgentLoop], task: Task, env_name: str, on_finished: Callable[[Trajectory], object],
                  group_size: int = 1, max_concurrent: int = 64, env_kwargs: dict | None = None,
                  cursor: PromptCursor | None = None, max_failed_fraction: float = 1.0,
-                 failure_window: int = 100, env_factory: EnvFactory | None = None):  # fmt: skip
+                 failure_window: int = 100, env_factory: EnvFactory | None = None,
+                 engines: EngineStates | None = None, episode_max_retries: int = 0):  # fmt: skip
         """Failed episodes (a reason in ``status_reason``) are handed on like any other and never
         stop the run, unless more than ``max_failed_fraction`` of the last ``failure_window``
         failed: then :meth:`run` raises :class:`TooManyFailures` naming the commonest reasons.
 
         Each episode's Env comes from ``env_factory`` (e.g. an env worker pool's); by default it is
-        ``make_env(env_name, **env_kwargs)`` in this process."""
+        ``make_env(env_name, **env_kwargs)`` in this process.
+
+        ``engines`` says which loops (by index) are up; by default all, always. An episode failed
+        by its engine is run again up to ``episode_max_retries`` times (see the module docstring)."""
         if not loops:
             raise ValueError("RolloutManager needs at least one engine (AgentLoop)")
         self.loops = loops
@@ -98,6 +181,10 @@ class RolloutManager:
         self._error: BaseException | None = None
         self.max_failed_fraction = max_failed_fraction
         self._recent: deque[str] = deque(maxlen=failure_window)  # "" or the failure's reason
+        self.engines = engines or EngineStates(len(loops))
+        if len(self.engines.up) != len(loops):
+            raise ValueError(f"EngineStates of {len(self.engines.up)} engines for {len(loops)} loops")
+        self.episode_max_retries = episode_max_retries
 
     # ---- submissions ------------------------------------------------------------------------
     def _next_submissions(self) -> list[Submission]:
@@ -105,8 +192,9 @@ class RolloutManager:
         now = time.time()
         return [Submission(self.cursor.split, index, g, now) for g in range(self.group_size)]
 
-    def _pick_loop(self) -> int:
-        return min(range(len(self.loops)), key=lambda i: self._load[i])
+    async def _pick_loop(self) -> int:
+        """The least loaded engine that is up (waits while none is)."""
+        return min(await self.engines.wait_up(), key=lambda i: self._load[i])
 
     def _busy(self, i: int, delta: int) -> None:
         """Track per-engine busy time (at least one episode in flight) for utilisation."""
@@ -125,25 +213,18 @@ class RolloutManager:
         )
 
     async def _episode(self, sub: Submission) -> None:
-        i = self._pick_loop()
-        self._busy(i, +1)
-        loop = self.loops[i]
-        try:
-            try:
-                sample = self.task.get(sub.split, sub.index)
-            except Exception as err:  # a bad record must not stop the run: a failed episode
-                traj = _failed(sub, f"task: {type(err).__name__}: {err}")
-            else:
-                try:
-                    env = await self.env_factory()
-                except Exception as err:
-                    traj = _failed(sub, environment_failure(err), sample.prompt_id)
-                else:
-                    traj = await loop.run(
-                        env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at
-                    )
-        finally:
-            self._busy(i, -1)
+        retries = 0
+        while True:
+            i = await self._pick_loop()
+            loop = self.loops[i]
+            traj = await self._attempt(sub, i)
+            if not engine_failure(traj):
+                break
+            self.engines.report(i, traj.status_reason)
+            if retries >= self.episode_max_retries:
+                break
+            retries += 1
+            self.engines.episode_retries += 1
         traj.group_id = sub.group_id
         traj.reward_details = {**traj.reward_details, "group_index": sub.group_index}
         self.stats.finished += 1
@@ -152,6 +233,24 @@ class RolloutManager:
         self.stats.per_engine[loop.engine_name] = self.stats.per_engine.get(loop.engine_name, 0) + 1
         self._count_failure(traj)
         self.on_finished(traj)
+
+    async def _attempt(self, sub: Submission, i: int) -> Trajectory:
+        """One run of ``sub`` on loop ``i``, from scratch (its own environment)."""
+        self._busy(i, +1)
+        try:
+            try:
+                sample = self.task.get(sub.split, sub.index)
+            except Exception as err:  # a bad record must not stop the run: a failed episode
+                return _failed(sub, f"task: {type(err).__name__}: {err}")
+            try:
+                env = await self.env_factory()
+            except Exception as err:
+                return _failed(sub, environment_failure(err), sample.prompt_id)
+            return await self.loops[i].run(
+                env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at
+            )
+        finally:
+            self._busy(i, -1)
 
     def _count_failure(self, traj: Trajectory) -> None:
         self._recent.append(traj.status_reason or "unknown" if traj.status == "failed" else "")
@@ -199,7 +298,7 @@ class RolloutManager:
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
-                if isinstance(self._error, TooManyFailures):
+                if isinstance(self._error, (TooManyFailures, EnginesLost)):
                     raise self._error
                 if self._error is not None:
                     raise RuntimeError(f"an episode raised: {self._error!r}") from self._error

@@ -71,6 +71,7 @@ class ActorWorker:
         init_rank(cfg.actor.parallel, cfg.run.seed)
         self.role = build_actor_role(cfg.model, cfg.actor)
         self._sync = None
+        self._sync_groups = 0  # weight-sync groups formed so far (each has its own name)
 
     @property
     def _micro(self) -> MicroBatching:
@@ -173,7 +174,11 @@ class ActorWorker:
     def sync_weights(
         self, engine_urls: list[str], version: int, master_address: str, master_port: int = 0
     ) -> dict[str, float]:
-        """Stream HF-named weights to the engines (rank 0 broadcasts), tagged ``version``."""
+        """Stream HF-named weights to the engines (rank 0 broadcasts), tagged ``version``.
+
+        The broadcast group is re-formed (a new name; the old one destroyed on the engines still
+        listed) when ``engine_urls`` differ from the last call's (an engine restarted or dropped),
+        and after a failed update (an engine died during it), which raises here."""
         from sao_megatron.models.hf_weights import iter_hf_weights
         from sao_megatron.weight_sync import WeightSync
 
@@ -185,14 +190,28 @@ class ActorWorker:
             for _ in buckets:  # the gather inside is a collective
                 pass
             return {}
-        if self._sync is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            self._sync = WeightSync(engine_urls, engine_tp=r.tensor_parallel, backend=backend,
-                                    master_address=master_address, master_port=master_port)  # fmt: skip
-            asyncio.run(self._sync.connect())
-            print(f"[sao-weight-sync] {backend} group at {master_address}:{self._sync.master_port} "
-                  f"(trainer rank 0) -> engines {' '.join(engine_urls)}", flush=True)  # fmt: skip
-        report = asyncio.run(self._sync.update(buckets, version))
+        if self._sync is not None and self._sync.engine_urls != engine_urls:
+            old = self._sync
+            self._sync = None
+            asyncio.run(old.close([u for u in old.engine_urls if u in engine_urls]))
+        try:
+            if self._sync is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+                self._sync_groups += 1
+                name = "sao_weight_sync" + (f"_{self._sync_groups}" if self._sync_groups > 1 else "")
+                self._sync = WeightSync(list(engine_urls), engine_tp=r.tensor_parallel, backend=backend,
+                                        master_address=master_address, master_port=master_port, group_name=name)  # fmt: skip
+                asyncio.run(self._sync.connect())
+                print(f"[sao-weight-sync] {backend} group {name} at {master_address}:{self._sync.master_port} "
+                      f"(trainer rank 0) -> engines {' '.join(engine_urls)}", flush=True)  # fmt: skip
+            report = asyncio.run(self._sync.update(buckets, version))
+        except BaseException:
+            for _ in buckets:  # the other ranks still gather every bucket: finish the collectives
+                pass
+            if self._sync is not None:  # broken by the failure: the next call forms a new group
+                sync, self._sync = self._sync, None
+                asyncio.run(sync.close())
+            raise
         return {
             "sync_s": report.seconds,
             "sync_pause_s": report.paused_s,

@@ -93,6 +93,9 @@ def test_saved_config_round_trips(tmp_path):
         ("critic.updates_per_step=0", "K must be >= 1"),
         ("rollout.max_failed_fraction=0", "rollout.max_failed_fraction=0.0 must be in (0, 1]"),
         ("rollout.failure_window=0", "rollout.failure_window must be >= 1"),
+        ("rollout.engine_max_restarts=-1", "rollout.engine_max_restarts must be >= 0"),
+        ("rollout.episode_max_retries=-1", "rollout.episode_max_retries must be >= 0"),
+        ("rollout.engine_check_s=0", "rollout.engine_check_s must be > 0"),
         (
             "actor.parallel.max_tokens_per_micro_batch=-1",
             "actor.parallel.max_tokens_per_micro_batch must be >= 0",

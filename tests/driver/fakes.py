@@ -202,6 +202,7 @@ class FakeSession:
     buffer: ReadyBuffer | None = None
     rollout_manager: RolloutManager | None = None
     skipped_in_a_row: int = 0
+    weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         if self.critic is not None:

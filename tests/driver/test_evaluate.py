@@ -14,6 +14,7 @@ from sao_megatron.driver import session as session_module
 from sao_megatron.driver.session import Session
 from sao_megatron.envs import make_task
 from sao_megatron.rollout.client import EngineClient
+from sao_megatron.rollout.manager import EngineStates
 
 
 @dataclass
@@ -52,6 +53,7 @@ def make_session(overrides: list[str]) -> Session:
     session.cfg, session.tokenizer = cfg, None
     session.task = make_task(cfg.rollout.env, dataset=cfg.data, **cfg.rollout.task_kwargs)
     session.clients = [cast(EngineClient, object()), cast(EngineClient, object())]
+    session.engine_states = EngineStates(2)  # both up
     return session
 
 

@@ -87,7 +87,12 @@ def test_submit_dry_run_prints_every_node_group(tmp_path):
     sruns = [line for line in lines if line.startswith("srun ")]
     assert len(sruns) == 4  # head (node01, actor), the other actor nodes, critic, rollout
     head, actor, critic, rollout = sruns
-    assert "--nodelist=node01 " in head and "ray-start --head" in head and "exec ray start --num-cpus=" in head and '{"sao_actor": 8}' in head
+    assert (
+        "--nodelist=node01 " in head
+        and "ray-start --head" in head
+        and "exec ray start --num-cpus=" in head
+        and '{"sao_actor": 8}' in head
+    )
     assert "--nodes=31 " in actor and "--nodelist=node02,node03," in actor and "node32 " in actor
     assert "--nodes=32 " in critic and "--nodelist=node33," in critic and '{"sao_critic": 8}' in critic
     assert "--nodes=32 " in rollout and "node96 " in rollout and '{"sao_rollout": 8}' in rollout

@@ -174,6 +174,37 @@ def test_distributed_weight_sync_serves_new_weights(engine, checkpoints):
     assert (torch.tensor(scored) - expected).abs().max().item() <= 1e-4
 
 
+def test_a_weight_sync_group_is_re_formed_under_a_new_name(engine, checkpoints):
+    """What the trainer does when the engines change (a restart): the old group is destroyed on the
+    engine still running, a new one formed under a new name serves the next update."""
+    from safetensors.torch import load_file
+
+    from sao_megatron.weight_sync import WeightSync
+
+    new = load_file(str(checkpoints[1] / "model.safetensors"))
+    buckets = [sorted(new.items())]
+
+    async def go():
+        first = WeightSync([engine.url], backend="gloo", group_name="reform_1")  # a name new to both sides
+        await first.connect()
+        await first.update(buckets, version=3)
+        await first.close()
+        second = WeightSync([engine.url], backend="gloo", group_name="reform_2")
+        await second.connect()
+        await second.update(buckets, version=4)
+        async with EngineClient(engine.url) as client:
+            label = await client.weight_version()
+            gen = await client.generate([2, 40, 3], SamplingParams(max_new_tokens=3))
+            with pytest.raises(EngineError):  # the old group is gone on the engine
+                await client.destroy_weights_update_group("reform_1")
+            await client.update_weights_from_disk(str(checkpoints[0]), "8")
+        await second.close()
+        return label, gen
+
+    label, gen = run(go())
+    assert label == "4" and set(gen.weight_versions) == {"4"}
+
+
 def test_tensor_weight_update_serves_new_weights(engine, checkpoints):
     import torch
     from safetensors.torch import load_file
