@@ -174,6 +174,7 @@ class RolloutManager:
         self.stats = ManagerStats()
         self._pending: list[Submission] = []
         self._in_flight: dict[Submission, asyncio.Task] = {}
+        self._handed: set[Submission] = set()  # handed on; their task ends at the next loop turn
         self._load = [0] * len(loops)
         self._busy_since = [0.0] * len(loops)
         self._paused = asyncio.Event()
@@ -232,6 +233,7 @@ class RolloutManager:
         self.stats.generated_tokens += traj.num_action_tokens
         self.stats.per_engine[loop.engine_name] = self.stats.per_engine.get(loop.engine_name, 0) + 1
         self._count_failure(traj)
+        self._handed.add(sub)  # from here a checkpoint holds it as finished, never as one to re-run
         self.on_finished(traj)
 
     async def _attempt(self, sub: Submission, i: int) -> Trajectory:
@@ -274,6 +276,7 @@ class RolloutManager:
 
     def _finished(self, sub: Submission, task: asyncio.Task) -> None:
         self._in_flight.pop(sub, None)
+        self._handed.discard(sub)
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = (
                 task.exception()
@@ -334,7 +337,8 @@ class RolloutManager:
 
     def state_dict(self) -> dict:
         """Cursor plus every submission not yet finished (to be re-run on resume)."""
-        unfinished = sorted({(s.split, s.index, s.group_index) for s in [*self._in_flight, *self._pending]})
+        running = [s for s in self._in_flight if s not in self._handed]
+        unfinished = sorted({(s.split, s.index, s.group_index) for s in [*running, *self._pending]})
         return {"split": self.cursor.split, "next_index": self.cursor.next_index,
                 "resubmit": [list(x) for x in unfinished]}  # fmt: skip
 

@@ -81,6 +81,25 @@ def test_manager_state_resubmits_in_flight_prompts():
     assert done | resubmit == set(range(state["next_index"])), (done, resubmit, state)
 
 
+def test_a_checkpoint_at_hand_off_never_lists_the_handed_episode_for_a_rerun():
+    """The learner may checkpoint between an episode's hand-off and its task's done-callback (one
+    event-loop turn later): the prompt must then count as finished, not as one to re-run."""
+    seen: list[tuple[int, set[int]]] = []
+
+    async def go():
+        manager: RolloutManager
+
+        def on_finished(traj):
+            seen.append((traj.sample_index, {i for _, i, _ in manager.state_dict()["resubmit"]}))
+
+        manager = RolloutManager([FakeLoop(lambda index, call: 0.01)], CountingTask(), "arith_tool", on_finished,
+                                 max_concurrent=2)  # fmt: skip
+        await manager.run(asyncio.Event(), max_prompts=6)
+
+    asyncio.run(go())
+    assert len(seen) == 6 and all(index not in resubmit for index, resubmit in seen), seen
+
+
 class FlakyTask(CountingTask):
     """Record ``index`` breaks when ``index % 5 == 3``."""
 
