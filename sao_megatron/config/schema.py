@@ -30,6 +30,8 @@ Backend = Literal["auto", "nccl", "gloo"]
 """torch.distributed backend of the trainer ranks."""
 NodeGroup = Literal["actor", "critic", "rollout"]
 """A node group of a cluster run (``cluster.*_nodes``; its nodes advertise ``sao_<group>`` to Ray)."""
+RetryFrom = Literal["scratch", "turn"]
+"""Where an episode retried after an engine fault starts again (``rollout.episode_retry_from``)."""
 
 
 class ConfigError(ValueError):
@@ -316,8 +318,12 @@ class RolloutConfig:
     an exited process, or three missed answers in a row, marks the engine down for a restart."""
     episode_max_retries: int = 2
     """Times an episode that failed because of its engine (an ``engine:`` reason, or aborted) is
-    run again from scratch (same prompt and group member, a fresh environment) before it counts as
-    a failed episode."""
+    run again (same prompt and group member; ``episode_retry_from`` says from where) before it
+    counts as a failed episode."""
+    episode_retry_from: RetryFrom = "scratch"
+    """Where a retried episode starts: ``scratch`` (a fresh environment, the whole episode again) or
+    ``turn`` (the same environment and the tokens so far; the failed turn is generated again on an
+    engine that is up, so completed turns and tool calls are not repeated)."""
     env_workers: int = 0
     """Worker processes (Ray actors) that hold the episodes' environments and run their reset, steps,
     reward and close; 0: environments run in the driver process."""

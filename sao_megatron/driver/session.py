@@ -317,7 +317,8 @@ class Session:
                               max_failed_fraction=self.cfg.rollout.max_failed_fraction,
                               failure_window=self.cfg.rollout.failure_window,
                               env_factory=self.env_factory(), engines=self.engine_states,
-                              episode_max_retries=self.cfg.rollout.episode_max_retries)  # fmt: skip
+                              episode_max_retries=self.cfg.rollout.episode_max_retries,
+                              retry_from=self.cfg.rollout.episode_retry_from)  # fmt: skip
 
     async def evaluate(self) -> dict[str, float]:
         """The paper's two held-out figures on the first ``train.eval_prompts`` held-out prompts

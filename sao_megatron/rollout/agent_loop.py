@@ -38,7 +38,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from sao_megatron.config import AgentLoopConfig
@@ -116,6 +116,10 @@ def _version(label: str) -> int:
         return 0  # the engine's initial weights ("default") are version 0
 
 
+Reroute = Callable[[str], Awaitable["AgentLoop | None"]]
+"""``reroute(reason)`` -> the loop to generate the failed turn again on, or None to give up."""
+
+
 class AgentLoop:
     """Runs episodes of one environment class against one engine client."""
 
@@ -136,8 +140,12 @@ class AgentLoop:
                           enable_thinking=self.cfg.enable_thinking)  # fmt: skip
 
     async def run(self, env: Env, sample: Sample, split: str = "train", index: int | None = None,
-                  submitted_at: float | None = None) -> Trajectory:  # fmt: skip
+                  submitted_at: float | None = None, reroute: Reroute | None = None) -> Trajectory:  # fmt: skip
+        """One episode. ``reroute(reason)``, when given, is asked for another loop (engine) when a
+        generation fails because of the engine: the failed turn is generated again there, with the
+        same environment and tokens so far; None from it ends the episode as failed."""
         started = time.time()
+        on: list[AgentLoop] = [self]  # the loop whose engine generates the next turn
         prompt_ids: list[int] = []
         ep = _Episode([], [], [], [], [])
         status, reason = "finished", ""
@@ -145,7 +153,8 @@ class AgentLoop:
             chat = self.chat_format(env)
             question = await _bounded(env.areset(sample), self.cfg.env_step_timeout_s, "environment: reset")
             prompt_ids = chat.prompt_ids(question)
-            status, reason = await self._turns(env, chat, chat.prompt_messages(question), prompt_ids, ep)
+            status, reason = await self._turns(env, chat, chat.prompt_messages(question), prompt_ids, ep, on,
+                                               reroute)  # fmt: skip
             try:
                 result = await _bounded(env.areward(), self.cfg.env_step_timeout_s, "reward:")
             except EnvWorkerError:
@@ -173,11 +182,11 @@ class AgentLoop:
             turns=ep.turns, reward=float(reward), status=status, status_reason=reason, correct=correct,
             reward_details=details, split=split, sample_index=index,
             submitted_at=submitted_at if submitted_at is not None else started, started_at=started,
-            finished_at=time.time(), engine=self.engine_name,
+            finished_at=time.time(), engine=on[0].engine_name,
         )  # fmt: skip
 
     async def _turns(self, env: Env, chat: ChatFormat, messages: list[dict], prompt_ids: list[int],
-                     ep: _Episode) -> tuple[Status, str]:  # fmt: skip
+                     ep: _Episode, on: list[AgentLoop], reroute: Reroute | None) -> tuple[Status, str]:  # fmt: skip
         cfg = self.cfg
         stop_ids = set(chat.stop_token_ids)
         for _ in range(cfg.max_turns):
@@ -187,11 +196,24 @@ class AgentLoop:
                 return "truncated", "token budget exhausted"
             sampling = SamplingParams(max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
                                       stop_token_ids=chat.stop_token_ids)  # fmt: skip
-            gen = await self.client.generate(
-                prompt_ids + ep.response_ids, sampling, timeout_s=cfg.generate_timeout_s
-            )
-            if gen.finish_reason == "abort":
-                return "failed", "generation aborted by the engine"
+            gen = None
+            while True:  # the turn, again on another engine after an engine fault (``reroute``)
+                try:
+                    gen = await on[0].client.generate(
+                        prompt_ids + ep.response_ids, sampling, timeout_s=cfg.generate_timeout_s
+                    )
+                    failure = "generation aborted by the engine" if gen.finish_reason == "abort" else ""
+                except EngineError as err:
+                    if reroute is None:
+                        raise
+                    failure = f"engine: {err}"
+                if not failure:
+                    break
+                nxt = await reroute(failure) if reroute is not None else None
+                if nxt is None:
+                    return "failed", failure
+                on[0] = nxt
+            assert gen is not None
             if not gen.output_ids:
                 return "failed", "engine returned no tokens"
             ep.add_action(gen.output_ids, gen.behavior_logprobs, [_version(v) for v in gen.weight_versions])

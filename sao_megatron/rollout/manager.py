@@ -7,9 +7,10 @@ first). Every finished trajectory, failed or not, goes to ``on_finished`` as soo
 finishes: there is no batch barrier here.
 
 Engine faults: an episode that failed because of its engine (an ``engine:`` reason, or aborted)
-is reported to the :class:`EngineStates` (the session restarts a dead engine) and run again from
-scratch, on an engine that is up, up to ``episode_max_retries`` times; only then is it a failed
-episode. New episodes go only to engines marked up, and wait while none is.
+is reported to the :class:`EngineStates` (the session restarts a dead engine) and run again on
+an engine that is up, up to ``episode_max_retries`` times; only then is it a failed episode.
+``retry_from="scratch"`` runs the whole episode again with a fresh environment; ``"turn"`` keeps
+the environment and the tokens so far and generates the failed turn again on the other engine. New episodes go only to engines marked up, and wait while none is.
 
 Checkpointing: :meth:`state_dict` records the cursor and the submissions still in flight.
 Resuming re-submits those first (their partial work is discarded, never trained), so no prompt
@@ -150,7 +151,8 @@ class RolloutManager:
                  group_size: int = 1, max_concurrent: int = 64, env_kwargs: dict | None = None,
                  cursor: PromptCursor | None = None, max_failed_fraction: float = 1.0,
                  failure_window: int = 100, env_factory: EnvFactory | None = None,
-                 engines: EngineStates | None = None, episode_max_retries: int = 0):  # fmt: skip
+                 engines: EngineStates | None = None, episode_max_retries: int = 0,
+                 retry_from: str = "scratch"):  # fmt: skip
         """Failed episodes (a reason in ``status_reason``) are handed on like any other and never
         stop the run, unless more than ``max_failed_fraction`` of the last ``failure_window``
         failed: then :meth:`run` raises :class:`TooManyFailures` naming the commonest reasons.
@@ -186,6 +188,9 @@ class RolloutManager:
         if len(self.engines.up) != len(loops):
             raise ValueError(f"EngineStates of {len(self.engines.up)} engines for {len(loops)} loops")
         self.episode_max_retries = episode_max_retries
+        if retry_from not in ("scratch", "turn"):
+            raise ValueError(f"retry_from={retry_from!r}: use 'scratch' or 'turn'")
+        self.retry_from = retry_from
 
     # ---- submissions ------------------------------------------------------------------------
     def _next_submissions(self) -> list[Submission]:
@@ -214,17 +219,17 @@ class RolloutManager:
         )
 
     async def _episode(self, sub: Submission) -> None:
-        retries = 0
+        retries = [0]  # shared with the turn-level reroute of _attempt
         while True:
             i = await self._pick_loop()
-            loop = self.loops[i]
-            traj = await self._attempt(sub, i)
+            traj = await self._attempt(sub, i, retries)
+            loop = self.loops[self._engine_index(traj, i)]
             if not engine_failure(traj):
                 break
-            self.engines.report(i, traj.status_reason)
-            if retries >= self.episode_max_retries:
+            self.engines.report(self._engine_index(traj, i), traj.status_reason)
+            if retries[0] >= self.episode_max_retries:
                 break
-            retries += 1
+            retries[0] += 1
             self.engines.episode_retries += 1
         traj.group_id = sub.group_id
         traj.reward_details = {**traj.reward_details, "group_index": sub.group_index}
@@ -236,8 +241,27 @@ class RolloutManager:
         self._handed.add(sub)  # from here a checkpoint holds it as finished, never as one to re-run
         self.on_finished(traj)
 
-    async def _attempt(self, sub: Submission, i: int) -> Trajectory:
-        """One run of ``sub`` on loop ``i``, from scratch (its own environment)."""
+    def _engine_index(self, traj: Trajectory, default: int) -> int:
+        """The loop whose engine ran the episode's last turn (it may have moved: ``retry_from="turn"``)."""
+        names = [loop.engine_name for loop in self.loops]
+        return names.index(traj.engine) if traj.engine in names else default
+
+    async def _attempt(self, sub: Submission, i: int, retries: list[int]) -> Trajectory:
+        """One run of ``sub`` from scratch (its own environment), starting on loop ``i``; with
+        ``retry_from="turn"`` an engine failure moves it to another engine, mid-episode."""
+
+        async def reroute(reason: str) -> AgentLoop | None:
+            nonlocal i
+            self.engines.report(i, reason)
+            if retries[0] >= self.episode_max_retries:
+                return None
+            retries[0] += 1
+            self.engines.episode_retries += 1
+            self._busy(i, -1)
+            i = await self._pick_loop()
+            self._busy(i, +1)
+            return self.loops[i]
+
         self._busy(i, +1)
         try:
             try:
@@ -249,7 +273,12 @@ class RolloutManager:
             except Exception as err:
                 return _failed(sub, environment_failure(err), sample.prompt_id)
             return await self.loops[i].run(
-                env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at
+                env,
+                sample,
+                split=sub.split,
+                index=sub.index,
+                submitted_at=sub.submitted_at,
+                **({"reroute": reroute} if self.retry_from == "turn" else {}),
             )
         finally:
             self._busy(i, -1)

@@ -24,7 +24,7 @@ from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import Generation
 from sao_megatron.rollout.env_workers import EnvFactory, EnvWorker, RemoteEnv, local_env_factory
-from sao_megatron.rollout.manager import RolloutManager
+from sao_megatron.rollout.manager import EngineStates, RolloutManager
 from sao_megatron.tokenizer import load_tokenizer
 from tests.rollout.fakes import CountingTask
 
@@ -200,6 +200,7 @@ def test_evaluation_runs_its_environments_on_the_pool(pool, tokenizer):
     session.cfg, session.tokenizer = cfg, tokenizer
     session.task = make_task("arith_tool")
     session.clients = [ArithClient(tokenizer)]  # type: ignore[list-item]
+    session.engine_states = EngineStates(1)  # the one engine, up
     before = sum(info["calls"].get("reset", 0) for info in asyncio.run(pool.info()))
     with pytest.raises(RuntimeError, match="env workers are not started"):
         session.env_factory()
