@@ -199,9 +199,9 @@ def _c_isolate_files(
         os.mkdir(spot)
         mount(path, spot, None, bind | rec)
         stage.append((spot, path))
+    hidden = [path for path in hidden if os.path.isdir(path)]  # those under /tmp are gone already
     for path in hidden:
-        if os.path.isdir(path):
-            mount("tmpfs", path, "tmpfs", nosuid | nodev, "size=64k,mode=755")
+        mount("tmpfs", path, "tmpfs", nosuid | nodev, "size=64k,mode=755")
     for spot, path in stage:
         os.makedirs(path, mode=0o755, exist_ok=True)
         mount(spot, path, None, bind | rec)
@@ -213,9 +213,8 @@ def _c_isolate_files(
         mount(f"/proc/self/fd/{fd}", target, None, bind | rec)
         mount(None, target, None, remount | bind | nosuid | nodev | (rdonly if mode == "ro" else 0))
         os.close(fd)
-    for path in hidden:
-        if os.path.isdir(path):
-            mount(None, path, None, remount | rdonly | nosuid | nodev, "size=64k,mode=755")
+    for path in hidden:  # only the tmpfs mounted above (a bind target may have made the path since)
+        mount(None, path, None, remount | rdonly | nosuid | nodev, "size=64k,mode=755")
     if os.path.isdir("/dev/shm"):  # private, so multiprocessing works and nothing is shared
         mount("tmpfs", "/dev/shm", "tmpfs", nosuid | nodev, private)
     for shared in ("/var/tmp", "/run/lock"):
