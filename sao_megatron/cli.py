@@ -99,6 +99,8 @@ def resume_if_present(cfg: SAOConfig) -> Path | None:
 
 
 def cmd_train(args) -> int:
+    if args.resume == "auto":  # the same decision as --resume-if-present
+        args.resume, args.resume_if_present = None, True
     if args.resume_if_present:
         args.resume = resume_if_present(_load(args))
     if args.resume:
@@ -452,7 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             resume = p.add_mutually_exclusive_group()
             resume.add_argument(
-                "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint"
+                "--resume",
+                metavar="RUN_DIR",
+                help="continue the run in RUN_DIR from its checkpoint ('auto': as --resume-if-present)",
             )
             resume.add_argument("--resume-if-present", action="store_true",
                                 help="continue from run.run_dir's complete checkpoint when it has one, else start "

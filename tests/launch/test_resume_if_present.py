@@ -108,7 +108,10 @@ def test_sao_train_passes_the_decision_to_the_pipeline(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "sao_megatron.pipeline", types.SimpleNamespace(train=train))
     argv = ["train", "--resume-if-present", "configs/tiny_cpu.yaml", f"run.run_dir={run}"]
+    auto = ["train", "--resume", "auto", "configs/tiny_cpu.yaml", f"run.run_dir={run}"]  # the same decision
     assert cli.cmd_train(build_parser().parse_args(argv)) == 0
+    assert cli.cmd_train(build_parser().parse_args(auto)) == 0
     _published(run, step=1)
     assert cli.cmd_train(build_parser().parse_args(argv)) == 0
-    assert seen == [(run, False), (run, True)]
+    assert cli.cmd_train(build_parser().parse_args(auto)) == 0
+    assert seen == [(run, False), (run, False), (run, True), (run, True)]
