@@ -41,8 +41,8 @@ class ArithClient:
 
     url = "arith"
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, skew: bool = True):
+        self.tokenizer, self.skew = tokenizer, skew  # skew=False: always the right answer
 
     async def generate(self, input_ids, sampling, rid=None, timeout_s=None) -> Generation:
         await asyncio.sleep(0.01)
@@ -52,7 +52,7 @@ class ArithClient:
         if "<tool>" not in text:
             action = f"<tool>{expr}</tool><|end|>"
         else:
-            value = int(calculator(expr)) + len(expr) % 2
+            value = int(calculator(expr)) + (len(expr) % 2 if self.skew else 0)
             action = f"<answer>{value}</answer><|end|>"
         ids = self.tokenizer.encode(action, add_special_tokens=False)[: sampling.max_new_tokens]
         return Generation(output_ids=ids, behavior_logprobs=[-0.5] * len(ids), weight_versions=["1"] * len(ids),

@@ -9,7 +9,6 @@ a scripted engine. Slow: the real pipeline (CPU SGLang engine, Megatron actor an
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections import Counter
 
@@ -25,43 +24,19 @@ from sao_megatron.driver.session import Session
 from sao_megatron.envs import make_env, make_task
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.envs.faulty import CAUSE, injected_fault
-from sao_megatron.envs.safe_eval import calculator
 from sao_megatron.observe import RunLog, read_metrics
 from sao_megatron.pipeline import run_stage
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
-from sao_megatron.rollout.client import Generation
 from sao_megatron.rollout.env_workers import EnvFactory
 from sao_megatron.rollout.manager import RolloutManager
 from sao_megatron.tokenizer import load_tokenizer
 from tests.rollout.fakes import CountingTask
+from tests.rollout.test_env_workers import ArithClient
 
 RATES = {"hang_rate": 0.1, "raise_rate": 0.1, "reward_raise_rate": 0.1, "nan_rate": 0.1}
 TIMEOUT_S = 0.5
 TIMED_OUT = f"timed out after {TIMEOUT_S:g}s (rollout.loop.env_step_timeout_s)"
-
-
-class ArithClient:
-    """An engine stub for arith_tool: a calculator call, then its result as the answer."""
-
-    url = "arith"
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    async def generate(self, input_ids, sampling, rid=None, timeout_s=None) -> Generation:
-        await asyncio.sleep(0.005)
-        text = self.tokenizer.decode(input_ids, skip_special_tokens=False)
-        match = re.search(r"What is (.+?)\?", text)
-        expr = match.group(1) if match else "1"
-        action = (
-            f"<tool>{expr}</tool><|end|>"
-            if "<tool>" not in text
-            else f"<answer>{calculator(expr)}</answer><|end|>"
-        )
-        ids = self.tokenizer.encode(action, add_special_tokens=False)[: sampling.max_new_tokens]
-        return Generation(output_ids=ids, behavior_logprobs=[-0.5] * len(ids), weight_versions=["1"] * len(ids),
-                          finish_reason="stop", prompt_tokens=len(input_ids), latency_s=0.0)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +83,7 @@ def run_faulty(
             got.append(t)
             buffer.admit(t, 1)
 
-        loops = [AgentLoop(ArithClient(tokenizer), tokenizer, loop_config())]  # type: ignore[arg-type]
+        loops = [AgentLoop(ArithClient(tokenizer, skew=False), tokenizer, loop_config())]  # type: ignore[arg-type]
         manager = RolloutManager(loops, make_task("faulty"), "faulty", finished, max_concurrent=16,
                                  env_factory=factory)  # fmt: skip
         await asyncio.wait_for(manager.run(asyncio.Event(), max_prompts=prompts), 60)
@@ -253,7 +228,7 @@ class SlowEnv(Env):
 
 
 def run_one(tokenizer, env: SlowEnv, timeout_s: float) -> tuple[Trajectory, float]:
-    loop = AgentLoop(ArithClient(tokenizer), tokenizer, loop_config(timeout_s))  # type: ignore[arg-type]
+    loop = AgentLoop(ArithClient(tokenizer, skew=False), tokenizer, loop_config(timeout_s))  # type: ignore[arg-type]
     t0 = time.monotonic()
     traj = asyncio.run(loop.run(env, CountingTask().get("train", 0)))
     return traj, time.monotonic() - t0
