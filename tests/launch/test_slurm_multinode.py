@@ -46,7 +46,9 @@ RUN = [
     "train.save_every=1",
 ]
 RANK_LINE = re.compile(r"\[sao-rank\] rank (\d+) of (\d+) on host (\S+) addresses (\S+)")
-SYNC_LINE = re.compile(r"\[sao-weight-sync\] \w+ group \S+ at ([\d.]+):\d+ \(trainer rank 0\) -> engines (.+)")
+SYNC_LINE = re.compile(
+    r"\[sao-weight-sync\] \w+ group \S+ at ([\d.]+):\d+ \(trainer rank 0\) -> engines (.+)"
+)
 
 
 def _multinode_env(tmp_path: Path, **extra: str) -> dict[str, str]:
