@@ -1,6 +1,7 @@
 """Launch scripts without Slurm: syntax, shellcheck, signal forwarding, ``sao submit --dry-run``."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,20 @@ def _wait_for(path: Path, text: str, timeout_s: float = 60.0) -> None:
     raise AssertionError(f"{path} never read {text!r} (got {path.read_text() if path.exists() else None!r})")
 
 
+def _wait_for_traps(pid: int, timeout: float = 30.0) -> None:
+    """Until the shell ``pid`` catches USR1, TERM and INT (its ``SigCgt`` mask in /proc; the
+    launcher traps them in that order): a signal sent before ``trap`` runs would end the shell,
+    not reach the driver."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+        if all(caught >> (sig - 1) & 1 for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"shell {pid} never trapped USR1, TERM and INT")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
 def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
     """Slurm's ``--signal=B:USR1@120``, preemption's SIGTERM and Ctrl-C reach the launcher
@@ -57,7 +72,7 @@ def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
                             text=True)  # fmt: skip
     try:
         _wait_for(marker, "started")
-        time.sleep(0.2)  # the traps are set right after the driver starts
+        _wait_for_traps(proc.pid)  # the traps are set right after the driver starts
         os.kill(proc.pid, sig)
         out, err = proc.communicate(timeout=60)
     finally:
