@@ -39,12 +39,13 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> N
     estimator, buffer, manager, source, observer = open_stage(s, state, stage)
     step = state.step if stage.resumable else 0
 
-    async def train_on(trajectories: list[Trajectory], waited: float, in_flight: int) -> dict[str, float]:
+    async def train_on(trajectories: list[Trajectory], waited: float, in_flight: int,
+                       taken_at: float) -> dict[str, float]:  # fmt: skip
         """Step ``step + 1`` and its bookkeeping (logs, eval, checkpoint), run whole once started."""
         outcome = await learner_step(s, estimator, trajectories, state.version, stage.trains_actor(step))
         state.version, done = outcome.version, step + 1
         buffer.discard_stale(state.version)
-        metrics = observer.step(outcome, waited, in_flight)
+        metrics = observer.step(outcome, waited, in_flight, taken_at)
         if stage.resumable:
             state.step = done
             state.trained_prompts += [[done, t.split, t.sample_index, t.reward_details.get("group_index", 0)]
@@ -66,7 +67,7 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> N
             waited = time.perf_counter()
             trajectories = await source.next_batch()
             metrics, stopping = await run_whole(
-                train_on(trajectories, time.perf_counter() - waited, manager.in_flight)
+                train_on(trajectories, time.perf_counter() - waited, manager.in_flight, time.time())
             )
             step += 1
             if stopping:

@@ -32,7 +32,7 @@ PANELS = [
                                               "critic/grad_rms/head", "critic/grad_rms/embedding",
                                               "critic/grad_rms/other"]),
     ("throughput", ["rollout/trajectories_per_s", "rollout/tokens_per_s"]),
-    ("engine utilisation", ["rollout/engine_util"]),
+    ("engines: generating / occupied", ["rollout/engine_generating", "rollout/engine_occupancy"]),
     ("engine faults (cumulative)", ["rollout/engine_restarts", "rollout/engine_dropped", "rollout/episode_retries"]),
     ("waits and sync (s)", ["time/learner_wait_s", "buffer/wait_s", "buffer/group_wait_s", "time/sync_s",
                             "time/sync_pause_s",

@@ -29,16 +29,18 @@ def learner_metrics(o: StepOutcome) -> dict[str, float]:
 
 
 def batch_metrics(
-    trajectories: list[Trajectory], token_lag: torch.Tensor, action_mask: torch.Tensor
+    trajectories: list[Trajectory], token_lag: torch.Tensor, action_mask: torch.Tensor, taken_at: float
 ) -> dict[str, float]:
     """Reward, accuracy, lengths, turns and policy lag of a training batch.
 
-    ``token_lag`` ``[B, T]``: :func:`algo.policy_lag` against the policy the batch trained."""
+    ``token_lag`` ``[B, T]``: :func:`algo.policy_lag` against the policy the batch trained;
+    ``taken_at``: when the learner took the batch (``time.time()``): ``buffer/wait_s`` is each
+    trajectory's time from finishing to being taken, not counting the step that trained it."""
     n = len(trajectories)
     mask = action_mask > 0
     lags = token_lag.amax(dim=-1).float()  # a trajectory's lag is its oldest action token's
-    now = time.time()
     out = {
+        "rollout/batch_size": float(n),
         "rollout/reward": sum(t.reward for t in trajectories) / n,
         "rollout/accuracy": sum(bool(t.correct) for t in trajectories) / n,
         "rollout/response_tokens": sum(len(t.response_ids) for t in trajectories) / n,
@@ -47,7 +49,7 @@ def batch_metrics(
         "rollout/truncated": sum(t.status == "truncated" for t in trajectories) / n,
         "rollout/multi_version": sum(len(set(t.action_versions)) > 1 for t in trajectories) / n,
         "rollout/episode_s": sum(t.finished_at - t.started_at for t in trajectories) / n,
-        "buffer/wait_s": sum(now - t.finished_at for t in trajectories) / n,
+        "buffer/wait_s": sum(max(0.0, taken_at - t.finished_at) for t in trajectories) / n,
         "lag/mean": float(lags.mean()),
         "lag/max": float(lags.max()),
         "lag/token_mean": float(token_lag[mask].float().mean()) if mask.any() else 0.0,
@@ -58,18 +60,19 @@ def batch_metrics(
     return out
 
 
-def buffer_metrics(buffer: ReadyBuffer) -> dict[str, float]:
+def buffer_metrics(buffer: ReadyBuffer, groups_since: int = 0) -> dict[str, float]:
     """``buffer/*``: trajectories waiting, drops since the start of the run by cause (too stale,
     failed, no action token; failed ones also per reason, ``buffer/dropped_failed/<reason>``), and
-    the mean group wait (GRPO groups only)."""
+    the mean group wait (first member finished -> last member finished) of the GRPO groups handed
+    out since the ``groups_since``-th (GRPO groups only)."""
     b = buffer.stats
     out = {"buffer/waiting": float(len(buffer)), "buffer/dropped_stale": float(b.dropped_stale),
            "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
            "buffer/dropped_no_actions": float(b.dropped_no_actions), "buffer/dropped_group": float(b.dropped_group)}  # fmt: skip
     for reason, n in sorted(b.dropped_failed.items()):  # engine, environment, reward, task, ...
         out[f"buffer/dropped_failed/{reason.replace(' ', '_')}"] = float(n)
-    if b.group_waits_s:
-        out["buffer/group_wait_s"] = sum(b.group_waits_s) / len(b.group_waits_s)
+    if waits := b.group_waits_s[groups_since:]:
+        out["buffer/group_wait_s"] = sum(waits) / len(waits)
     return out
 
 
@@ -81,16 +84,26 @@ class StepObserver:
         self.buffer = buffer
         self.num_engines = max(num_engines, 1)
         self._last = self._counters()
+        self._groups_seen = len(buffer.stats.group_waits_s)
 
-    def _counters(self) -> tuple[float, int, int, float]:
+    def _counters(self) -> tuple[float, int, int, float, float]:
         m = self.manager
-        return time.monotonic(), m.stats.finished, m.stats.generated_tokens, m.busy_seconds()
+        return (
+            time.monotonic(),
+            m.stats.finished,
+            m.stats.generated_tokens,
+            m.busy_seconds(),
+            m.generating_seconds(),
+        )
 
-    def step(self, o: StepOutcome, waited_s: float, in_flight: int) -> dict[str, float]:
+    def step(self, o: StepOutcome, waited_s: float, in_flight: int, taken_at: float) -> dict[str, float]:
+        """``waited_s``: how long the learner waited for this batch; ``taken_at``: when it got it
+        (``time.time()``)."""
         trained = o.version - 1 if o.trained_actor else o.version
         lag = algo.policy_lag(trained, o.batch.policy_versions, o.batch.action_mask)
-        out = learner_metrics(o) | batch_metrics(o.trajectories, lag, o.batch.action_mask)
-        out |= buffer_metrics(self.buffer)
+        out = learner_metrics(o) | batch_metrics(o.trajectories, lag, o.batch.action_mask, taken_at)
+        out |= buffer_metrics(self.buffer, self._groups_seen)
+        self._groups_seen = len(self.buffer.stats.group_waits_s)
         out |= self.manager.engines.metrics()  # engine restarts and drops, episode retries (cumulative)
         out |= {"time/learner_wait_s": waited_s, "rollout/in_flight_at_take": float(in_flight),
                 "policy_version": float(o.version)}  # fmt: skip
@@ -98,6 +111,10 @@ class StepObserver:
         dt = max(now[0] - self._last[0], 1e-9)
         out["rollout/trajectories_per_s"] = (now[1] - self._last[1]) / dt
         out["rollout/tokens_per_s"] = (now[2] - self._last[2]) / dt
-        out["rollout/engine_util"] = (now[3] - self._last[3]) / (dt * self.num_engines)
+        out["time/interval_s"] = dt
+        # occupancy: an episode in flight (tool calls and weight-update pauses included);
+        # generating: a /generate call in flight outside pauses (a restarted engine's client starts at 0)
+        out["rollout/engine_occupancy"] = (now[3] - self._last[3]) / (dt * self.num_engines)
+        out["rollout/engine_generating"] = max(0.0, now[4] - self._last[4]) / (dt * self.num_engines)
         self._last = now
         return out

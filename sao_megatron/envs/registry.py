@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, type[Env] | str] = {
     "arith_tool": "sao_megatron.envs.arith_tool:ArithToolEnv",
     "faulty": "sao_megatron.envs.faulty:FaultyArithEnv",
+    "longtail": "sao_megatron.envs.longtail:LongTailEnv",
     "math_python": "sao_megatron.envs.math_python:MathPythonEnv",
     "swe": "sao_megatron.envs.swe.env:SWEEnv",
     "writing_shift": "sao_megatron.envs.writing_shift:WritingShiftEnv",

@@ -10,6 +10,8 @@ Every conversation is rendered by the tokenizer's chat template (:class:`ChatFor
              obs ids  = the template's rendering of the tool result after the action's end
                         marker, up to the next generation prompt (suffix method) (action_mask 0)
     until:   answer, max turns, max response tokens or max context
+    (a sample whose ``meta["action_tokens"]`` lists action lengths, a synthetic benchmark workload,
+    generates exactly that many tokens per turn: ``ignore_eos``, no stop tokens)
     reward   = env.reward()
     env.close()                                             (always; an error there is only logged)
 
@@ -153,8 +155,8 @@ class AgentLoop:
             chat = self.chat_format(env)
             question = await _bounded(env.areset(sample), self.cfg.env_step_timeout_s, "environment: reset")
             prompt_ids = chat.prompt_ids(question)
-            status, reason = await self._turns(env, chat, chat.prompt_messages(question), prompt_ids, ep, on,
-                                               reroute)  # fmt: skip
+            status, reason = await self._turns(env, sample, chat, chat.prompt_messages(question), prompt_ids, ep,
+                                               on, reroute)  # fmt: skip
             try:
                 result = await _bounded(env.areward(), self.cfg.env_step_timeout_s, "reward:")
             except EnvWorkerError:
@@ -185,17 +187,22 @@ class AgentLoop:
             finished_at=time.time(), engine=on[0].engine_name,
         )  # fmt: skip
 
-    async def _turns(self, env: Env, chat: ChatFormat, messages: list[dict], prompt_ids: list[int],
+    async def _turns(self, env: Env, sample: Sample, chat: ChatFormat, messages: list[dict], prompt_ids: list[int],
                      ep: _Episode, on: list[AgentLoop], reroute: Reroute | None) -> tuple[Status, str]:  # fmt: skip
         cfg = self.cfg
         stop_ids = set(chat.stop_token_ids)
-        for _ in range(cfg.max_turns):
+        fixed = sample.meta.get("action_tokens")  # a synthetic workload's exact action lengths
+        for turn in range(cfg.max_turns):
             budget = min(cfg.max_new_tokens, cfg.max_response_tokens - len(ep.response_ids),
                          cfg.max_context_tokens - len(prompt_ids) - len(ep.response_ids))  # fmt: skip
             if budget <= 0:
                 return "truncated", "token budget exhausted"
-            sampling = SamplingParams(max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
-                                      stop_token_ids=chat.stop_token_ids)  # fmt: skip
+            if fixed is not None and turn < len(fixed):
+                sampling = SamplingParams(max_new_tokens=min(budget, int(fixed[turn])), temperature=cfg.temperature,
+                                          top_p=cfg.top_p, ignore_eos=True)  # fmt: skip
+            else:
+                sampling = SamplingParams(max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
+                                          stop_token_ids=chat.stop_token_ids)  # fmt: skip
             gen = None
             while True:  # the turn, again on another engine after an engine fault (``reroute``)
                 try:

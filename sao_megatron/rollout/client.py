@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -145,6 +146,28 @@ class EngineClient:
         self.timeout_s = timeout_s
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._generating = 0  # /generate calls in flight
+        self._paused = False
+        self._clock_since = 0.0
+        self._generating_s = 0.0
+
+    def _clock(self, generating: int | None = None, paused: bool | None = None) -> None:
+        """Account generating time: seconds with a ``/generate`` call in flight while not paused."""
+        now = time.monotonic()
+        if self._generating and not self._paused:
+            self._generating_s += now - self._clock_since
+        self._clock_since = now
+        if generating is not None:
+            self._generating += generating
+        if paused is not None:
+            self._paused = paused
+
+    def generating_seconds(self) -> float:
+        """Seconds so far in which this engine had a ``/generate`` call in flight and was not paused
+        for a weight update (its generation utilisation's numerator; tool time and sync pauses are
+        not in it, unlike an episode's occupancy)."""
+        self._clock()
+        return self._generating_s
 
     async def __aenter__(self) -> EngineClient:
         connector = aiohttp.TCPConnector(limit=self.max_connections)
@@ -196,7 +219,11 @@ class EngineClient:
             payload["rid"] = rid
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        body = await self._call("POST", "/generate", payload, timeout_s)
+        self._clock(generating=1)
+        try:
+            body = await self._call("POST", "/generate", payload, timeout_s)
+        finally:
+            self._clock(generating=-1)
         kill_point("rollout:generate")  # mid-episode: a turn generated, its episode not finished
         return parse_generation(body, loop.time() - t0)
 
@@ -231,10 +258,14 @@ class EngineClient:
     async def pause(self, mode: str = "retract") -> None:
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode '{mode}': use abort, retract or in_place")
+        self._clock(paused=True)
         await self._call("POST", "/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
-        await self._call("POST", "/continue_generation", {})
+        try:
+            await self._call("POST", "/continue_generation", {})
+        finally:
+            self._clock(paused=False)
 
     async def abort(self, rid: str | None = None) -> None:
         await self._call("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None})

@@ -211,8 +211,12 @@ class RolloutManager:
         if self._load[i] == 0:
             self.stats.busy_s += now - self._busy_since[i]
 
+    def generating_seconds(self) -> float:
+        """Engine-seconds with a ``/generate`` call in flight outside weight-update pauses, up to now."""
+        return sum(loop.client.generating_seconds() for loop in self.loops)
+
     def busy_seconds(self) -> float:
-        """Engine-seconds with at least one episode in flight, up to now."""
+        """Engine-seconds with at least one episode in flight (tool calls and pauses included), up to now."""
         now = time.monotonic()
         return self.stats.busy_s + sum(
             now - self._busy_since[i] for i in range(len(self.loops)) if self._load[i]

@@ -70,6 +70,15 @@ class ScriptedLoop:
         self.max_running = 0
         self.episodes: list[Episode] = []
         self.finished: list[int] = []
+        self.client = self  # the manager reads generating time from its loops' clients
+
+    def generating_seconds(self) -> float:
+        """Seconds with an episode running (a scripted episode generates for its whole duration)."""
+        now, total, reach = time.monotonic(), 0.0, float("-inf")
+        for start, end in sorted((e.start, e.end or now) for e in self.episodes):
+            total += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        return total
 
     async def run(self, env, sample, split="train", index=-1, submitted_at=None):
         episode = Episode(index, self.version(), time.monotonic())

@@ -358,3 +358,24 @@ def test_skipped_updates_keep_the_version_and_stop_the_run_after_n_in_a_row(tmp_
         run(s, rl(s.cfg, True), tmp_path)
     assert s.syncs == [1]  # the good first update; skipped ones neither bump the version nor sync
     assert len(s.actor.updates) == 3 and s.skipped_in_a_row == 2
+
+
+def test_buffer_wait_excludes_the_learner_step_and_generating_is_within_occupancy(tmp_path):
+    """A 0.3 s actor update: ``buffer/wait_s`` (finish -> taken) must not contain it; the engine's
+    generating time is at most its occupancy (an episode in flight)."""
+    cfg = config(
+        "train.steps=4",
+        "algo.group_size=2",
+        "algo.batch_size=4",
+        "rollout.max_concurrent=4",
+        "algo.synchronous=true",
+    )  # each batch's rollouts start after the last update
+    s = FakeSession(cfg, ScriptedLoop(duration=lambda i: 0.02), actor=FakeActor(update_s=0.3), critic=None)
+    s.cfg.algo.advantage = "grpo"
+    state, rows = run(s, rl(cfg, True), tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:  # taken as it finishes; measured after the step (as before) it held the 0.3 s
+        assert r["rollout/batch_size"] == 4.0
+        assert r["buffer/wait_s"] < 0.1, r
+        assert 0.0 <= r["rollout/engine_generating"] <= r["rollout/engine_occupancy"] + 1e-6 <= 1.0 + 1e-6
+        assert r["time/interval_s"] > 0.25  # the update's 0.3 s is inside the step interval
