@@ -8,6 +8,19 @@ from sao_megatron.algo.choices import uses_critic
 from sao_megatron.config.schema import ConfigError, SAOConfig
 
 
+def check_env(key: str, env: dict) -> None:
+    """Environment variables of a config key: shell identifiers with scalar values, no SAO_*."""
+    for name, value in env.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError(f"{key}: {name!r} is not a valid environment variable name (letters, digits "
+                              "and _, not starting with a digit)")  # fmt: skip
+        if name.startswith("SAO_"):
+            raise ConfigError(f"{key}.{name}: SAO_* variables configure the launch script itself; set them "
+                              "in the environment of sao submit instead")  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{key}.{name}={value!r}: values must be strings or numbers; quote it")
+
+
 def validate_cluster(cfg: SAOConfig) -> None:
     """Node groups must hold their role's GPUs; SGLang engines must tile whole nodes; a container
     runtime needs an image; ``cluster.env`` names are shell identifiers with scalar values."""
@@ -35,15 +48,8 @@ def validate_cluster(cfg: SAOConfig) -> None:
         if not mount or "," in mount or any(ch.isspace() for ch in mount) or not mount.split(":")[0]:
             raise ConfigError(f"cluster.container.mounts[{i}]={mount!r}: write one SRC[:DST[:FLAGS]] per list "
                               "entry, without commas or spaces")  # fmt: skip
-    for name, value in c.env.items():
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise ConfigError(f"cluster.env: {name!r} is not a valid environment variable name (letters, digits "
-                              "and _, not starting with a digit)")  # fmt: skip
-        if name.startswith("SAO_"):
-            raise ConfigError(f"cluster.env.{name}: SAO_* variables configure the launch script itself; set them "
-                              "in the environment of sao submit instead")  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ConfigError(f"cluster.env.{name}={value!r}: values must be strings or numbers; quote it")
+    check_env("cluster.env", c.env)
+    check_env("rollout.engine_env", r.engine_env)
     if c.engine_dp_attention < 1 or r.tensor_parallel % c.engine_dp_attention:
         raise ConfigError(f"cluster.engine_dp_attention={c.engine_dp_attention} must divide "
                           f"rollout.tensor_parallel={r.tensor_parallel}; use 1 (off) or a divisor")  # fmt: skip

@@ -302,6 +302,10 @@ class RolloutConfig:
     dtype: EngineDtype = "auto"
     """SGLang ``--dtype``: ``float32`` on CPU (engine logprobs then match the trainer's); ``auto`` on GPU."""
     max_total_tokens: int = 32768
+    engine_env: dict = field(default_factory=dict)
+    """Environment variables of every engine server (SGLang and torch settings), e.g.
+    ``{OMP_NUM_THREADS: "1"}``: on a CPU shared with the learner one torch thread per engine avoids
+    thread barriers waiting on a descheduled sibling (``configs/tiny_cpu.yaml``)."""
     max_concurrent: int = 64
     """Episodes in flight per manager."""
     max_failed_fraction: float = 0.5

@@ -139,7 +139,8 @@ async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices
                         tensor_parallel=r.tensor_parallel, expert_parallel=r.expert_parallel, dtype=r.dtype,
                         max_total_tokens=r.max_total_tokens, dp_attention=c.engine_dp_attention,
                         mem_fraction_static=c.engine_mem_fraction if c.gpus_per_node else None,
-                        random_seed=cfg.run.seed + i, log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"))
+                        random_seed=cfg.run.seed + i, log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
+                        env={str(k): str(v) for k, v in r.engine_env.items()})
              for i in (range(r.num_engines) if indices is None else indices)]  # fmt: skip
     engines: list[Engine]
     if remote:

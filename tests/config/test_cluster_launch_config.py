@@ -38,6 +38,8 @@ def test_a_container_and_an_environment_load():
         (["cluster.env={NCCL_DEBUG: [a]}"], "cluster.env.NCCL_DEBUG=['a']: values must be strings or numbers"),
         (["cluster.env={NCCL_DEBUG: true}"], "values must be strings or numbers; quote it"),
         (["cluster.env=mlx5"], "cluster.env: expected a mapping"),
+        (["rollout.engine_env={OMP-THREADS: 1}"], "rollout.engine_env: 'OMP-THREADS' is not a valid environment"),
+        (["rollout.engine_env={OMP_NUM_THREADS: [1]}"], "rollout.engine_env.OMP_NUM_THREADS=[1]: values must be"),
         (["cluster.checkpoint_gb_per_s=0"], "cluster.checkpoint_gb_per_s=0.0 must be > 0"),
         (["cluster.container.runtim=pyxis"], "unknown config key 'cluster.container.runtim'; did you mean 'runtime'?"),
     ],
