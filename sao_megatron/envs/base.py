@@ -80,6 +80,11 @@ class Task(ABC):
     def get(self, split: Split, index: int) -> Sample:
         """The sample at ``index`` (>= 0) of ``split``; finite tasks wrap around their size."""
 
+    def member(self, sample: Sample, group_index: int) -> Sample:
+        """The sample member ``group_index`` of a GRPO group runs; the same for all by default (a
+        synthetic workload varies its members' episode shapes here)."""
+        return sample
+
     def size(self, split: Split) -> int | None:
         """Number of distinct samples in ``split``; None when unlimited."""
         return None

@@ -6,11 +6,13 @@ ignored. Sample ``index`` of a seed fixes::
     turns        1 + round(LogNormal(ln(turns_median - 1), turns_sigma)), clipped to max_turns
     tokens[j]    round(LogNormal(ln(tokens_median), tokens_sigma)), clipped to [1, max_tokens]
                  the action length of turn j, generated exactly (``meta["action_tokens"]``: the
-                 agent loop then samples with ``ignore_eos`` and no stop tokens)
+                 agent loop then sets ``min_new_tokens`` = ``max_new_tokens``; the stop tokens
+                 are masked until then, so an action never contains the end marker)
     latency[j]   LogNormal(ln(tool_latency_s), tool_sigma) seconds, clipped to max_tool_latency_s:
                  the tool call after turn j (an ``await``: it never holds the event loop)
 
-The episode ends after its last action; each tool call answers with a short fixed observation.
+Each member of a GRPO group draws its own shape (:meth:`LongTailTask.member`; member 0's is the
+sample's). The episode ends after its last action; each tool call answers with a short fixed observation.
 The reward is a fair coin of ``seed``, the prompt id and the actions' text (so GRPO groups have
 variance; nothing else depends on the model). ``sigma`` 0 gives
 identical episodes; larger sigmas give the heavy tail asynchronous training exists for.
@@ -71,7 +73,15 @@ class LongTailTask(Task):
         split = check_split(split)
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
-        rng = random.Random(f"longtail:{self.seed}:{split}:{index}")
+        return self._draw(split, index, 0)
+
+    def member(self, sample: Sample, group_index: int) -> Sample:
+        """Member ``group_index`` of a GRPO group: its own draw (members are independent)."""
+        split, index = sample.meta["split"], sample.meta["index"]
+        return self._draw(split, index, group_index)
+
+    def _draw(self, split: Split, index: int, member: int) -> Sample:
+        rng = random.Random(f"longtail:{self.seed}:{split}:{index}" + (f":{member}" if member else ""))
         extra = 0 if self.turns_median <= 1 else _lognormal(rng, self.turns_median - 1, self.turns_sigma)
         turns = min(self.max_turns, 1 + round(extra))
         tokens = [min(self.max_tokens, max(1, round(_lognormal(rng, self.tokens_median, self.tokens_sigma))))
@@ -80,7 +90,7 @@ class LongTailTask(Task):
                    for _ in range(turns - 1)]  # fmt: skip
         prompt_id = f"longtail:{self.seed}:{split}:{index}"
         return Sample(prompt_id=prompt_id, question=f"Episode {index}: {turns} turns.", answer="",
-                      meta={"action_tokens": tokens, "tool_latency_s": latency})  # fmt: skip
+                      meta={"action_tokens": tokens, "tool_latency_s": latency, "split": split, "index": index})  # fmt: skip
 
 
 @register_env("longtail")

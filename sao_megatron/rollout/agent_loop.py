@@ -11,7 +11,8 @@ Every conversation is rendered by the tokenizer's chat template (:class:`ChatFor
                         marker, up to the next generation prompt (suffix method) (action_mask 0)
     until:   answer, max turns, max response tokens or max context
     (a sample whose ``meta["action_tokens"]`` lists action lengths, a synthetic benchmark workload,
-    generates exactly that many tokens per turn: ``ignore_eos``, no stop tokens)
+    generates exactly that many tokens per turn: ``min_new_tokens`` = ``max_new_tokens``, so the
+    engine masks the stop tokens until the length is reached)
     reward   = env.reward()
     env.close()                                             (always; an error there is only logged)
 
@@ -197,12 +198,9 @@ class AgentLoop:
                          cfg.max_context_tokens - len(prompt_ids) - len(ep.response_ids))  # fmt: skip
             if budget <= 0:
                 return "truncated", "token budget exhausted"
-            if fixed is not None and turn < len(fixed):
-                sampling = SamplingParams(max_new_tokens=min(budget, int(fixed[turn])), temperature=cfg.temperature,
-                                          top_p=cfg.top_p, ignore_eos=True)  # fmt: skip
-            else:
-                sampling = SamplingParams(max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
-                                          stop_token_ids=chat.stop_token_ids)  # fmt: skip
+            exact = min(budget, int(fixed[turn])) if fixed is not None and turn < len(fixed) else 0
+            sampling = SamplingParams(max_new_tokens=exact or budget, temperature=cfg.temperature, top_p=cfg.top_p,
+                                      stop_token_ids=chat.stop_token_ids, min_new_tokens=exact)  # fmt: skip
             gen = None
             while True:  # the turn, again on another engine after an engine fault (``reroute``)
                 try:

@@ -48,6 +48,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    min_new_tokens: int = 0
+    """Stop tokens (and EOS) are masked until this many tokens were generated."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -63,6 +65,8 @@ class SamplingParams:
             out["sampling_seed"] = self.seed
         if self.ignore_eos:
             out["ignore_eos"] = True
+        if self.min_new_tokens:
+            out["min_new_tokens"] = self.min_new_tokens
         return out
 
 

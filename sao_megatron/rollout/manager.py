@@ -270,6 +270,8 @@ class RolloutManager:
         try:
             try:
                 sample = self.task.get(sub.split, sub.index)
+                if sub.group_index:
+                    sample = self.task.member(sample, sub.group_index)
             except Exception as err:  # a bad record must not stop the run: a failed episode
                 return _failed(sub, f"task: {type(err).__name__}: {err}")
             try:

@@ -35,8 +35,14 @@ def test_shapes_are_seeded_clipped_and_heavy_tailed():
     assert statistics.mean(tokens) > 1.4 * statistics.median(tokens)  # lognormal: mean well above median
 
     flat = LongTailTask(turns_median=3, tokens_median=24, tool_latency_s=0.3)  # sigma 0: identical episodes
-    assert {str(flat.get("train", i).meta) for i in range(50)} == {str({"action_tokens": [24] * 3,
-                                                                        "tool_latency_s": [0.3] * 2})}  # fmt: skip
+    assert {(str(m["action_tokens"]), str(m["tool_latency_s"])) for m in (flat.get("train", i).meta for i in range(50))
+            } == {(str([24] * 3), str([0.3] * 2))}  # fmt: skip
+
+    # GRPO members: each its own draw, member 0 the sample itself, deterministic
+    sample = task.get("train", 9)
+    members = [task.member(sample, g).meta["action_tokens"] for g in range(1, 4)]
+    assert task.member(sample, 2).meta == LongTailTask(**vars(task)).member(sample, 2).meta
+    assert sample.meta["action_tokens"] not in members and len({str(m) for m in members}) == 3
 
 
 @pytest.mark.parametrize("kwargs", [{"turns_median": 0.5}, {"turns_median": 9, "max_turns": 8},
@@ -69,7 +75,7 @@ def test_env_runs_its_turns_awaits_the_tool_and_flips_a_seeded_coin():
     assert rewards == {0.0, 1.0}
 
 
-def test_the_agent_loop_generates_each_turns_exact_length_ignoring_eos():
+def test_the_agent_loop_generates_each_turns_exact_length_with_stop_tokens_masked():
     tokenizer = load_tokenizer()
     sample = LongTailTask(turns_median=3, turns_sigma=1.0, tokens_median=5, tokens_sigma=1.0, max_tokens=40,
                           seed=3).get("train", 11)  # fmt: skip
@@ -80,4 +86,5 @@ def test_the_agent_loop_generates_each_turns_exact_length_ignoring_eos():
     assert traj.status == "finished", traj.status_reason
     assert [t.end - t.start for t in traj.turns] == lengths
     assert [s.max_new_tokens for s in client.sampling] == lengths
-    assert all(s.ignore_eos and not s.stop_token_ids for s in client.sampling)
+    assert all(s.min_new_tokens == s.max_new_tokens and s.stop_token_ids and not s.ignore_eos
+               for s in client.sampling)  # fmt: skip
