@@ -202,6 +202,58 @@ def cmd_plan(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_simulate(args) -> int:
+    """The pipeline simulator at the config's cluster scale: sync GRPO, async GRPO and SAO at its
+    GPU split, then SAO at other splits of the same GPUs; the best one within the lag bound."""
+    from sao_megatron.envs.longtail import LongTailTask
+    from sao_megatron.plan import cluster_sim as cs
+
+    cfg = _load(args)
+    gpu = cs.Gpu(hbm_gb_per_s=args.hbm_gb_per_s, peak_tflops=args.peak_tflops, mfu=args.mfu)
+    task = LongTailTask(turns_median=args.turns, turns_sigma=args.sigma, max_turns=cfg.rollout.loop.max_turns,
+                        tokens_median=args.tokens, tokens_sigma=args.sigma, max_tokens=cfg.rollout.loop.max_new_tokens,
+                        tool_latency_s=args.tool_latency_s, tool_sigma=args.sigma,
+                        max_tool_latency_s=max(args.tool_latency_s, 600.0))  # fmt: skip
+
+    def shape(i: int, g: int):
+        meta = task.member(task.get("train", i), g).meta
+        return meta["action_tokens"], meta["tool_latency_s"]
+
+    mean_tokens, mean_context = cs.shape_stats(shape)
+    critic = cfg.critic.parallel.world_size
+    configured = cs.Split(cfg.actor.parallel.world_size, critic, cfg.rollout.num_engines, cfg.rollout.tensor_parallel)
+    per_engine = max(1, cfg.rollout.max_concurrent // cfg.rollout.num_engines)
+    print(f"# sao simulate: {cfg.run.name}, {configured.gpus} GPUs (assumed GPU: {gpu}); workload: lognormal "
+          f"sigma {args.sigma:g}, median {args.turns:g} turns x {args.tokens:g} tokens, tools {args.tool_latency_s:g} s; "
+          f"mean {mean_tokens:,.0f} action tokens per episode; {per_engine} episodes in flight per engine")  # fmt: skip
+    print("| scheme | traj/s | tokens/s | engines generating | learner idle | lag mean | stale dropped |")
+    print("|---|---|---|---|---|---|---|")
+    for scheme, r in cs.schemes_at(cfg, gpu, shape, configured, mean_tokens, mean_context, args.steps,
+                                   args.warmup, per_engine).items():  # fmt: skip
+        print(f"| {scheme} | {r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.engine_generating:.2f} | "
+              f"{r.learner_idle:.2f} | {r.lag_mean:.2f} | {r.dropped_stale} |")  # fmt: skip
+    print(f"\nSAO at other splits of the same {configured.gpus} GPUs (mean lag bound {args.lag_bound:g}):")
+    print("| actor GPUs | critic GPUs | engines x GPUs | traj/s | tokens/s | lag mean | within bound |")
+    print("|---|---|---|---|---|---|---|")
+    best = None
+    for split in cs.candidate_splits(cfg, critic=True):
+        r = cs.simulate_cluster(cfg, gpu, shape, split, mean_tokens, mean_context, "sao", args.steps, args.warmup,
+                                per_engine)  # fmt: skip
+        ok = r.lag_mean <= args.lag_bound
+        mark = " (configured)" if split == configured else ""
+        print(f"| {split.actor_gpus}{mark} | {split.critic_gpus} | {split.engines} x {split.gpus_per_engine} | "
+              f"{r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.lag_mean:.2f} | {'yes' if ok else 'no'} |")  # fmt: skip
+        if ok and (best is None or r.tokens_per_s > best[1].tokens_per_s):
+            best = (split, r)
+    if best is None:
+        print(f"no split keeps the mean lag within {args.lag_bound:g}")
+        return 1
+    split, r = best
+    print(f"\nbest within the bound: actor {split.actor_gpus}, critic {split.critic_gpus}, {split.engines} engines x "
+          f"{split.gpus_per_engine} GPUs: {r.tokens_per_s:,.0f} tokens/s, mean lag {r.lag_mean:.2f}")  # fmt: skip
+    return 0
+
+
 def cmd_submit(args) -> int:
     """Render the Slurm job of a config (node groups from its ``cluster`` section) and sbatch it."""
     import shlex
@@ -446,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("config", cmd_config, "print the resolved configuration"),
         ("plan", cmd_plan, "parameters and memory per GPU of every role; fails when a role does not fit"),
         ("submit", cmd_submit, "submit a multi-node run to Slurm (launch/slurm/sao.sbatch)"),
+        ("simulate", cmd_simulate, "predict throughput and policy lag at cluster scale; the best GPU split"),
     ):
         p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -466,6 +519,17 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--analytic", action="store_true",
                            help="count per-rank parameters in closed form instead of a meta-device build")  # fmt: skip
             p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+        if name == "simulate":
+            for flag, default, text in (
+                ("--turns", 8.0, "median turns per episode"), ("--tokens", 512.0, "median action tokens per turn"),
+                ("--tool-latency-s", 2.0, "median tool latency"), ("--sigma", 1.0, "lognormal sigma (tail weight)"),
+                ("--hbm-gb-per-s", 3350.0, "GPU memory bandwidth (assumed H100)"),
+                ("--peak-tflops", 989.0, "GPU bf16 peak (assumed H100)"), ("--mfu", 0.35, "training MFU"),
+                ("--lag-bound", 2.0, "largest mean policy lag a split may have"),
+            ):  # fmt: skip
+                p.add_argument(flag, type=float, default=default, help=f"{text} (default {default:g})")
+            p.add_argument("--steps", type=int, default=40, help="learner steps simulated")
+            p.add_argument("--warmup", type=int, default=5, help="steps left out of the rates")
         if name == "submit":
             p.add_argument("--dry-run", action="store_true", help="print sbatch and the per-node commands")
             p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (its checkpoint)")

@@ -1,0 +1,114 @@
+"""The pipeline simulator (``sao_megatron.plan.simulate``): exact cases, limits and orderings."""
+
+from __future__ import annotations
+
+import pytest
+
+from sao_megatron.envs.longtail import LongTailTask
+from sao_megatron.plan.simulate import EngineModel, LearnerModel, capacity, fit_request_s, simulate
+
+
+def flat(tokens: int, turns: int, latency: float):
+    return lambda i, g: ([tokens] * turns, [latency] * (turns - 1))
+
+
+def longtail(sigma: float, seed: int = 0):
+    task = LongTailTask(turns_median=3, turns_sigma=sigma, max_turns=12, tokens_median=24, tokens_sigma=sigma,
+                        max_tokens=128, tool_latency_s=0.3, tool_sigma=sigma, max_tool_latency_s=5.0, seed=seed)  # fmt: skip
+
+    def shape(i: int, g: int):
+        meta = task.member(task.get("train", i), g).meta
+        return meta["action_tokens"], meta["tool_latency_s"]
+
+    return shape
+
+
+def test_sync_scheme_matches_the_closed_form():
+    """One engine, identical episodes, per-sequence cost 0: a batch's rollouts take exactly
+    turns * (request + tokens * step) + tool latencies, then the learner step (its sync inside)."""
+    engine = EngineModel(step_s=0.01, per_seq_s=0.0, request_s=0.05)
+    learner = LearnerModel(step_s=0.7, sync_pause_s=0.2)
+    r = simulate("sync", engine, learner, flat(20, 3, 0.3), batch_size=8, group_size=4, max_concurrent=64,
+                 steps=6, warmup=1)  # fmt: skip
+    period = 3 * (0.05 + 20 * 0.01) + 2 * 0.3 + 0.7
+    assert r.trajectories_per_s == pytest.approx(8 / period, rel=1e-9)
+    assert r.tokens_per_s == pytest.approx(8 * 60 / period, rel=1e-9)
+    assert r.learner_idle == pytest.approx((period - 0.7) / period, rel=1e-9)
+    assert r.lag_hist == {0: 1.0} and r.dropped_stale == 0
+
+
+def test_free_learner_sao_runs_at_the_engines_capacity():
+    engine = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.01)
+    shape = longtail(1.0)
+    cap = capacity(engine, shape, max_concurrent=32, seconds=300)
+    r = simulate("sao", engine, LearnerModel(step_s=0.0), shape, batch_size=16, max_concurrent=32, steps=40,
+                 warmup=5, max_lag=None)  # fmt: skip
+    assert r.generated_tokens_per_s == pytest.approx(cap, rel=0.05)
+    # decoding 32 sequences at once cannot beat that rate, and the tools keep some idle
+    assert cap < engine.tokens_per_s(32)
+
+
+def test_with_a_heavy_tail_sao_beats_async_grpo_beats_sync():
+    engine = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.01)
+    learner = LearnerModel(step_s=0.5, sync_pause_s=0.1, engine_speed=1.0)
+    shape = longtail(1.0)
+    rates = {scheme: simulate(scheme, engine, learner, shape, batch_size=16, group_size=1 if scheme == "sao" else 4,
+                              max_concurrent=32, steps=40, warmup=5).tokens_per_s
+             for scheme in ("sync", "async_grpo", "sao")}  # fmt: skip
+    assert rates["sync"] < rates["async_grpo"] <= rates["sao"] * 1.05, rates
+    assert rates["sao"] / rates["sync"] > 1.5, rates
+
+
+def test_lag_bound_drops_stale_trajectories_and_slow_engines_make_lag():
+    engine = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.01)
+    fast_learner = LearnerModel(step_s=0.05)
+    shape = longtail(1.5)
+    loose = simulate("sao", engine, fast_learner, shape, batch_size=4, max_concurrent=64, steps=60, warmup=5,
+                     max_lag=None)  # fmt: skip
+    tight = simulate("sao", engine, fast_learner, shape, batch_size=4, max_concurrent=64, steps=60, warmup=5,
+                     max_lag=1)  # fmt: skip
+    assert loose.lag_mean > 1.0 and loose.dropped_stale == 0
+    assert max(tight.lag_hist) <= 1 and tight.dropped_stale > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"scheme": "sao", "group_size": 4}, "single rollouts"), ({"scheme": "sync", "batch_size": 6}, "multiple"),
+    ({"scheme": "nope"}, "unknown scheme"), ({"scheme": "sao", "steps": 3, "warmup": 3}, "must exceed"),
+])  # fmt: skip
+def test_bad_arguments_are_refused(kwargs, match):
+    args = {
+        "batch_size": 8,
+        "group_size": 4 if kwargs["scheme"] != "sao" else 1,
+        "max_concurrent": 16,
+    } | kwargs
+    scheme = args.pop("scheme")
+    with pytest.raises(ValueError, match=match):
+        simulate(scheme, EngineModel(0.01, 0.0), LearnerModel(0.1), flat(4, 2, 0.1), **args)
+
+
+def test_engine_fit_recovers_its_parameters():
+    truth = EngineModel(step_s=0.03, per_seq_s=0.002)
+    fit = EngineModel.from_probe(1, truth.tokens_per_s(1), 32, truth.tokens_per_s(32))
+    assert fit.step_s == pytest.approx(0.03) and fit.per_seq_s == pytest.approx(0.002)
+
+
+def test_sao_simulate_prints_the_schemes_and_the_best_split_of_the_30b_plan(capsys):
+    from sao_megatron.cli import main
+
+    rc = main(["simulate", "configs/qwen3_30b_a3b_math.yaml", "--steps", "8", "--warmup", "2", "--lag-bound", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"sync", "async_grpo", "sao"} <= set(rows)
+    assert "32 (configured)" in out and "best within the bound: actor" in out
+    tokens = {s: float(rows[s].split("|")[3].replace(",", "")) for s in ("sync", "sao")}
+    assert tokens["sao"] > tokens["sync"] > 0, tokens
+
+
+def test_the_per_turn_overhead_is_fitted_to_a_measured_capacity():
+    truth = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.08)
+    shape = longtail(1.0)
+    measured = capacity(truth, shape, max_concurrent=16, seconds=300)
+    fitted = fit_request_s(EngineModel(0.02, 0.001, 0.005), shape, measured, max_concurrent=16, seconds=300)
+    assert fitted.request_s == pytest.approx(0.08, rel=0.1)
+    assert capacity(fitted, shape, max_concurrent=16, seconds=300) == pytest.approx(measured, rel=0.02)
