@@ -23,7 +23,9 @@ Writes ``--out`` (JSON) and prints a markdown table. On this 2-core CPU machine 
 the engine share the cores, so the capacity (measured alone) is not reachable by any arm that
 also trains; the ratios between arms are what carries over.
 
-    .venv/bin/python benchmarks/bench_pipeline.py                       # ~15-25 min on 2 cores
+    .venv/bin/python benchmarks/bench_pipeline.py --out-dir DIR           # ~40 min on 2 cores
+    .venv/bin/python benchmarks/bench_pipeline.py --out-dir DIR --tails 1.5 --capacity-s 150
+        # (rm DIR/sigma1.5/capacity.json first) a longer capacity window for a heavier tail
     .venv/bin/python benchmarks/bench_pipeline.py --quick               # smoke size (~5 min)
 """
 
@@ -47,6 +49,7 @@ if str(ROOT) not in sys.path:
 
 from sao_megatron.config import load_config  # noqa: E402
 from sao_megatron.observe import read_metrics  # noqa: E402
+from sao_megatron.plan.simulate import Scheme  # noqa: E402
 
 ARMS = ("sync_grpo", "async_grpo", "sao")
 
@@ -244,20 +247,15 @@ async def _probe(client, concurrency: int, tokens: int = 32) -> dict:
             "rate2": concurrency / many}  # fmt: skip
 
 
-SCHEME = {"sync_grpo": "sync", "async_grpo": "async_grpo", "sao": "sao"}
-LEARNER_PROCS = {"sync_grpo": 1, "async_grpo": 1, "sao": 2}
-"""Learner processes computing at once during a step on this machine: GRPO's actor rank; SAO's
-actor rank and critic rank (the actor's update runs alongside the critic's K updates)."""
+SCHEME: dict[str, Scheme] = {"sync_grpo": "sync", "async_grpo": "async_grpo", "sao": "sao"}
 
 
-def predict(record: dict) -> dict[str, dict]:
-    """The simulator's prediction of every measured arm of one tail weight (``record``: the JSON's
-    ``results[sigma]``). Calibrated from the capacity run alone (the engine probe's decode model;
-    the per-turn overhead fitted so that the simulated capacity equals the measured one) and from
-    each arm's measured mean step time and engine pause; its throughput, idle time and lag are
-    then predicted, not fitted."""
+def _calibrated(record: dict):
+    """(engine model, episode shapes) of one tail weight's record: the decode probe's model with the
+    per-turn engine time fitted so that the simulated capacity at ``--concurrency`` equals the
+    measured one."""
     from sao_megatron.envs.longtail import LongTailTask
-    from sao_megatron.plan.simulate import EngineModel, LearnerModel, capacity, fit_request_s, simulate
+    from sao_megatron.plan.simulate import EngineModel, fit_prefill_s
 
     args, probe = record["args"], record["capacity"]["probe"]
     task = LongTailTask(**record["workload"])
@@ -269,31 +267,71 @@ def predict(record: dict) -> dict[str, dict]:
     probed = EngineModel.from_probe(
         probe["n1"], probe["rate1"], probe["n2"], probe["rate2"], probe["request_s"]
     )
-    at = record["capacity"]["at_concurrency"]
-    engines = {  # the per-turn overhead fitted at each load the arms run at (it grows with the load here)
-        int(c): fit_request_s(probed, shape, m["generated_tokens_per_s"], max_concurrent=int(c))
-        for c, m in at.items()
-    }
-    speed = probe["engine_speed_with_busy_procs"]
     c = args["concurrency"]
-    out: dict[str, dict] = {
-        "engine": {"step_s": probed.step_s, "per_seq_s": probed.per_seq_s, "probed_request_s": probed.request_s,
-                   "request_s": {str(k): e.request_s for k, e in engines.items()}},
-        "capacity": {"generated_tokens_per_s": capacity(engines[c], shape, max_concurrent=c)},
-    }  # fmt: skip
-    for arm in SCHEME:
-        if arm not in record:
-            continue
-        m = record[arm]
-        learner = LearnerModel(step_s=m["step_s"], sync_pause_s=m["sync_pause_s"],
-                               engine_speed=speed.get(str(LEARNER_PROCS[arm]), 1.0))  # fmt: skip
-        engine = engines[args["batch"] if arm == "sync_grpo" else c]
-        r = simulate(SCHEME[arm], engine, learner, shape, batch_size=args["batch"],
-                     group_size=1 if arm == "sao" else args["group"], max_concurrent=args["concurrency"],
-                     max_lag=args["max_lag"], steps=args["steps"], warmup=args["warmup"])  # fmt: skip
-        out[arm] = {"trajectories_per_s": r.trajectories_per_s, "tokens_per_s": r.tokens_per_s,
-                    "generated_tokens_per_s": r.generated_tokens_per_s, "learner_idle": r.learner_idle,
-                    "lag_mean": r.lag_mean}  # fmt: skip
+    measured = record["capacity"]["at_concurrency"][str(c)]["generated_tokens_per_s"]
+    return fit_prefill_s(probed, shape, measured, max_concurrent=c), shape
+
+
+def _simulate_arm(record: dict, engine, shape, arm: str, speed: float):
+    from sao_megatron.plan.simulate import LearnerModel, simulate
+
+    args, m = record["args"], record[arm]
+    learner = LearnerModel(step_s=m["step_s"], sync_pause_s=m["sync_pause_s"], engine_speed=speed)
+    return simulate(SCHEME[arm], engine, learner, shape, batch_size=args["batch"],
+                    group_size=1 if arm == "sao" else args["group"], max_concurrent=args["concurrency"],
+                    max_lag=args["max_lag"], steps=args["steps"], warmup=args["warmup"])  # fmt: skip
+
+
+def _fit_speed(record: dict, engine, shape, arm: str) -> float:
+    """The engines' speed while ``arm``'s learner computes at which the simulated arm consumes the
+    measured tokens/s (bisection over (0, 1])."""
+    measured = record[arm]["tokens_per_s"]
+    lo, hi = 0.02, 1.0
+    if _simulate_arm(record, engine, shape, arm, hi).tokens_per_s <= measured:
+        return hi
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        lo, hi = (
+            (mid, hi) if _simulate_arm(record, engine, shape, arm, mid).tokens_per_s < measured else (lo, mid)
+        )
+    return (lo + hi) / 2
+
+
+def predict_all(results: dict[str, dict]) -> dict[str, dict]:
+    """The simulator's prediction of every measured arm (``results``: the JSON's, by tail weight).
+
+    Calibration, per tail weight: the capacity run (the decode probe; the per-turn engine time
+    fitted to the capacity at ``--concurrency``) and each arm's measured mean step time and engine
+    pause. The engines' speed while the learner computes (on this machine the learner shares the
+    2 cores with the engine and the agent loop; on GPUs it is 1) is fitted per asynchronous arm on
+    the *other* tail weights' runs of that arm and averaged (leave-one-out), so no arm's prediction
+    uses its own throughput. Predicted: the capacity at ``--batch`` and every arm's throughput,
+    idle time and lag."""
+    from sao_megatron.plan.simulate import capacity
+
+    calibrated = {sigma: _calibrated(record) for sigma, record in results.items()}
+    fitted = {(sigma, arm): _fit_speed(record, *calibrated[sigma], arm)
+              for sigma, record in results.items() for arm in ("async_grpo", "sao") if arm in record}  # fmt: skip
+    out: dict[str, dict] = {}
+    for sigma, record in results.items():
+        engine, shape = calibrated[sigma]
+        pred: dict[str, dict] = {
+            "engine": {"step_s": engine.step_s, "per_seq_s": engine.per_seq_s, "request_s": engine.request_s,
+                       "prefill_s": engine.prefill_s},
+            "capacity": {c: capacity(engine, shape, max_concurrent=int(c)) for c in record["capacity"]["at_concurrency"]},
+            "engine_speed_while_learning": {},
+        }  # fmt: skip
+        for arm in SCHEME:
+            if arm not in record:
+                continue
+            others = [v for (s, a), v in fitted.items() if a == arm and s != sigma]
+            speed = statistics.fmean(others) if others else 1.0
+            pred["engine_speed_while_learning"][arm] = speed
+            r = _simulate_arm(record, engine, shape, arm, speed)
+            pred[arm] = {"trajectories_per_s": r.trajectories_per_s, "tokens_per_s": r.tokens_per_s,
+                         "generated_tokens_per_s": r.generated_tokens_per_s, "learner_idle": r.learner_idle,
+                         "lag_mean": r.lag_mean}  # fmt: skip
+        out[sigma] = pred
     return out
 
 
@@ -317,10 +355,11 @@ def table(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for sigma, arms in results.items():
         cap, pred = arms["capacity"], arms["predicted"]
-        err = pred["capacity"]["generated_tokens_per_s"] / cap["generated_tokens_per_s"] - 1
-        lines.append(f"| {sigma} | capacity (engines alone) | {cap['trajectories_per_s']:.2f} | "
+        c = str(arms["args"]["concurrency"])
+        err = pred["capacity"][c] / cap["generated_tokens_per_s"] - 1
+        lines.append(f"| {sigma} | capacity (engines alone, {cap['window_s']:.0f} s) | {cap['trajectories_per_s']:.2f} | "
                      f"{cap['generated_tokens_per_s']:.0f} | 1.00 | 1.00 | - | - | - | - | - | "
-                     f"{pred['capacity']['generated_tokens_per_s']:.0f} ({100 * err:+.0f}%) |")  # fmt: skip
+                     f"{pred['capacity'][c]:.0f} ({100 * err:+.0f}%) |")  # fmt: skip
         sync = arms["sync_grpo"]["tokens_per_s"]
         for arm in ARMS:
             a = arms[arm]
@@ -338,10 +377,12 @@ def table(results: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--tails", default="0.25,1.0", help="comma-separated lognormal sigmas (turns, tokens, tool latency)"
+        "--tails",
+        default="0.25,1.0,1.5",
+        help="comma-separated lognormal sigmas (turns, tokens, tool latency)",
     )
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2, help="RL steps left out of the rates")
     p.add_argument("--batch", type=int, default=16, help="trajectories per learner step")
     p.add_argument("--group", type=int, default=4, help="GRPO group size")
@@ -390,10 +431,11 @@ def main() -> None:
                                          partial(capacity_arm, args, sigma, model_dir, out_dir))  # fmt: skip
                 print(f"  {json.dumps(res['capacity'])}", flush=True)
         res["workload"], res["args"] = workload(args, sigma), vars(args)
-        if "capacity" in res:
-            res["predicted"] = predict(res)
         results[f"{sigma:g}"] = res
         out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    if set(ARMS) <= set(arms):
+        for sigma, pred in predict_all(results).items():
+            results[sigma]["predicted"] = pred
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "wall_s": time.perf_counter() - t0, "args": vars(args)}  # fmt: skip
     out.write_text(json.dumps({**meta, "results": results}, indent=1))

@@ -221,7 +221,9 @@ def cmd_simulate(args) -> int:
 
     mean_tokens, mean_context = cs.shape_stats(shape)
     critic = cfg.critic.parallel.world_size
-    configured = cs.Split(cfg.actor.parallel.world_size, critic, cfg.rollout.num_engines, cfg.rollout.tensor_parallel)
+    configured = cs.Split(
+        cfg.actor.parallel.world_size, critic, cfg.rollout.num_engines, cfg.rollout.tensor_parallel
+    )
     per_engine = max(1, cfg.rollout.max_concurrent // cfg.rollout.num_engines)
     print(f"# sao simulate: {cfg.run.name}, {configured.gpus} GPUs (assumed GPU: {gpu}); workload: lognormal "
           f"sigma {args.sigma:g}, median {args.turns:g} turns x {args.tokens:g} tokens, tools {args.tool_latency_s:g} s; "

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from sao_megatron.envs.longtail import LongTailTask
-from sao_megatron.plan.simulate import EngineModel, LearnerModel, capacity, fit_request_s, simulate
+from sao_megatron.plan.simulate import EngineModel, LearnerModel, capacity, fit_prefill_s, simulate
 
 
 def flat(tokens: int, turns: int, latency: float):
@@ -95,7 +98,9 @@ def test_engine_fit_recovers_its_parameters():
 def test_sao_simulate_prints_the_schemes_and_the_best_split_of_the_30b_plan(capsys):
     from sao_megatron.cli import main
 
-    rc = main(["simulate", "configs/qwen3_30b_a3b_math.yaml", "--steps", "8", "--warmup", "2", "--lag-bound", "5"])
+    rc = main(
+        ["simulate", "configs/qwen3_30b_a3b_math.yaml", "--steps", "8", "--warmup", "2", "--lag-bound", "5"]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
@@ -105,10 +110,43 @@ def test_sao_simulate_prints_the_schemes_and_the_best_split_of_the_30b_plan(caps
     assert tokens["sao"] > tokens["sync"] > 0, tokens
 
 
-def test_the_per_turn_overhead_is_fitted_to_a_measured_capacity():
-    truth = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.08)
+def test_the_per_turn_engine_time_is_fitted_to_a_measured_capacity():
+    truth = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.01, prefill_s=0.015)
     shape = longtail(1.0)
     measured = capacity(truth, shape, max_concurrent=16, seconds=300)
-    fitted = fit_request_s(EngineModel(0.02, 0.001, 0.005), shape, measured, max_concurrent=16, seconds=300)
-    assert fitted.request_s == pytest.approx(0.08, rel=0.1)
+    fitted = fit_prefill_s(EngineModel(0.02, 0.001, 0.01), shape, measured, max_concurrent=16, seconds=300)
+    assert fitted.prefill_s == pytest.approx(0.015, rel=0.1)
     assert capacity(fitted, shape, max_concurrent=16, seconds=300) == pytest.approx(measured, rel=0.02)
+    # a prefill blocks every sequence's decoding: at a higher load it costs more throughput
+    assert (
+        capacity(truth, shape, max_concurrent=64, seconds=300)
+        < capacity(EngineModel(0.02, 0.001, 0.01), shape, max_concurrent=64, seconds=300) * 0.9
+    )
+
+
+MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "pipeline_cpu.json"
+
+
+def test_predictions_are_within_15_percent_of_the_measured_cpu_runs():
+    """The committed real-stack measurement (``benchmarks/bench_pipeline.py``, see
+    docs/PERFORMANCE.md): every arm's learner tokens/s and the engines' capacity at the synchronous
+    arm's load, re-predicted here from the run's calibration (engine probe, capacity at the
+    asynchronous load, measured step times, the engines' speed while learning fitted on the other
+    tail weights), are within 15% of what was measured."""
+    from benchmarks.bench_pipeline import ARMS, predict_all
+
+    results = {sigma: {k: v for k, v in record.items() if k != "predicted"}
+               for sigma, record in json.loads(MEASURED.read_text())["results"].items()}  # fmt: skip
+    errors = {}
+    for sigma, predicted in predict_all(results).items():
+        record = results[sigma]
+        capacity = record["capacity"]["at_concurrency"][str(record["args"]["batch"])][
+            "generated_tokens_per_s"
+        ]
+        errors[f"sigma {sigma} capacity at the batch's load"] = (
+            predicted["capacity"][str(record["args"]["batch"])] / capacity - 1
+        )
+        for arm in ARMS:
+            errors[f"sigma {sigma} {arm}"] = predicted[arm]["tokens_per_s"] / record[arm]["tokens_per_s"] - 1
+    assert len(errors) >= 9, errors
+    assert all(abs(e) <= 0.15 for e in errors.values()), {k: f"{100 * v:+.1f}%" for k, v in errors.items()}

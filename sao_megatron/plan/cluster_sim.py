@@ -62,7 +62,9 @@ def engine_model(cfg: SAOConfig, gpu: Gpu, mean_context: float) -> EngineModel:
     return EngineModel(step_s=e.weights / bw, per_seq_s=per_seq, request_s=gpu.request_s)
 
 
-def learner_model(cfg: SAOConfig, gpu: Gpu, split: Split, tokens_per_step: float, critic: bool) -> LearnerModel:
+def learner_model(
+    cfg: SAOConfig, gpu: Gpu, split: Split, tokens_per_step: float, critic: bool
+) -> LearnerModel:
     from sao_megatron.plan.memory import engine_memory
 
     n = parameter_counts(cfg.model)["active"]
@@ -71,7 +73,9 @@ def learner_model(cfg: SAOConfig, gpu: Gpu, split: Split, tokens_per_step: float
     step = actor
     if critic:
         values = 2 * n * tokens_per_step / (split.critic_gpus * flops)
-        updates = cfg.critic.updates_per_step * 5 * n * tokens_per_step / (split.critic_gpus * flops)  # frozen attention
+        updates = (
+            cfg.critic.updates_per_step * 5 * n * tokens_per_step / (split.critic_gpus * flops)
+        )  # frozen attention
         step = values + max(actor, updates)
     sync = engine_memory(cfg).sync_bytes / (cfg.rollout.weight_sync_gb_per_s * 1e9)
     return LearnerModel(step_s=step + sync, sync_pause_s=sync, engine_speed=1.0)
@@ -84,7 +88,9 @@ def candidate_splits(cfg: SAOConfig, critic: bool) -> list[Split]:
     per_engine = cfg.rollout.tensor_parallel
     total = a + c + cfg.rollout.num_engines * per_engine
     a_unit = max(1, cfg.actor.parallel.world_size // max(1, cfg.actor.parallel.data_parallel))
-    c_unit = max(1, cfg.critic.parallel.world_size // max(1, cfg.critic.parallel.data_parallel)) if critic else 0
+    c_unit = (
+        max(1, cfg.critic.parallel.world_size // max(1, cfg.critic.parallel.data_parallel)) if critic else 0
+    )
     out = []
     for tenths in range(1, 10):
         learner = total * tenths // 10

@@ -26,6 +26,7 @@ checks the predictions against its measured CPU configurations. Pure Python, no 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import statistics
@@ -48,6 +49,9 @@ class EngineModel:
     step_s: float
     per_seq_s: float
     request_s: float = 0.0
+    prefill_s: float = 0.0
+    """Engine time each turn's start takes exclusively (its prefill and scheduling): decoding of
+    every sequence on the engine stops meanwhile."""
 
     def tokens_per_s(self, n: int) -> float:
         return n / (self.step_s + self.per_seq_s * n) if n else 0.0
@@ -120,8 +124,9 @@ class _Engine:
     active: list[tuple[float, int, _Episode]] = field(default_factory=list)  # heap of (target, seq, ep)
     v: float = 0.0
     at: float = 0.0
-    busy_s: float = 0.0  # seconds with a sequence generating and not paused
+    busy_s: float = 0.0  # seconds with a sequence generating or a prefill running, not paused
     load: int = 0  # episodes assigned (generating or in a tool call)
+    stall_until: float = 0.0  # prefills queued up to here: no decoding before
 
 
 class Simulator:
@@ -167,12 +172,12 @@ class Simulator:
         return self.speed / (self.model.step_s + self.model.per_seq_s * len(e.active))
 
     def _advance(self, e: _Engine) -> None:
-        dt = self.t - e.at
-        if dt > 0:
+        if self.t > e.at:
+            stalled = max(0.0, min(self.t, e.stall_until) - e.at)
+            decoding = max(0.0, self.t - max(e.at, e.stall_until))
             rate = self._rate(e)
-            e.v += rate * dt
-            if rate > 0:
-                e.busy_s += dt
+            e.v += rate * decoding
+            e.busy_s += stalled + (decoding if rate > 0 else 0.0)
         e.at = self.t
 
     def _advance_all(self) -> None:
@@ -185,7 +190,8 @@ class Simulator:
         rate = self._rate(e)
         if rate > 0:
             target = e.active[0][0]
-            self._push(self.t + max(0.0, target - e.v) / rate, "turn", (i, target, e.active[0][1]))
+            start = max(self.t, e.stall_until)
+            self._push(start + max(0.0, target - e.v) / rate, "turn", (i, target, e.active[0][1]))
 
     def _schedule_all(self) -> None:
         for i in range(len(self.engines)):
@@ -220,6 +226,7 @@ class Simulator:
         self._advance(e)
         if ep.turn == 0:
             ep.version = self.version
+        e.stall_until = max(self.t, e.stall_until) + self.model.prefill_s / self.speed
         ep.target = e.v + ep.shape[0][ep.turn]
         heapq.heappush(e.active, (ep.target, next(self.seq), ep))
         self._schedule(i)
@@ -227,8 +234,10 @@ class Simulator:
     def _turn_done(self, i: int, target: float, seq: int) -> None:
         e = self.engines[i]
         if not e.active or e.active[0][1] != seq:
-            return  # a stale schedule entry
+            return  # a stale schedule entry: that turn is done
         self._advance(e)
+        if e.v < target - 1e-6:
+            return  # a stale schedule entry: the engine slowed since; a later one is queued
         _, _, ep = heapq.heappop(e.active)
         self.generated.append((self.t, ep.shape[0][ep.turn]))
         ep.turn += 1
@@ -380,21 +389,22 @@ def capacity(engine: EngineModel, shape: Callable[[int, int], Shape], *, engines
     return sum(n for t, n in sim.generated if start < t <= sim.t) / seconds
 
 
-def fit_request_s(engine: EngineModel, shape: Callable[[int, int], Shape], measured: float, *, engines: int = 1,
+def fit_prefill_s(engine: EngineModel, shape: Callable[[int, int], Shape], measured: float, *, engines: int = 1,
                   max_concurrent: int, seconds: float = 600.0) -> EngineModel:  # fmt: skip
-    """``engine`` with the per-turn overhead (``request_s``) at which :func:`capacity` equals the
-    ``measured`` tokens/s on the same workload: what each turn costs beyond decoding (HTTP,
-    prefill, the agent loop's own CPU), which a decode probe alone does not see. Bisection over
-    [0, 10] s; the probe's own ``request_s`` when the decode model alone already reaches ``measured``."""
+    """``engine`` with the per-turn engine time (``prefill_s``) at which :func:`capacity` equals the
+    ``measured`` tokens/s on the same workload: what starting a turn costs the engine beyond
+    decoding (prefill, scheduling, and on a shared CPU the agent loop's own work), which a decode
+    probe alone does not see. Bisection over [0, 1] s; ``engine`` unchanged when its decode model
+    alone does not exceed ``measured``."""
 
-    def rate(request_s: float) -> float:
-        model = EngineModel(engine.step_s, engine.per_seq_s, request_s)
+    def rate(prefill_s: float) -> float:
+        model = dataclasses.replace(engine, prefill_s=prefill_s)
         return capacity(model, shape, engines=engines, max_concurrent=max_concurrent, seconds=seconds)
 
-    lo, hi = engine.request_s, 10.0
+    lo, hi = 0.0, 1.0
     if rate(lo) <= measured:
         return engine
-    for _ in range(30):
+    for _ in range(20):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if rate(mid) > measured else (lo, mid)
-    return EngineModel(engine.step_s, engine.per_seq_s, (lo + hi) / 2)
+    return dataclasses.replace(engine, prefill_s=(lo + hi) / 2)
