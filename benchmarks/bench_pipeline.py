@@ -23,9 +23,7 @@ Writes ``--out`` (JSON) and prints a markdown table. On this 2-core CPU machine 
 the engine share the cores, so the capacity (measured alone) is not reachable by any arm that
 also trains; the ratios between arms are what carries over.
 
-    .venv/bin/python benchmarks/bench_pipeline.py --out-dir DIR           # ~40 min on 2 cores
-    .venv/bin/python benchmarks/bench_pipeline.py --out-dir DIR --tails 1.5 --capacity-s 150
-        # (rm DIR/sigma1.5/capacity.json first) a longer capacity window for a heavier tail
+    .venv/bin/python benchmarks/bench_pipeline.py --out-dir DIR           # ~55 min on 2 cores
     .venv/bin/python benchmarks/bench_pipeline.py --quick               # smoke size (~5 min)
 """
 
@@ -139,7 +137,7 @@ def steady_state(rows: list[dict], warmup: int) -> dict:
     return out
 
 
-async def _capacity(args, sigma: float, model_dir: Path, out_dir: Path) -> dict:
+async def _capacity(args, sigma: float, model_dir: Path, out_dir: Path, window_s: float) -> dict:
     """The engines alone on the same load (:func:`_window`) at ``--concurrency`` episodes in flight
     (the asynchronous arms' load) and at ``--batch`` (the synchronous arm's); at ``--concurrency``
     again under 1..``--probe-hogs`` busy processes (their ratio to the unloaded rate is the
@@ -164,8 +162,8 @@ async def _capacity(args, sigma: float, model_dir: Path, out_dir: Path) -> dict:
         levels = sorted({args.concurrency, args.batch}, reverse=True)  # async arms' load, the sync arm's
         rates = {}
         for level in levels:
-            rates[str(level)] = await _window(loops, task, cfg, level, args.capacity_s)
-        loaded = {str(h): await _window(loops, task, cfg, args.concurrency, args.capacity_s / 2, hogs=h)
+            rates[str(level)] = await _window(loops, task, cfg, level, window_s)
+        loaded = {str(h): await _window(loops, task, cfg, args.concurrency, window_s / 2, hogs=h)
                   for h in range(1, args.probe_hogs + 1)}  # fmt: skip
         probe = await _probe(clients[0], args.concurrency)
         probe["engine_speed_with_busy_procs"] = {
@@ -335,8 +333,8 @@ def predict_all(results: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def capacity_arm(args, sigma: float, model_dir: Path, out_dir: Path) -> dict:
-    return asyncio.run(_capacity(args, sigma, model_dir, out_dir))
+def capacity_arm(args, sigma: float, model_dir: Path, out_dir: Path, window_s: float) -> dict:
+    return asyncio.run(_capacity(args, sigma, model_dir, out_dir, window_s))
 
 
 def cached(path: Path, measure) -> dict:
@@ -394,7 +392,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--tool-latency-s", type=float, default=0.3, help="median tool latency")
     p.add_argument("--max-tool-latency-s", type=float, default=5.0)
-    p.add_argument("--capacity-s", type=float, default=60.0, help="window of the capacity measurement")
+    p.add_argument("--capacity-s", default="60,60,150",
+                   help="capacity window (s) per tail weight, or one for all: a heavier tail needs a longer one")  # fmt: skip
     p.add_argument(
         "--probe-hogs", type=int, default=2, help="busy processes the engine speed is probed under"
     )
@@ -405,7 +404,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke size: one tail, 5 steps, batch 8")
     args = p.parse_args()
     if args.quick:
-        args.tails, args.steps, args.batch, args.concurrency, args.capacity_s = "1.0", 5, 8, 16, 30.0
+        args.tails, args.steps, args.batch, args.concurrency, args.capacity_s = "1.0", 5, 8, 16, "30"
         args.warmup = 1
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -413,7 +412,14 @@ def main() -> None:
     arms = [a for a in args.arms.split(",") if a]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
-    for sigma in (float(s) for s in args.tails.split(",")):
+    sigmas = [float(x) for x in args.tails.split(",")]
+    given = [float(x) for x in str(args.capacity_s).split(",")]
+    if len(given) not in (1, len(sigmas)):
+        p.error(
+            f"--capacity-s: give one window or one per tail weight ({len(sigmas)}), got {args.capacity_s!r}"
+        )
+    windows = dict(zip(sigmas, given * len(sigmas) if len(given) == 1 else given, strict=True))
+    for sigma in sigmas:
         res: dict[str, dict] = {}
         for arm in arms:
             print(f"sigma {sigma:g}: {arm} ...", flush=True)
@@ -428,7 +434,7 @@ def main() -> None:
                 print(f"sigma {sigma:g}: capacity ...", flush=True)
                 model_dir = Path(res[arm]["run_dir"]) / "hf" / "policy"
                 res["capacity"] = cached(out_dir / f"sigma{sigma:g}" / "capacity.json",
-                                         partial(capacity_arm, args, sigma, model_dir, out_dir))  # fmt: skip
+                                         partial(capacity_arm, args, sigma, model_dir, out_dir, windows[sigma]))  # fmt: skip
                 print(f"  {json.dumps(res['capacity'])}", flush=True)
         res["workload"], res["args"] = workload(args, sigma), vars(args)
         results[f"{sigma:g}"] = res
