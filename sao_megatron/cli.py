@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -253,6 +254,48 @@ def cmd_simulate(args) -> int:
     split, r = best
     print(f"\nbest within the bound: actor {split.actor_gpus}, critic {split.critic_gpus}, {split.engines} engines x "
           f"{split.gpus_per_engine} GPUs: {r.tokens_per_s:,.0f} tokens/s, mean lag {r.lag_mean:.2f}")  # fmt: skip
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    """Every (arm, seed) of a sweep file not done yet, then the comparison table."""
+    from sao_megatron.sweep import compare, load_sweep, run_sweep
+
+    sweep = load_sweep(args.sweep)
+    runs = [r for r in sweep.runs() if not args.only or r[0] in args.only]
+    if args.dry_run:
+        for arm, seed, run_dir in runs:
+            state = "done" if (run_dir / "done.json").exists() else "to run"
+            print(f"{arm} seed {seed} ({state}): {shlex.join(sweep.command(arm, seed, run_dir))}")
+        return 0
+    results = run_sweep(sweep, parallel=args.parallel, only=args.only)
+    failed = [r for r in results if r["exit"] != 0]
+    print(compare([sweep.out_dir], [sweep.metric], sweep.out_dir / "compare"))
+    for r in failed:
+        print(
+            f"failed: {r['arm']} seed {r['seed']} (exit {r['exit']}); rerun the sweep to resume it",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
+
+
+def cmd_compare(args) -> int:
+    """Mean +- standard error and 95% intervals over seeds, per arm, and overlaid curves."""
+    from sao_megatron.sweep import compare
+
+    try:
+        print(
+            compare(
+                [Path(p) for p in args.runs],
+                args.metric or ["eval/accuracy"],
+                Path(args.out) if args.out else None,
+            )
+        )
+    except ValueError as err:
+        print(f"compare: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        print(f"plots and compare.md in {args.out}")
     return 0
 
 
@@ -541,6 +584,17 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--sbatch-args", default=None,
                            help="extra sbatch options, e.g. '--partition=gpu --time=48:00:00' "
                                 "(default: $SAO_SBATCH_ARGS)")  # fmt: skip
+    p = sub.add_parser("sweep", help="run a grid of arms x seeds (resumable), then compare them")
+    p.add_argument("sweep", help="a sweep file (configs/experiments/*.yaml)")
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
+    p.add_argument("--only", nargs="+", metavar="ARM", help="run only these arms")
+    p.add_argument("--dry-run", action="store_true", help="print each run's command and whether it is done")
+    p.set_defaults(fn=cmd_sweep)
+    p = sub.add_parser("compare", help="curves and a table (mean +- s.e., 95%% CI over seeds) of runs by arm")
+    p.add_argument("runs", nargs="+", help="a sweep's out_dir, or run directories (<arm>/seed<s>)")
+    p.add_argument("--metric", action="append", help="metric to compare (repeatable; default eval/accuracy)")
+    p.add_argument("--out", help="directory for compare.md and one PNG per metric")
+    p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("report", help="plots and a summary table of a run directory")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)

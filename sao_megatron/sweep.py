@@ -1,0 +1,256 @@
+"""``sao sweep SWEEP.yaml`` (a grid of arms x seeds, resumable) and ``sao compare`` (curves and a
+table with confidence intervals over seeds).
+
+A sweep file::
+
+    name: grpo_vs_sao                     # default: the file's stem
+    config: configs/tiny_cpu.yaml         # the base of every run (path relative to the repository)
+    overrides: [train.steps=40]           # applied to every run
+    seeds: [1, 2, 3]
+    out_dir: runs/sweeps/grpo_vs_sao      # default: runs/sweeps/<name>
+    metric: eval/accuracy                 # sao compare's headline (default)
+    arms:                                 # name -> its overrides (after the common ones)
+      sao: []
+      grpo_dis: [algo.advantage=grpo, algo.group_size=4]
+
+Runs go to ``<out_dir>/<arm>/seed<s>`` one after the other (``--parallel N``: N at a time), each a
+``sao train ... run.seed=S run.run_dir=...`` (``SAO_TRAIN`` replaces the command, as in the
+launchers). A run that finished leaves ``done.json`` and is skipped by a rerun; one that was
+stopped resumes from its complete checkpoint (``--resume-if-present``): a sweep killed at any
+point continues where it stopped. ``sao compare <out_dir>`` (or run directories grouped as
+``<arm>/seed<s>``) reads each run's ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from sao_megatron.config import REPO_ROOT, ConfigError, load_config
+from sao_megatron.observe import read_metrics
+
+
+@dataclass
+class Sweep:
+    name: str
+    config: str
+    seeds: list[int]
+    arms: dict[str, list[str]]
+    out_dir: Path
+    overrides: list[str] = field(default_factory=list)
+    metric: str = "eval/accuracy"
+
+    def runs(self) -> list[tuple[str, int, Path]]:
+        return [(arm, seed, self.out_dir / arm / f"seed{seed}") for arm in self.arms for seed in self.seeds]
+
+    def overrides_of(self, arm: str, seed: int, run_dir: Path) -> list[str]:
+        return [*self.overrides, *self.arms[arm], f"run.seed={seed}", f"run.run_dir={run_dir}"]
+
+    def command(self, arm: str, seed: int, run_dir: Path) -> list[str]:
+        """``sao train --resume-if-present`` of one run (``SAO_TRAIN`` replaces ``sao train``)."""
+        train = shlex.split(
+            os.environ.get("SAO_TRAIN") or f"{shlex.quote(sys.executable)} -m sao_megatron.cli train"
+        )
+        return [*train, "--resume-if-present", *([self.config] if self.config else []),
+                *self.overrides_of(arm, seed, run_dir)]  # fmt: skip
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """A sweep file, checked: every arm's config must load (unknown keys and bad values fail here,
+    naming the file, the arm and the key, before any run starts)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: cannot read the sweep file: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a sweep file is a mapping with config, seeds and arms")
+    unknown = set(data) - {"name", "config", "overrides", "seeds", "out_dir", "metric", "arms"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; use name, config, overrides, seeds, out_dir, "
+                          "metric, arms")  # fmt: skip
+    arms = data.get("arms")
+    if not isinstance(arms, dict) or not arms:
+        raise ConfigError(
+            f"{path}: arms must map each arm's name to its list of overrides, e.g. arms: {{sao: []}}"
+        )
+    seeds = data.get("seeds", [1])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
+    name = str(data.get("name") or path.stem)
+    config = str(data.get("config", ""))
+    if config and not Path(config).is_absolute() and not Path(config).exists():
+        config = str(REPO_ROOT / config)  # relative to the repository, as the runs' working directory
+    sweep = Sweep(
+        name=name, config=config, seeds=seeds,
+        arms={str(k): [str(o) for o in (v or [])] for k, v in arms.items()},
+        out_dir=Path(data.get("out_dir") or REPO_ROOT / "runs" / "sweeps" / name),
+        overrides=[str(o) for o in data.get("overrides") or []], metric=str(data.get("metric", "eval/accuracy")),
+    )  # fmt: skip
+    for arm, seed, run_dir in sweep.runs():
+        if any(not isinstance(o, str) or "=" not in o for o in sweep.arms[arm]):
+            raise ConfigError(
+                f"{path}: arm {arm!r}: overrides are key=value strings, got {sweep.arms[arm]!r}"
+            )
+        try:
+            load_config(sweep.config or None, sweep.overrides_of(arm, seed, run_dir))
+        except ConfigError as err:
+            raise ConfigError(f"{path}: arm {arm!r}: {err}") from err
+    return sweep
+
+
+def _train_command() -> list[str]:
+    return shlex.split(
+        os.environ.get("SAO_TRAIN") or f"{shlex.quote(sys.executable)} -m sao_megatron.cli train"
+    )
+
+
+def run_one(sweep: Sweep, arm: str, seed: int, run_dir: Path, log=print) -> dict:
+    """One run of the grid, or its ``done.json`` when it finished before."""
+    done = run_dir / "done.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = sweep.command(arm, seed, run_dir)
+    log(f"[sweep {sweep.name}] {arm} seed {seed}: {shlex.join(cmd)}")
+    t0 = time.time()
+    with (run_dir / "sweep.log").open("a") as out:
+        rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+    result = {"arm": arm, "seed": seed, "exit": rc, "wall_s": time.time() - t0}
+    if rc == 0:
+        done.write_text(json.dumps(result))
+    log(f"[sweep {sweep.name}] {arm} seed {seed}: exit {rc} in {result['wall_s']:.0f} s"
+        + ("" if rc == 0 else f"; see {run_dir / 'sweep.log'} (a rerun resumes it)"))  # fmt: skip
+    return result
+
+
+def run_sweep(sweep: Sweep, parallel: int = 1, only: list[str] | None = None, log=print) -> list[dict]:
+    """Every (arm, seed) not done yet; a failed run does not stop the others. Returns their results."""
+    todo = [r for r in sweep.runs() if not only or r[0] in only]
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        return list(pool.map(lambda r: run_one(sweep, *r, log=log), todo))
+
+
+# ---- compare ---------------------------------------------------------------------------------
+T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+"""Two-sided 95% Student-t quantiles by degrees of freedom (1.96 beyond)."""
+
+
+@dataclass
+class ArmStats:
+    arm: str
+    values: list[float]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def stderr(self) -> float:
+        n = len(self.values)
+        return statistics.stdev(self.values) / math.sqrt(n) if n > 1 else float("nan")
+
+    @property
+    def ci95(self) -> float:
+        """Half-width of the 95% confidence interval of the mean (Student t)."""
+        n = len(self.values)
+        return T95.get(n - 1, 1.96) * self.stderr if n > 1 else float("nan")
+
+
+def group_runs(paths: list[Path]) -> dict[str, list[Path]]:
+    """Run directories by arm: a sweep's out_dir (``<arm>/seed<s>/metrics.jsonl``), or run directories
+    (their parent's name is the arm when it is ``seed<s>``, else their own name)."""
+    out: dict[str, list[Path]] = {}
+    for path in paths:
+        found = sorted(p.parent for p in path.glob("*/seed*/metrics.jsonl"))
+        if not found and (path / "metrics.jsonl").exists():
+            found = [path]
+        if not found:
+            raise ValueError(f"{path}: no metrics.jsonl in it or in its <arm>/seed<s>/ directories")
+        for run in found:
+            arm = run.parent.name if run.name.startswith("seed") else run.name
+            out.setdefault(arm, []).append(run)
+    return out
+
+
+def final_value(records: list[dict], metric: str) -> float | None:
+    """The metric's last value in the run (the final evaluation for ``eval/*``)."""
+    values = [r[metric] for r in records if isinstance(r.get(metric), (int, float))]
+    return float(values[-1]) if values else None
+
+
+def compare(paths: list[Path], metrics: list[str], out_dir: Path | None = None) -> str:
+    """A markdown table (per arm and metric: mean +- standard error and the 95% interval over its
+    runs, and n) and, with ``out_dir``, one PNG per metric of the arms' mean curves with a +-1
+    standard-error band."""
+    groups = group_runs(paths)
+    records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
+    lines = ["| metric | arm | n | mean +- s.e. | 95% CI |", "|---|---|---|---|---|"]
+    for metric in metrics:
+        for arm, runs in records.items():
+            values = [v for v in (final_value(r, metric) for r in runs) if v is not None]
+            if not values:
+                continue
+            s = ArmStats(arm, values)
+            ci = f"[{s.mean - s.ci95:.4g}, {s.mean + s.ci95:.4g}]" if len(values) > 1 else "-"
+            lines.append(f"| {metric} | {arm} | {len(values)} | {s.mean:.4g} +- {s.stderr:.2g} | {ci} |")
+    table = "\n".join(lines) + "\n"
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        plots = [_plot(records, metric, out_dir) for metric in metrics]
+        body = table + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots if p) + "\n"
+        (out_dir / "compare.md").write_text(body)
+    return table
+
+
+def _curve(runs: list[list[dict]], metric: str) -> tuple[list[int], list[float], list[float]]:
+    by_step: dict[int, list[float]] = {}
+    for records in runs:
+        for r in records:
+            if isinstance(r.get(metric), (int, float)) and r.get("stage") in ("rl", "eval"):
+                by_step.setdefault(int(r["step"]), []).append(float(r[metric]))
+    steps = sorted(by_step)
+    means = [statistics.fmean(by_step[s]) for s in steps]
+    errs = [ArmStats("", by_step[s]).stderr if len(by_step[s]) > 1 else 0.0 for s in steps]
+    return steps, means, errs
+
+
+def _plot(records: dict[str, list[list[dict]]], metric: str, out_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    drawn = False
+    for arm, runs in records.items():
+        steps, means, errs = _curve(runs, metric)
+        if not steps:
+            continue
+        drawn = True
+        ax.plot(steps, means, marker="." if len(steps) < 40 else None, label=f"{arm} (n={len(runs)})")
+        ax.fill_between(steps, [m - e for m, e in zip(means, errs, strict=True)],
+                        [m + e for m, e in zip(means, errs, strict=True)], alpha=0.2)  # fmt: skip
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_title(f"{metric} (mean +- 1 s.e. over seeds)")
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / f"{metric.replace('/', '_')}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

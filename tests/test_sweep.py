@@ -1,0 +1,122 @@
+"""``sao sweep`` / ``sao compare`` with a stand-in trainer (``SAO_TRAIN``): grid, resume, statistics.
+
+The stand-in writes a ``metrics.jsonl`` whose held-out accuracy is a function of the arm's
+``algo.eps_high`` and the seed, fails once for a chosen run, and records each call."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import textwrap
+
+import pytest
+
+from sao_megatron.cli import main
+from sao_megatron.config import ConfigError
+from sao_megatron.sweep import compare, load_sweep, run_sweep
+
+STUB = textwrap.dedent('''
+    import json, os, sys
+    from pathlib import Path
+    args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    run = Path(args["run.run_dir"]); seed = int(args["run.seed"]); eps = float(args.get("algo.eps_high", 5.0))
+    calls = Path(os.environ["STUB_CALLS"]); calls.write_text(calls.read_text() + f"{run.parent.name}/{run.name} {'--resume-if-present' in sys.argv}\\n" if calls.exists() else f"{run.parent.name}/{run.name} {'--resume-if-present' in sys.argv}\\n")
+    if os.environ.get("STUB_FAIL") == f"{run.parent.name}/{run.name}" and not (run / "failed_once").exists():
+        (run / "failed_once").write_text("x"); sys.exit(1)
+    with (run / "metrics.jsonl").open("w") as f:
+        for step in (1, 2):
+            f.write(json.dumps({"step": step, "stage": "rl", "rollout/reward": 0.1 * step * eps}) + "\\n")
+            f.write(json.dumps({"step": step, "stage": "eval", "eval/accuracy": eps / 10 + seed / 100 + step / 1000}) + "\\n")
+''')  # fmt: skip
+
+
+@pytest.fixture
+def sweep_file(tmp_path, monkeypatch):
+    stub = tmp_path / "stub_train.py"
+    stub.write_text(STUB)
+    monkeypatch.setenv("SAO_TRAIN", f"{sys.executable} {stub}")
+    monkeypatch.setenv("STUB_CALLS", str(tmp_path / "calls.txt"))
+    path = tmp_path / "mini.yaml"
+    path.write_text(
+        textwrap.dedent(f"""
+        config: configs/tiny_cpu.yaml
+        overrides: [train.steps=2]
+        seeds: [1, 2, 3]
+        out_dir: {tmp_path / "out"}
+        arms:
+          low: [algo.eps_high=1.0]
+          high: [algo.eps_high=4.0]
+    """)
+    )
+    return path
+
+
+def test_a_sweep_runs_its_grid_resumes_a_failed_run_and_compares(sweep_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STUB_FAIL", "high/seed2")
+    assert main(["sweep", str(sweep_file)]) == 1  # one run failed; the others went on
+    assert "failed: high seed 2" in capsys.readouterr().err
+    calls = (tmp_path / "calls.txt").read_text().split("\n")
+    assert sorted(c.split()[0] for c in calls if c) == sorted(
+        f"{a}/seed{s}" for a in ("low", "high") for s in (1, 2, 3)
+    )
+    assert all(c.endswith("True") for c in calls if c)  # every run may resume its own checkpoint
+
+    assert main(["sweep", str(sweep_file)]) == 0  # only the failed run again
+    calls = [c for c in (tmp_path / "calls.txt").read_text().split("\n") if c]
+    assert len(calls) == 7 and calls[-1].startswith("high/seed2")
+    out = capsys.readouterr().out
+    rows = {
+        line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| eval/accuracy")
+    }
+    # final eval/accuracy of arm a, seed s: eps/10 + s/100 + 0.002
+    for arm, eps in (("low", 1.0), ("high", 4.0)):
+        values = [eps / 10 + s / 100 + 0.002 for s in (1, 2, 3)]
+        mean, se = statistics.fmean(values), statistics.stdev(values) / math.sqrt(3)
+        assert (
+            f"| 3 | {mean:.4g} +- {se:.2g} | [{mean - 4.303 * se:.4g}, {mean + 4.303 * se:.4g}] |"
+            in rows[arm]
+        )
+    assert (tmp_path / "out" / "compare" / "eval_accuracy.png").stat().st_size > 0
+
+    assert main(["compare", str(tmp_path / "out" / "low" / "seed1"), str(tmp_path / "out" / "low" / "seed2"),
+                 "--metric", "rollout/reward", "--out", str(tmp_path / "cmp")]) == 0  # fmt: skip
+    assert "| rollout/reward | low | 2 | 0.2 +- 0 |" in capsys.readouterr().out
+    assert (tmp_path / "cmp" / "compare.md").exists() and (tmp_path / "cmp" / "rollout_reward.png").exists()
+
+
+def test_dry_run_lists_every_run_and_its_state(sweep_file, capsys):
+    run_sweep(load_sweep(sweep_file), only=["low"], log=lambda line: None)
+    assert main(["sweep", str(sweep_file), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6
+    assert sum("(done)" in line for line in lines) == 3 and all("run.seed=" in line for line in lines)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("arms: {}", "arms must map each arm's name"),
+    ("seeds: [a]\narms: {x: []}", "seeds must be a non-empty list of integers"),
+    ("arms: {x: [algo.eps_hihg=1]}", "arm 'x': override 'algo.eps_hihg=1': unknown config key 'algo.eps_hihg'"),
+    ("arm: {x: []}", "unknown keys ['arm']"),
+])  # fmt: skip
+def test_bad_sweep_files_fail_before_any_run_naming_the_file_and_arm(tmp_path, body, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
+        load_sweep(path)
+    assert str(path) in str(err.value)
+
+
+def test_compare_refuses_a_directory_without_runs(tmp_path):
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        compare([tmp_path], ["eval/accuracy"])
+
+
+def test_every_committed_experiment_file_loads():
+    from sao_megatron.config import REPO_ROOT
+
+    files = sorted((REPO_ROOT / "configs" / "experiments").glob("*.yaml"))
+    assert files
+    for path in files:
+        sweep = load_sweep(path)
+        assert sweep.arms and sweep.seeds, path
