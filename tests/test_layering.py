@@ -42,7 +42,7 @@ LAYERS: list[set[str]] = [
     {"weight_sync", "workers"},
     {"observe", "plan", "submit"},
     {"driver"},
-    {"pipeline", "report"},
+    {"pipeline", "report", "sweep"},
     {"cli"},
 ]
 DRIVER_ONLY = {"ray"}  # the driver is the only place that knows about Ray
