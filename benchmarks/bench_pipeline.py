@@ -256,11 +256,7 @@ def _calibrated(record: dict):
     from sao_megatron.plan.simulate import EngineModel, fit_prefill_s
 
     args, probe = record["args"], record["capacity"]["probe"]
-    task = LongTailTask(**record["workload"])
-
-    def shape(i: int, g: int):
-        meta = task.member(task.get("train", i), g).meta
-        return meta["action_tokens"], meta["tool_latency_s"]
+    shape = LongTailTask(**record["workload"]).shape
 
     probed = EngineModel.from_probe(
         probe["n1"], probe["rate1"], probe["n2"], probe["rate2"], probe["request_s"]

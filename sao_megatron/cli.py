@@ -204,57 +204,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    """The pipeline simulator at the config's cluster scale: sync GRPO, async GRPO and SAO at its
-    GPU split, then SAO at other splits of the same GPUs; the best one within the lag bound."""
-    from sao_megatron.envs.longtail import LongTailTask
-    from sao_megatron.plan import cluster_sim as cs
+    """The pipeline simulator at the config's cluster scale (``plan/cluster_sim.py``)."""
+    from sao_megatron.plan.cluster_sim import report
 
-    cfg = _load(args)
-    gpu = cs.Gpu(hbm_gb_per_s=args.hbm_gb_per_s, peak_tflops=args.peak_tflops, mfu=args.mfu)
-    task = LongTailTask(turns_median=args.turns, turns_sigma=args.sigma, max_turns=cfg.rollout.loop.max_turns,
-                        tokens_median=args.tokens, tokens_sigma=args.sigma, max_tokens=cfg.rollout.loop.max_new_tokens,
-                        tool_latency_s=args.tool_latency_s, tool_sigma=args.sigma,
-                        max_tool_latency_s=max(args.tool_latency_s, 600.0))  # fmt: skip
-
-    def shape(i: int, g: int):
-        meta = task.member(task.get("train", i), g).meta
-        return meta["action_tokens"], meta["tool_latency_s"]
-
-    mean_tokens, mean_context = cs.shape_stats(shape)
-    critic = cfg.critic.parallel.world_size
-    configured = cs.Split(
-        cfg.actor.parallel.world_size, critic, cfg.rollout.num_engines, cfg.rollout.tensor_parallel
-    )
-    per_engine = max(1, cfg.rollout.max_concurrent // cfg.rollout.num_engines)
-    print(f"# sao simulate: {cfg.run.name}, {configured.gpus} GPUs (assumed GPU: {gpu}); workload: lognormal "
-          f"sigma {args.sigma:g}, median {args.turns:g} turns x {args.tokens:g} tokens, tools {args.tool_latency_s:g} s; "
-          f"mean {mean_tokens:,.0f} action tokens per episode; {per_engine} episodes in flight per engine")  # fmt: skip
-    print("| scheme | traj/s | tokens/s | engines generating | learner idle | lag mean | stale dropped |")
-    print("|---|---|---|---|---|---|---|")
-    for scheme, r in cs.schemes_at(cfg, gpu, shape, configured, mean_tokens, mean_context, args.steps,
-                                   args.warmup, per_engine).items():  # fmt: skip
-        print(f"| {scheme} | {r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.engine_generating:.2f} | "
-              f"{r.learner_idle:.2f} | {r.lag_mean:.2f} | {r.dropped_stale} |")  # fmt: skip
-    print(f"\nSAO at other splits of the same {configured.gpus} GPUs (mean lag bound {args.lag_bound:g}):")
-    print("| actor GPUs | critic GPUs | engines x GPUs | traj/s | tokens/s | lag mean | within bound |")
-    print("|---|---|---|---|---|---|---|")
-    best = None
-    for split in cs.candidate_splits(cfg, critic=True):
-        r = cs.simulate_cluster(cfg, gpu, shape, split, mean_tokens, mean_context, "sao", args.steps, args.warmup,
-                                per_engine)  # fmt: skip
-        ok = r.lag_mean <= args.lag_bound
-        mark = " (configured)" if split == configured else ""
-        print(f"| {split.actor_gpus}{mark} | {split.critic_gpus} | {split.engines} x {split.gpus_per_engine} | "
-              f"{r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.lag_mean:.2f} | {'yes' if ok else 'no'} |")  # fmt: skip
-        if ok and (best is None or r.tokens_per_s > best[1].tokens_per_s):
-            best = (split, r)
-    if best is None:
-        print(f"no split keeps the mean lag within {args.lag_bound:g}")
-        return 1
-    split, r = best
-    print(f"\nbest within the bound: actor {split.actor_gpus}, critic {split.critic_gpus}, {split.engines} engines x "
-          f"{split.gpus_per_engine} GPUs: {r.tokens_per_s:,.0f} tokens/s, mean lag {r.lag_mean:.2f}")  # fmt: skip
-    return 0
+    return report(_load(args), args)
 
 
 def cmd_sweep(args) -> int:

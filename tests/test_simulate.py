@@ -18,12 +18,7 @@ def flat(tokens: int, turns: int, latency: float):
 def longtail(sigma: float, seed: int = 0):
     task = LongTailTask(turns_median=3, turns_sigma=sigma, max_turns=12, tokens_median=24, tokens_sigma=sigma,
                         max_tokens=128, tool_latency_s=0.3, tool_sigma=sigma, max_tool_latency_s=5.0, seed=seed)  # fmt: skip
-
-    def shape(i: int, g: int):
-        meta = task.member(task.get("train", i), g).meta
-        return meta["action_tokens"], meta["tool_latency_s"]
-
-    return shape
+    return task.shape
 
 
 def test_sync_scheme_matches_the_closed_form():

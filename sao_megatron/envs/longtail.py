@@ -80,6 +80,12 @@ class LongTailTask(Task):
         split, index = sample.meta["split"], sample.meta["index"]
         return self._draw(split, index, group_index)
 
+    def shape(self, index: int, member: int = 0) -> tuple[list[int], list[float]]:
+        """(action tokens per turn, tool latency after each turn but the last) of training prompt
+        ``index``'s group member ``member``: the episode shape the simulator takes."""
+        meta = self._draw("train", index, member).meta
+        return meta["action_tokens"], meta["tool_latency_s"]
+
     def _draw(self, split: Split, index: int, member: int) -> Sample:
         rng = random.Random(f"longtail:{self.seed}:{split}:{index}" + (f":{member}" if member else ""))
         extra = 0 if self.turns_median <= 1 else _lognormal(rng, self.turns_median - 1, self.turns_sigma)

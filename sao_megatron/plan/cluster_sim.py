@@ -126,3 +126,52 @@ def shape_stats(shape, n: int = 2000) -> tuple[float, float]:
     episodes: list[Shape] = [shape(i, 0) for i in range(n)]
     tokens = [sum(t) for t, _ in episodes]
     return sum(tokens) / n, sum(tokens) / n / 2 + 512  # half an episode plus a prompt, on average
+
+
+def report(cfg: SAOConfig, args) -> int:
+    """``sao simulate``: sync GRPO, async GRPO and SAO at the config's GPU split, then SAO at other
+    splits of the same GPUs; the best one within ``args.lag_bound`` (exit 1 when none is).
+    ``args``: the CLI's workload and GPU flags."""
+    from sao_megatron.envs.longtail import LongTailTask
+
+    gpu = Gpu(hbm_gb_per_s=args.hbm_gb_per_s, peak_tflops=args.peak_tflops, mfu=args.mfu)
+    shape = LongTailTask(turns_median=args.turns, turns_sigma=args.sigma, max_turns=cfg.rollout.loop.max_turns,
+                         tokens_median=args.tokens, tokens_sigma=args.sigma, max_tokens=cfg.rollout.loop.max_new_tokens,
+                         tool_latency_s=args.tool_latency_s, tool_sigma=args.sigma,
+                         max_tool_latency_s=max(args.tool_latency_s, 600.0)).shape  # fmt: skip
+
+    mean_tokens, mean_context = shape_stats(shape)
+    critic = cfg.critic.parallel.world_size
+    configured = Split(
+        cfg.actor.parallel.world_size, critic, cfg.rollout.num_engines, cfg.rollout.tensor_parallel
+    )
+    per_engine = max(1, cfg.rollout.max_concurrent // cfg.rollout.num_engines)
+    print(f"# sao simulate: {cfg.run.name}, {configured.gpus} GPUs (assumed GPU: {gpu}); workload: lognormal "
+          f"sigma {args.sigma:g}, median {args.turns:g} turns x {args.tokens:g} tokens, tools {args.tool_latency_s:g} s; "
+          f"mean {mean_tokens:,.0f} action tokens per episode; {per_engine} episodes in flight per engine")  # fmt: skip
+    print("| scheme | traj/s | tokens/s | engines generating | learner idle | lag mean | stale dropped |")
+    print("|---|---|---|---|---|---|---|")
+    for scheme, r in schemes_at(cfg, gpu, shape, configured, mean_tokens, mean_context, args.steps,
+                                   args.warmup, per_engine).items():  # fmt: skip
+        print(f"| {scheme} | {r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.engine_generating:.2f} | "
+              f"{r.learner_idle:.2f} | {r.lag_mean:.2f} | {r.dropped_stale} |")  # fmt: skip
+    print(f"\nSAO at other splits of the same {configured.gpus} GPUs (mean lag bound {args.lag_bound:g}):")
+    print("| actor GPUs | critic GPUs | engines x GPUs | traj/s | tokens/s | lag mean | within bound |")
+    print("|---|---|---|---|---|---|---|")
+    best = None
+    for split in candidate_splits(cfg, critic=True):
+        r = simulate_cluster(cfg, gpu, shape, split, mean_tokens, mean_context, "sao", args.steps, args.warmup,
+                                per_engine)  # fmt: skip
+        ok = r.lag_mean <= args.lag_bound
+        mark = " (configured)" if split == configured else ""
+        print(f"| {split.actor_gpus}{mark} | {split.critic_gpus} | {split.engines} x {split.gpus_per_engine} | "
+              f"{r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.lag_mean:.2f} | {'yes' if ok else 'no'} |")  # fmt: skip
+        if ok and (best is None or r.tokens_per_s > best[1].tokens_per_s):
+            best = (split, r)
+    if best is None:
+        print(f"no split keeps the mean lag within {args.lag_bound:g}")
+        return 1
+    split, r = best
+    print(f"\nbest within the bound: actor {split.actor_gpus}, critic {split.critic_gpus}, {split.engines} engines x "
+          f"{split.gpus_per_engine} GPUs: {r.tokens_per_s:,.0f} tokens/s, mean lag {r.lag_mean:.2f}")  # fmt: skip
+    return 0
