@@ -8,9 +8,11 @@ carry no learning signal and would break GAE (``dropped_no_actions``). Batches:
 
 - SAO (``group_size == 1``): the first ``batch_size`` admitted trajectories, each from a
   distinct prompt, in admission order (no barrier: whatever finished first trains first).
+  Distinct means distinct ``prompt_id``: when the cursor wraps around a small dataset, a second
+  rollout of a row already in the batch waits for a later batch.
 - GRPO baselines (``group_size == G``): ``batch_size / G`` complete groups; a group is
   eligible once all G siblings are admitted, and the time its first finished member waited
-  for the last one is recorded as *group wait*. A group with a dropped member (failed, no
+  for the last one is recorded as *group wait*. Groups of a batch have distinct prompts too. A group with a dropped member (failed, no
   action token, too stale) can never be complete: its waiting siblings and every later one are
   dropped too (``dropped_group``), so no sibling waits forever for a member that will not come.
 
@@ -122,20 +124,28 @@ class ReadyBuffer:
     def __len__(self) -> int:
         return sum(len(g) for g in self._groups.values())
 
-    def _complete_groups(self) -> list[str]:
-        return [g for g, members in self._groups.items() if len(members) >= self.group_size]
+    def _batch_groups(self) -> list[str]:
+        """The next batch's groups: the first complete ones in admission order, one per prompt
+        (a repeat of a prompt already chosen waits), at most ``batch_size / group_size``."""
+        needed, chosen, prompts = self.batch_size // self.group_size, [], set()
+        for group, members in self._groups.items():
+            if len(members) >= self.group_size and members[0].prompt_id not in prompts:
+                chosen.append(group)
+                prompts.add(members[0].prompt_id)
+                if len(chosen) == needed:
+                    break
+        return chosen
 
     def ready(self) -> bool:
-        return len(self._complete_groups()) * self.group_size >= self.batch_size
+        return len(self._batch_groups()) * self.group_size >= self.batch_size
 
     def take(self) -> list[Trajectory] | None:
-        """The next batch, or None when not enough complete groups are waiting."""
-        complete = self._complete_groups()
-        needed = self.batch_size // self.group_size
-        if len(complete) < needed:
+        """The next batch, or None when not enough complete groups of distinct prompts are waiting."""
+        chosen = self._batch_groups()
+        if len(chosen) * self.group_size < self.batch_size:
             return None
         batch: list[Trajectory] = []
-        for group in complete[:needed]:
+        for group in chosen:
             members = self._groups.pop(group)[: self.group_size]
             first = self._group_first_finish.pop(group)
             if self.group_size > 1:

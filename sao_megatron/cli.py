@@ -217,13 +217,14 @@ def cmd_sweep(args) -> int:
     sweep = load_sweep(args.sweep)
     runs = [r for r in sweep.runs() if not args.only or r[0] in args.only]
     if args.dry_run:
+        runs = sweep.starts() + runs
         for arm, seed, run_dir in runs:
             state = "done" if (run_dir / "done.json").exists() else "to run"
             print(f"{arm} seed {seed} ({state}): {shlex.join(sweep.command(arm, seed, run_dir))}")
         return 0
     results = run_sweep(sweep, parallel=args.parallel, only=args.only)
     failed = [r for r in results if r["exit"] != 0]
-    print(compare([sweep.out_dir], [sweep.metric], sweep.out_dir / "compare"))
+    print(compare([sweep.out_dir], sweep.metrics, sweep.out_dir / "compare"))
     for r in failed:
         print(
             f"failed: {r['arm']} seed {r['seed']} (exit {r['exit']}); rerun the sweep to resume it",

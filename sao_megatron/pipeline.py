@@ -32,10 +32,12 @@ from sao_megatron.driver.stages import Stage, open_stage, rl, sft, value_pretrai
 from sao_megatron.faults import kill_point
 from sao_megatron.observe import RunLog
 from sao_megatron.records import Trajectory
+from sao_megatron.rollout.manager import RolloutManager
 
 
-async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> None:
-    """Take batches as they become ready and train on each; a stop signal never splits a step."""
+async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> dict[str, float]:
+    """Take batches as they become ready and train on each; a stop signal never splits a step.
+    Returns the last step's metrics (empty when no step ran)."""
     estimator, buffer, manager, source, observer = open_stage(s, state, stage)
     step = state.step if stage.resumable else 0
 
@@ -51,7 +53,7 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> N
             state.trained_prompts += [[done, t.split, t.sample_index, t.reward_details.get("group_index", 0)]
                                       for t in trajectories]  # fmt: skip
         if stage.eval_every and done % stage.eval_every == 0:
-            metrics |= await s.evaluate()
+            metrics |= await evaluate_paused(s, manager, state.version)
         log.log(done, stage.name, metrics)
         log.samples(done, trajectories, s.tokenizer, s.cfg.train.sample_trajectories)
         if stage.resumable:
@@ -62,6 +64,7 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> N
 
     log.set_total(stage.name, stage.steps)
     source.start()
+    metrics: dict[str, float] = {}
     try:
         while step < stage.steps:
             waited = time.perf_counter()
@@ -74,11 +77,30 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> N
                 raise asyncio.CancelledError
             if stage.done(metrics):
                 break
+        return metrics
     finally:
         source.stop()
         if stage.resumable:  # in-flight episodes are recorded for resubmission before they are cancelled
             await s.checkpoint(state, manager, buffer, estimator)
         await source.close()
+
+
+async def evaluate_paused(s: Session, manager: RolloutManager, version: int) -> dict[str, float]:
+    """Evaluate the current policy without distorting the lag distribution: no new training
+    episode starts meanwhile (the ones in flight finish, at most ``rollout.max_concurrent``, as
+    many as in any step), so the learner's stall does not pile up batches of one old version;
+    engines a delayed sync left behind (``rollout.weight_sync_every``) get the actor's weights
+    first. ``time/eval_s`` is the stall."""
+    t0 = time.perf_counter()
+    manager.pause()
+    try:
+        if s.version != version:
+            async with s.weights_lock:
+                await s.sync_weights(version)
+        metrics = await s.evaluate()
+    finally:
+        manager.resume()
+    return metrics | {"time/eval_s": time.perf_counter() - t0}
 
 
 async def train(cfg: SAOConfig, run_dir: Path, resume: bool = False) -> dict:
@@ -104,9 +126,14 @@ async def train(cfg: SAOConfig, run_dir: Path, resume: bool = False) -> dict:
         if state.initial_eval is None:
             state.initial_eval = await s.evaluate()
             log.log(state.step, "eval", state.initial_eval)
-        await run_stage(s, state, log, rl(cfg, s.critic is not None))
-        state.final_eval = await s.evaluate()
-        log.log(state.step, "eval", state.final_eval)
+        last = await run_stage(s, state, log, rl(cfg, s.critic is not None))
+        if state.step == 0 and state.version == 0:  # nothing trained (train.steps=0: a shared start)
+            state.final_eval = state.initial_eval
+        elif "eval/accuracy" in last:  # the last step evaluated (train.eval_every divides train.steps)
+            state.final_eval = {k: v for k, v in last.items() if k.startswith("eval/")}
+        else:
+            state.final_eval = await s.evaluate()
+            log.log(state.step, "eval", state.final_eval)
         state.save(run_dir)
         return {"initial": state.initial_eval, "final": state.final_eval}
     finally:

@@ -8,10 +8,12 @@ A sweep file::
     overrides: [train.steps=40]           # applied to every run
     seeds: [1, 2, 3]
     out_dir: runs/sweeps/grpo_vs_sao      # default: runs/sweeps/<name>
-    metric: eval/accuracy                 # sao compare's headline (default)
+    metric: eval/accuracy                 # what sao compare tabulates (default; or a list)
+    shared_start: []                      # optional: one SFT + value-pretraining start per seed
     arms:                                 # name -> its overrides (after the common ones)
       sao: []
       grpo_dis: [algo.advantage=grpo, algo.group_size=4]
+      full_critic: {overrides: [critic.freeze_patterns=[]], shared_start: false}
 
 Runs go to ``<out_dir>/<arm>/seed<s>`` one after the other (``--parallel N``: N at a time), each a
 ``sao train ... run.seed=S run.run_dir=...`` (``SAO_TRAIN`` replaces the command, as in the
@@ -19,6 +21,15 @@ launchers). A run that finished leaves ``done.json`` and is skipped by a rerun; 
 stopped resumes from its complete checkpoint (``--resume-if-present``): a sweep killed at any
 point continues where it stopped. ``sao compare <out_dir>`` (or run directories grouped as
 ``<arm>/seed<s>``) reads each run's ``metrics.jsonl``.
+
+``shared_start`` (a list of overrides, possibly empty) makes every seed start its arms from one
+run: ``<out_dir>/_start/seed<s>`` is ``sao train`` of the common overrides, these and
+``train.steps=0`` (SFT, value pretraining, the initial evaluation, a checkpoint). Each arm's run
+directory starts as a copy of that checkpoint and its metrics, and its ``sao train
+--resume-if-present`` continues with RL under the arm's own overrides: the arms of a seed begin
+from the same weights, critic and initial evaluation, and the SFT and value-pretraining keys of
+an arm are not used. An arm that needs its own start (a different critic, say) says
+``shared_start: false``.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,13 +61,32 @@ class Sweep:
     arms: dict[str, list[str]]
     out_dir: Path
     overrides: list[str] = field(default_factory=list)
-    metric: str = "eval/accuracy"
+    metrics: list[str] = field(default_factory=lambda: ["eval/accuracy"])
+    shared_start: list[str] | None = None
+    """Overrides of each seed's shared start (None: every run makes its own start)."""
+    own_start: set[str] = field(default_factory=set)
+    """Arms that make their own start even when the sweep shares one."""
+
+    START = "_start"
+    """The arm name of the shared starts (``<out_dir>/_start/seed<s>``)."""
 
     def runs(self) -> list[tuple[str, int, Path]]:
         return [(arm, seed, self.out_dir / arm / f"seed{seed}") for arm in self.arms for seed in self.seeds]
 
+    def starts(self) -> list[tuple[str, int, Path]]:
+        """The shared starts the runs need, one per seed (none without ``shared_start``)."""
+        if self.shared_start is None or all(arm in self.own_start for arm in self.arms):
+            return []
+        return [(self.START, seed, self.out_dir / self.START / f"seed{seed}") for seed in self.seeds]
+
+    def start_of(self, arm: str, seed: int) -> Path | None:
+        if self.shared_start is None or arm in self.own_start or arm == self.START:
+            return None
+        return self.out_dir / self.START / f"seed{seed}"
+
     def overrides_of(self, arm: str, seed: int, run_dir: Path) -> list[str]:
-        return [*self.overrides, *self.arms[arm], f"run.seed={seed}", f"run.run_dir={run_dir}"]
+        own = [*self.shared_start, "train.steps=0"] if arm == self.START else self.arms[arm]  # type: ignore[misc]
+        return [*self.overrides, *own, f"run.seed={seed}", f"run.run_dir={run_dir}"]
 
     def command(self, arm: str, seed: int, run_dir: Path) -> list[str]:
         """``sao train --resume-if-present`` of one run (``SAO_TRAIN`` replaces ``sao train``)."""
@@ -76,15 +107,43 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ConfigError(f"{path}: cannot read the sweep file: {err}") from err
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a sweep file is a mapping with config, seeds and arms")
-    unknown = set(data) - {"name", "config", "overrides", "seeds", "out_dir", "metric", "arms"}
+    unknown = set(data) - {
+        "name",
+        "config",
+        "overrides",
+        "seeds",
+        "out_dir",
+        "metric",
+        "arms",
+        "shared_start",
+    }
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; use name, config, overrides, seeds, out_dir, "
-                          "metric, arms")  # fmt: skip
+                          "metric, shared_start, arms")  # fmt: skip
     arms = data.get("arms")
     if not isinstance(arms, dict) or not arms:
         raise ConfigError(
             f"{path}: arms must map each arm's name to its list of overrides, e.g. arms: {{sao: []}}"
         )
+    if Sweep.START in arms:
+        raise ConfigError(f"{path}: {Sweep.START!r} names the shared starts; rename that arm")
+    own_start, arm_overrides = set(), {}
+    for arm, spec in arms.items():
+        if isinstance(spec, dict):
+            extra = set(spec) - {"overrides", "shared_start"}
+            if extra or not isinstance(spec.get("shared_start", True), bool):
+                raise ConfigError(f"{path}: arm {arm!r}: a mapping holds overrides (a list) and shared_start "
+                                  f"(true/false), got {spec!r}")  # fmt: skip
+            if not spec.get("shared_start", True):
+                own_start.add(str(arm))
+            spec = spec.get("overrides")
+        if spec is not None and not isinstance(spec, list):
+            raise ConfigError(f"{path}: arm {arm!r}: overrides are a list of key=value strings, got {spec!r}")
+        arm_overrides[str(arm)] = list(spec or [])
+    metric = data.get("metric", "eval/accuracy")
+    shared = data.get("shared_start")
+    if shared is not None and not isinstance(shared, list):
+        raise ConfigError(f"{path}: shared_start is a list of overrides (possibly empty), got {shared!r}")
     seeds = data.get("seeds", [1])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
@@ -94,15 +153,15 @@ def load_sweep(path: str | Path) -> Sweep:
         config = str(REPO_ROOT / config)  # relative to the repository, as the runs' working directory
     sweep = Sweep(
         name=name, config=config, seeds=seeds,
-        arms={str(k): [str(o) for o in (v or [])] for k, v in arms.items()},
+        arms=arm_overrides,
         out_dir=Path(data.get("out_dir") or REPO_ROOT / "runs" / "sweeps" / name),
-        overrides=[str(o) for o in data.get("overrides") or []], metric=str(data.get("metric", "eval/accuracy")),
+        overrides=[str(o) for o in data.get("overrides") or []], metrics=[str(m) for m in metric] if isinstance(metric, list) else [str(metric)],
+        shared_start=None if shared is None else [str(o) for o in shared], own_start=own_start,
     )  # fmt: skip
-    for arm, seed, run_dir in sweep.runs():
-        if any(not isinstance(o, str) or "=" not in o for o in sweep.arms[arm]):
-            raise ConfigError(
-                f"{path}: arm {arm!r}: overrides are key=value strings, got {sweep.arms[arm]!r}"
-            )
+    for arm, seed, run_dir in [*sweep.starts(), *sweep.runs()]:
+        given = sweep.shared_start if arm == Sweep.START else sweep.arms[arm]
+        if any(not isinstance(o, str) or "=" not in o for o in given or []):
+            raise ConfigError(f"{path}: arm {arm!r}: overrides are key=value strings, got {given!r}")
         try:
             load_config(sweep.config or None, sweep.overrides_of(arm, seed, run_dir))
         except ConfigError as err:
@@ -122,6 +181,9 @@ def run_one(sweep: Sweep, arm: str, seed: int, run_dir: Path, log=print) -> dict
     if done.exists():
         return json.loads(done.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
+    start = sweep.start_of(arm, seed)
+    if start is not None and not (run_dir / "metrics.jsonl").exists():
+        begin_from(start, run_dir)
     cmd = sweep.command(arm, seed, run_dir)
     log(f"[sweep {sweep.name}] {arm} seed {seed}: {shlex.join(cmd)}")
     t0 = time.time()
@@ -135,11 +197,40 @@ def run_one(sweep: Sweep, arm: str, seed: int, run_dir: Path, log=print) -> dict
     return result
 
 
+def begin_from(start: Path, run_dir: Path) -> None:
+    """A run directory that continues a finished shared start: its checkpoint (RL not begun, the
+    final evaluation forgotten) and its metrics (SFT, value pretraining, the initial evaluation)."""
+    from sao_megatron.driver.run_state import RunState
+
+    checkpoint = RunState.complete_checkpoint(start)
+    if not (start / "done.json").exists() or checkpoint is None:
+        raise RuntimeError(f"the shared start {start} did not finish (see {start / 'sweep.log'})")
+    shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+    shutil.copytree(checkpoint, RunState.checkpoint_dir(run_dir))
+    state = RunState.load(run_dir)
+    state.final_eval = None
+    state.save(run_dir)
+    shutil.copyfile(start / "metrics.jsonl", run_dir / "metrics.jsonl.tmp")
+    (run_dir / "metrics.jsonl.tmp").replace(run_dir / "metrics.jsonl")  # last: marks the copy complete
+
+
 def run_sweep(sweep: Sweep, parallel: int = 1, only: list[str] | None = None, log=print) -> list[dict]:
-    """Every (arm, seed) not done yet; a failed run does not stop the others. Returns their results."""
+    """Every (arm, seed) not done yet, after the shared starts they need; a failed run does not stop
+    the others (an arm whose start failed fails too). Returns their results."""
     todo = [r for r in sweep.runs() if not only or r[0] in only]
+    seeds = {seed for arm, seed, _ in todo if sweep.start_of(arm, seed) is not None}
+    starts = [r for r in sweep.starts() if r[1] in seeds]
+
+    def one(run: tuple[str, int, Path]) -> dict:
+        try:
+            return run_one(sweep, *run, log=log)
+        except RuntimeError as err:  # its shared start failed
+            log(f"[sweep {sweep.name}] {run[0]} seed {run[1]}: {err}")
+            return {"arm": run[0], "seed": run[1], "exit": -1, "wall_s": 0.0}
+
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        return list(pool.map(lambda r: run_one(sweep, *r, log=log), todo))
+        begun = list(pool.map(one, starts))
+        return begun + list(pool.map(one, todo))
 
 
 # ---- compare ---------------------------------------------------------------------------------
@@ -173,7 +264,9 @@ def group_runs(paths: list[Path]) -> dict[str, list[Path]]:
     (their parent's name is the arm when it is ``seed<s>``, else their own name)."""
     out: dict[str, list[Path]] = {}
     for path in paths:
-        found = sorted(p.parent for p in path.glob("*/seed*/metrics.jsonl"))
+        found = sorted(
+            p.parent for p in path.glob("*/seed*/metrics.jsonl") if not p.parent.parent.name.startswith("_")
+        )
         if not found and (path / "metrics.jsonl").exists():
             found = [path]
         if not found:
@@ -190,21 +283,29 @@ def final_value(records: list[dict], metric: str) -> float | None:
     return float(values[-1]) if values else None
 
 
+def gain(records: list[dict], metric: str) -> float | None:
+    """The metric's last value minus its first (an evaluation's end of RL minus its start)."""
+    values = [r[metric] for r in records if isinstance(r.get(metric), (int, float))]
+    return float(values[-1] - values[0]) if len(values) > 1 else None
+
+
 def compare(paths: list[Path], metrics: list[str], out_dir: Path | None = None) -> str:
     """A markdown table (per arm and metric: mean +- standard error and the 95% interval over its
-    runs, and n) and, with ``out_dir``, one PNG per metric of the arms' mean curves with a +-1
-    standard-error band."""
+    runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation) and, with
+    ``out_dir``, one PNG per metric of the arms' mean curves with a +-1 standard-error band."""
     groups = group_runs(paths)
     records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
     lines = ["| metric | arm | n | mean +- s.e. | 95% CI |", "|---|---|---|---|---|"]
-    for metric in metrics:
+    rows = [(m, m, final_value) for m in metrics]
+    rows += [(f"{m} gain", m, gain) for m in metrics if m.startswith("eval/")]
+    for label, metric, reduce in rows:
         for arm, runs in records.items():
-            values = [v for v in (final_value(r, metric) for r in runs) if v is not None]
+            values = [v for v in (reduce(r, metric) for r in runs) if v is not None]
             if not values:
                 continue
             s = ArmStats(arm, values)
             ci = f"[{s.mean - s.ci95:.4g}, {s.mean + s.ci95:.4g}]" if len(values) > 1 else "-"
-            lines.append(f"| {metric} | {arm} | {len(values)} | {s.mean:.4g} +- {s.stderr:.2g} | {ci} |")
+            lines.append(f"| {label} | {arm} | {len(values)} | {s.mean:.4g} +- {s.stderr:.2g} | {ci} |")
     table = "\n".join(lines) + "\n"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,29 @@ def test_sao_batches_in_finish_order_from_distinct_prompts():
     assert buf.take() is None and len(buf) == 1
 
 
+def test_a_prompt_repeated_by_a_wrapped_cursor_waits_for_a_later_batch():
+    # A 2-row dataset read at indices 0..3: rows p0, p1, p0, p1 (group ids differ, prompts repeat).
+    buf = ReadyBuffer(batch_size=2)
+    for index, row in ((0, 0), (2, 0), (1, 1), (3, 1)):
+        t = traj(row)
+        t.group_id = f"train:{index}"
+        assert buf.admit(t, 0)
+    assert [(t.prompt_id, t.group_id) for t in buf.take() or []] == [("p0", "train:0"), ("p1", "train:1")]
+    assert [(t.prompt_id, t.group_id) for t in buf.take() or []] == [("p0", "train:2"), ("p1", "train:3")]
+    buf.admit(traj(7), 0)
+    t = traj(7)
+    t.group_id = "train:9"
+    buf.admit(t, 0)
+    assert not buf.ready() and buf.take() is None and len(buf) == 2  # two of one prompt never make a batch
+    # GRPO: groups of a batch are distinct prompts too.
+    grpo = ReadyBuffer(batch_size=4, group_size=2)
+    for index in (0, 2, 1):
+        for m in (0, 1):
+            t = traj(index % 2, group=f"train:{index}", member=m)
+            assert grpo.admit(t, 0)
+    assert [t.group_id for t in grpo.take() or []] == ["train:0", "train:0", "train:1", "train:1"]
+
+
 def test_lag_bound_and_failures_are_dropped_and_counted():
     buf = ReadyBuffer(batch_size=1, max_policy_lag=2)
     assert not buf.admit(traj(1, version=0), current_version=3)
@@ -103,9 +126,9 @@ def test_a_dropped_grpo_member_drops_its_siblings_so_none_waits_forever():
     assert not buf.admit(traj(2, group="g2", member=0, status="failed"), 0)  # failed first
     assert not buf.admit(traj(2, group="g2", member=1), 0)  # the later sibling is dropped on arrival
     assert buf.stats.dropped_group == 2 and buf._broken == {}
-    for g in ("g3", "g4"):
+    for i, g in ((3, "g3"), (4, "g4")):
         for m in (0, 1):
-            assert buf.admit(traj(3, group=g, member=m), 0)
+            assert buf.admit(traj(i, group=g, member=m), 0)
     assert [t.group_id for t in buf.take() or []] == ["g3", "g3", "g4", "g4"]  # whole groups only
     # A member gone stale while waiting takes its sibling with it, and a late sibling is dropped too.
     buf3 = ReadyBuffer(batch_size=3, group_size=3, max_policy_lag=1)

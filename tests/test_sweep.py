@@ -21,10 +21,19 @@ STUB = textwrap.dedent('''
     from pathlib import Path
     args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
     run = Path(args["run.run_dir"]); seed = int(args["run.seed"]); eps = float(args.get("algo.eps_high", 5.0))
-    calls = Path(os.environ["STUB_CALLS"]); calls.write_text(calls.read_text() + f"{run.parent.name}/{run.name} {'--resume-if-present' in sys.argv}\\n" if calls.exists() else f"{run.parent.name}/{run.name} {'--resume-if-present' in sys.argv}\\n")
+    state = run / "checkpoint" / "state.json"
+    began = "final_eval=None" if state.exists() and json.loads(state.read_text())["final_eval"] is None else "fresh"
+    line = f"{run.parent.name}/{run.name} {began} {'--resume-if-present' in sys.argv}\\n"
+    calls = Path(os.environ["STUB_CALLS"]); calls.write_text(calls.read_text() + line if calls.exists() else line)
     if os.environ.get("STUB_FAIL") == f"{run.parent.name}/{run.name}" and not (run / "failed_once").exists():
         (run / "failed_once").write_text("x"); sys.exit(1)
-    with (run / "metrics.jsonl").open("w") as f:
+    if args.get("train.steps") == "0":  # a shared start: a checkpoint and the initial evaluation
+        state.parent.mkdir()
+        ev = {"eval/accuracy": seed / 100}
+        state.write_text(json.dumps({"stage": "rl", "initial_eval": ev, "final_eval": ev}))
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "stage": "eval", **ev}) + "\\n")
+        sys.exit(0)
+    with (run / "metrics.jsonl").open("a") as f:
         for step in (1, 2):
             f.write(json.dumps({"step": step, "stage": "rl", "rollout/reward": 0.1 * step * eps}) + "\\n")
             f.write(json.dumps({"step": step, "stage": "eval", "eval/accuracy": eps / 10 + seed / 100 + step / 1000}) + "\\n")
@@ -60,14 +69,14 @@ def test_a_sweep_runs_its_grid_resumes_a_failed_run_and_compares(sweep_file, tmp
     assert sorted(c.split()[0] for c in calls if c) == sorted(
         f"{a}/seed{s}" for a in ("low", "high") for s in (1, 2, 3)
     )
-    assert all(c.endswith("True") for c in calls if c)  # every run may resume its own checkpoint
+    assert all(c.endswith("fresh True") for c in calls if c)  # every run may resume its own checkpoint
 
     assert main(["sweep", str(sweep_file)]) == 0  # only the failed run again
     calls = [c for c in (tmp_path / "calls.txt").read_text().split("\n") if c]
     assert len(calls) == 7 and calls[-1].startswith("high/seed2")
     out = capsys.readouterr().out
     rows = {
-        line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| eval/accuracy")
+        line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| eval/accuracy |")
     }
     # final eval/accuracy of arm a, seed s: eps/10 + s/100 + 0.002
     for arm, eps in (("low", 1.0), ("high", 4.0)):
@@ -77,12 +86,53 @@ def test_a_sweep_runs_its_grid_resumes_a_failed_run_and_compares(sweep_file, tmp
             f"| 3 | {mean:.4g} +- {se:.2g} | [{mean - 4.303 * se:.4g}, {mean + 4.303 * se:.4g}] |"
             in rows[arm]
         )
+    assert "| eval/accuracy gain | low | 3 | 0.001 +- 0 |" in out  # last minus first evaluation
     assert (tmp_path / "out" / "compare" / "eval_accuracy.png").stat().st_size > 0
 
     assert main(["compare", str(tmp_path / "out" / "low" / "seed1"), str(tmp_path / "out" / "low" / "seed2"),
                  "--metric", "rollout/reward", "--out", str(tmp_path / "cmp")]) == 0  # fmt: skip
     assert "| rollout/reward | low | 2 | 0.2 +- 0 |" in capsys.readouterr().out
     assert (tmp_path / "cmp" / "compare.md").exists() and (tmp_path / "cmp" / "rollout_reward.png").exists()
+
+
+def test_arms_of_a_seed_begin_from_one_shared_start_unless_they_opt_out(tmp_path, monkeypatch, capsys):
+    stub = tmp_path / "stub_train.py"
+    stub.write_text(STUB)
+    monkeypatch.setenv("SAO_TRAIN", f"{sys.executable} {stub}")
+    monkeypatch.setenv("STUB_CALLS", str(tmp_path / "calls.txt"))
+    monkeypatch.setenv("STUB_FAIL", "_start/seed1")
+    path = tmp_path / "shared.yaml"
+    path.write_text(textwrap.dedent(f"""
+        config: configs/tiny_cpu.yaml
+        seeds: [1, 2]
+        out_dir: {tmp_path / "out"}
+        shared_start: [train.sft_steps=3]
+        arms:
+          low: [algo.eps_high=1.0]
+          high: [algo.eps_high=4.0]
+          own: {{overrides: [algo.eps_high=2.0], shared_start: false}}
+    """))  # fmt: skip
+    sweep = load_sweep(path)
+    assert [r[:2] for r in sweep.starts()] == [("_start", 1), ("_start", 2)]
+    assert "train.sft_steps=3" in sweep.command(
+        "_start", 1, tmp_path / "x"
+    ) and "train.steps=0" in sweep.command("_start", 1, tmp_path / "x")
+    assert main(["sweep", str(path)]) == 1  # seed 1's start failed: its shared arms fail, the rest runs
+    calls = [c for c in (tmp_path / "calls.txt").read_text().split("\n") if c]
+    assert calls[:2] == ["_start/seed1 fresh True", "_start/seed2 fresh True"]  # starts first
+    assert sorted(calls[2:]) == ["high/seed2 final_eval=None True", "low/seed2 final_eval=None True",
+                                 "own/seed1 fresh True", "own/seed2 fresh True"]  # fmt: skip
+    assert "shared start" in capsys.readouterr().out
+
+    assert main(["sweep", str(path)]) == 0  # the start again, then the arms that waited for it
+    calls = [c for c in (tmp_path / "calls.txt").read_text().split("\n") if c][6:]
+    assert calls[0] == "_start/seed1 fresh True"
+    assert sorted(calls[1:]) == ["high/seed1 final_eval=None True", "low/seed1 final_eval=None True"]
+    out = capsys.readouterr().out
+    assert "| _start" not in out and "| eval/accuracy | own | 2 |" in out
+    # a shared arm's curve begins at its start's evaluation: seed s's start is s/100, its last eps/10 + s/100 + 0.002
+    assert "| eval/accuracy gain | low | 2 | 0.102 +- 0 |" in out
+    assert (tmp_path / "out" / "low" / "seed1" / "checkpoint" / "state.json").exists()
 
 
 def test_dry_run_lists_every_run_and_its_state(sweep_file, capsys):
@@ -98,6 +148,9 @@ def test_dry_run_lists_every_run_and_its_state(sweep_file, capsys):
     ("seeds: [a]\narms: {x: []}", "seeds must be a non-empty list of integers"),
     ("arms: {x: [algo.eps_hihg=1]}", "arm 'x': override 'algo.eps_hihg=1': unknown config key 'algo.eps_hihg'"),
     ("arm: {x: []}", "unknown keys ['arm']"),
+    ("arms: {_start: []}", "'_start' names the shared starts"),
+    ("arms: {x: {overrides: [], share: 1}}", "arm 'x': a mapping holds overrides"),
+    ("shared_start: a=1\narms: {x: []}", "shared_start is a list of overrides"),
 ])  # fmt: skip
 def test_bad_sweep_files_fail_before_any_run_naming_the_file_and_arm(tmp_path, body, message):
     path = tmp_path / "bad.yaml"

@@ -629,6 +629,15 @@ def validate(cfg: SAOConfig) -> None:
             raise ConfigError(f"train.{name}={getattr(cfg.train, name)} must be >= 0 (0 turns it off)")
     if cfg.train.max_skipped_steps < 1:
         raise ConfigError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be >= 1")
+    every = cfg.rollout.weight_sync_every
+    if every < 1:
+        raise ConfigError(f"rollout.weight_sync_every={every}; use 1 (every step) or more")
+    if cfg.algo.max_policy_lag is not None and cfg.algo.max_policy_lag < every - 1:
+        raise ConfigError(
+            f"rollout.weight_sync_every={every} with algo.max_policy_lag={cfg.algo.max_policy_lag}: "
+            f"episodes run on weights up to {every - 1} versions old and would be dropped as stale; "
+            f"raise algo.max_policy_lag to >= {every - 1} (or null)"
+        )
     validate_cluster(cfg)
 
 

@@ -342,6 +342,10 @@ class RolloutConfig:
     """Turn and token limits and sampling of every episode."""
     weight_sync: WeightSync = "distributed"
     """``distributed`` (broadcast group trainer rank 0 -> engines) or ``disk``."""
+    weight_sync_every: int = 1
+    """Push the actor's weights to the engines every n policy versions (1: every step). n > 1 is a
+    staleness knob for experiments: episodes then run on weights up to n - 1 versions old (and
+    older while they wait); ``algo.max_policy_lag`` must be at least n - 1. Evaluations sync first."""
     weight_sync_bucket_mb: int = 512
     weight_sync_gb_per_s: float = 10.0
     """Trainer -> engines bandwidth ``sao plan`` assumes for its predicted sync time per step;

@@ -43,7 +43,8 @@ class StepOutcome:
 async def learner_step(s: Session, estimator: Advantages, trajectories: list[Trajectory], version: int,
                        train_actor: bool) -> StepOutcome:  # fmt: skip
     """Train on one batch. The critic's K updates run concurrently with the actor's update
-    (separate worlds); the engines get the new weights as ``version + 1``."""
+    (separate worlds); the engines get the new weights as ``version + 1`` (every
+    ``rollout.weight_sync_every`` versions: a delayed sync is a staleness knob for experiments)."""
     t0 = time.perf_counter()
     batch = build_batch(trajectories)
     critic, actor = s.critic, s.actor
@@ -82,8 +83,9 @@ async def learner_step(s: Session, estimator: Advantages, trajectories: list[Tra
                     "rate or inspect those trajectories (sao report shows samples); resume from the last checkpoint"
                 )
         if train_actor and "actor" not in skipped:
-            out.version = version + 1
-            out.sync = await s.sync_weights(out.version)
+            out.version = s.actor_version = version + 1
+            if out.version % s.cfg.rollout.weight_sync_every == 0:
+                out.sync = await s.sync_weights(out.version)
     out.seconds = time.perf_counter() - t0
     return out
 

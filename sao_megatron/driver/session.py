@@ -73,6 +73,8 @@ class Session:
         an engine's restart and its sync: a restart never labels new weights with the old version."""
         self.version = 0
         """The policy version the engines serve (the last synced)."""
+        self.actor_version = 0
+        """The actor's policy version (ahead of :attr:`version` between delayed syncs)."""
         self._watchdog: asyncio.Task | None = None
         self._recovering: dict[int, asyncio.Task] = {}
         self._policy_exported = False  # <run_dir>/hf/policy holds the actor's current weights
@@ -237,12 +239,14 @@ class Session:
                     if await self.clients[i].weight_version() == str(self.version):
                         states.mark_up(i)
                     else:
-                        await self.sync_weights(self.version)
+                        await self.sync_weights(max(self.version, self.actor_version))
                 return
             log.warning("engine%d is down (%s); restarting it", i, why[:300])
             await self._restart(i)
             if i not in states.dropped:
-                await self.sync_weights(self.version)  # the current policy, before it takes episodes
+                await self.sync_weights(
+                    max(self.version, self.actor_version)
+                )  # the actor's, before it takes episodes
 
     async def _restart(self, i: int) -> None:
         """Replace engine ``i`` by a fresh server (same index, a new port) from ``<run_dir>/hf/policy``,

@@ -87,6 +87,12 @@ def test_saved_config_round_trips(tmp_path):
         ("algo.lam=adapt", "algo.lam: expected a number or 'adaptive', got 'adapt'"),
         ("algo.lam=-1", "algo.lam=-1.0 must be in [0, 1], or adaptive"),
         ("algo.max_policy_lag=-1", "algo.max_policy_lag=-1; use null (unbounded) or >= 0"),
+        ("rollout.weight_sync_every=0", "rollout.weight_sync_every=0; use 1 (every step) or more"),
+        (
+            "rollout.weight_sync_every=6",
+            "rollout.weight_sync_every=6 with algo.max_policy_lag=4: episodes run on "
+            "weights up to 5 versions old",
+        ),
         ("rollout.max_turns=2", "unknown config key 'rollout.max_turns'; it is 'rollout.loop.max_turns'"),
         ("rollout.loop.max_turns=0", "rollout.loop.max_turns must be >= 1"),
         ("cluster.cpus_per_rank=-1", "cluster.cpus_per_rank=-1.0 must be >= 0"),

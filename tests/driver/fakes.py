@@ -93,9 +93,11 @@ class ScriptedLoop:
         episode.end = time.monotonic()
         self.finished.append(index)
         status = "failed" if self.failed(index) else "finished"
-        return trajectory(
+        t = trajectory(
             index, split, episode.version, self.reward(index), status, submitted_at or 0.0, started
         )
+        t.prompt_id = sample.prompt_id
+        return t
 
 
 @dataclass
@@ -212,6 +214,10 @@ class FakeSession:
     rollout_manager: RolloutManager | None = None
     skipped_in_a_row: int = 0
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    version: int = 0
+    """The version the engines serve (the last synced); episodes are labelled with it."""
+    actor_version: int = 0
+    eval_windows: list[tuple[float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.critic is not None:
@@ -222,7 +228,7 @@ class FakeSession:
         self, buffer: ReadyBuffer, version: Callable[[], int], cursor: PromptCursor
     ) -> RolloutManager:
         """As ``Session.manager``: finished trajectories go to ``buffer.admit(t, version())`` (recorded)."""
-        self.loop.version = version
+        self.loop.version = lambda: self.version  # as an engine: the weights it was last synced to
         self.buffer = buffer
 
         def on_finished(t: Trajectory) -> bool:
@@ -244,10 +250,13 @@ class FakeSession:
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         self.syncs.append(version)
+        self.version = version
         return {"time/sync_s": 0.0}
 
     async def evaluate(self) -> dict[str, float]:
+        start = time.monotonic()
         await asyncio.sleep(self.eval_s)
+        self.eval_windows.append((start, time.monotonic()))
         self.evals += 1
         return {"eval/accuracy": 0.0}
 

@@ -257,7 +257,7 @@ def fake_session(tmp_path: Path, monkeypatch, max_restarts: int, engines: int = 
     s.clients = cast(list[EngineClient], [clients[e.url] for e in fakes])
     s.loops = [SimpleNamespace(client=c) for c in s.clients]  # type: ignore[list-item]
     s.engine_states = EngineStates(engines, on_failure=s._episode_failed)
-    s.weights_lock, s.version, s._watchdog, s._recovering = asyncio.Lock(), 0, None, {}
+    s.weights_lock, s.version, s.actor_version, s._watchdog, s._recovering = asyncio.Lock(), 0, 0, None, {}
     s.sync_address = "127.0.0.1"
 
     async def start_engines(cfg, model_path, run_dir, indices=None, restart=0):

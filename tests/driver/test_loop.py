@@ -4,17 +4,19 @@ Advantages (GAE) and StepObserver; scripted episodes and recording role handles 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
 import pytest
 
-from sao_megatron.config import SAOConfig, load_config
+from sao_megatron.config import ConfigError, SAOConfig, load_config
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.stages import Stage, rl, value_pretraining
 from sao_megatron.observe import RunLog, read_metrics
 from sao_megatron.pipeline import run_stage
 from tests.driver.fakes import Checkpoint, FakeActor, FakeCritic, FakeSession, ScriptedLoop
+from tests.rollout.fakes import CountingTask
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -379,3 +381,55 @@ def test_buffer_wait_excludes_the_learner_step_and_generating_is_within_occupanc
         assert r["buffer/wait_s"] < 0.1, r
         assert 0.0 <= r["rollout/engine_generating"] <= r["rollout/engine_occupancy"] + 1e-6 <= 1.0 + 1e-6
         assert r["time/interval_s"] > 0.25  # the update's 0.3 s is inside the step interval
+
+
+def test_delayed_weight_sync_makes_engines_lag_and_evaluation_syncs_first(tmp_path):
+    """rollout.weight_sync_every=3: the engines get versions 3 and 6 only, so episodes run on weights
+    up to 2 versions behind the actor (the staleness knob); an evaluation at step 4 syncs first."""
+    cfg = config("train.steps=6", "rollout.weight_sync_every=3", "train.eval_every=4")
+    s = FakeSession(cfg, ScriptedLoop(duration=lambda i: 0.02), actor=FakeActor(update_s=0.05))
+    state, rows = run(s, rl(cfg, True), tmp_path)
+    assert s.syncs == [3, 4, 6] and state.version == 6 and s.actor_version == 6
+    assert {e.version for e in s.loop.episodes} <= {0, 3, 4, 6}
+    assert max(r["lag/max"] for r in rows) >= 2  # trained on weights two versions old
+
+
+def test_evaluation_pauses_new_episodes_and_reports_its_stall(tmp_path):
+    """No training episode starts while an evaluation runs (the ones in flight finish), so the stall
+    does not fill the buffer with batches of one old version; ``time/eval_s`` reports it."""
+    cfg = config("train.steps=4", "train.eval_every=2", "rollout.max_concurrent=4")
+    s = FakeSession(cfg, ScriptedLoop(duration=lambda i: 0.03), eval_s=0.4)
+    state, rows = run(s, rl(cfg, True), tmp_path)
+    assert len(s.eval_windows) == 2
+    for start, end in s.eval_windows:
+        assert not [e.index for e in s.loop.episodes if start + 0.01 < e.start < end], "an episode started"
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [2, 4] and all(r["time/eval_s"] >= 0.4 for r in evals)
+    assert max(r["lag/max"] for r in rows) <= 1  # nothing piled up during the 0.4-s stalls
+
+
+class RowsTask(CountingTask):
+    """A dataset of ``n`` training rows: the cursor's index ``i`` reads row ``i % n``."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def get(self, split, index):
+        sample = super().get(split, index)
+        return dataclasses.replace(sample, prompt_id=f"row{index % self.n}")
+
+    def size(self, split):
+        return self.n
+
+
+def test_batches_hold_distinct_prompts_when_the_cursor_wraps_a_small_dataset(tmp_path):
+    cfg = config("train.steps=6")
+    s = FakeSession(cfg, ScriptedLoop(duration=lambda i: 0.01 + 0.002 * (i % 3)), task=RowsTask(5))
+    run(s, rl(cfg, True), tmp_path)
+    assert len(s.actor.updates) == 6
+    for u in s.actor.updates:
+        rows = [i % 5 for i in u.indices]
+        assert len(set(rows)) == len(rows) == 4, u.indices  # 8 in flight over 5 rows: repeats wait
+
+    with pytest.raises(ConfigError, match=r"train split has 3 prompts but a batch takes 4 distinct ones"):
+        run(FakeSession(cfg, task=RowsTask(3)), rl(cfg, True), tmp_path / "small")
