@@ -212,7 +212,7 @@ def cmd_simulate(args) -> int:
 
 def cmd_sweep(args) -> int:
     """Every (arm, seed) of a sweep file not done yet, then the comparison table."""
-    from sao_megatron.sweep import compare, load_sweep, run_sweep
+    from sao_megatron.sweep import compare, finished_runs, load_sweep, run_sweep
 
     sweep = load_sweep(args.sweep)
     runs = [r for r in sweep.runs() if not args.only or r[0] in args.only]
@@ -224,7 +224,10 @@ def cmd_sweep(args) -> int:
         return 0
     results = run_sweep(sweep, parallel=args.parallel, only=args.only)
     failed = [r for r in results if r["exit"] != 0]
-    print(compare([sweep.out_dir], sweep.metrics, sweep.out_dir / "compare"))
+    runs = finished_runs(sweep)
+    print(
+        compare(runs, sweep.metrics, sweep.out_dir / f"compare_{sweep.name}") if runs else "no run finished"
+    )
     for r in failed:
         print(
             f"failed: {r['arm']} seed {r['seed']} (exit {r['exit']}); rerun the sweep to resume it",

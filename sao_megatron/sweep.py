@@ -7,7 +7,7 @@ A sweep file::
     config: configs/tiny_cpu.yaml         # the base of every run (path relative to the repository)
     overrides: [train.steps=40]           # applied to every run
     seeds: [1, 2, 3]
-    out_dir: runs/sweeps/grpo_vs_sao      # default: runs/sweeps/<name>
+    out_dir: runs/sweeps/grpo_vs_sao      # default: runs/sweeps/<name>; relative to the repository
     metric: eval/accuracy                 # what sao compare tabulates (default; or a list)
     shared_start: []                      # optional: one SFT + value-pretraining start per seed
     arms:                                 # name -> its overrides (after the common ones)
@@ -19,8 +19,10 @@ Runs go to ``<out_dir>/<arm>/seed<s>`` one after the other (``--parallel N``: N 
 ``sao train ... run.seed=S run.run_dir=...`` (``SAO_TRAIN`` replaces the command, as in the
 launchers). A run that finished leaves ``done.json`` and is skipped by a rerun; one that was
 stopped resumes from its complete checkpoint (``--resume-if-present``): a sweep killed at any
-point continues where it stopped. ``sao compare <out_dir>`` (or run directories grouped as
-``<arm>/seed<s>``) reads each run's ``metrics.jsonl``.
+point continues where it stopped. Sweep files may share an ``out_dir``: an arm with the same name
+and seed is the same run, done once (keep its overrides identical). ``sao sweep`` ends with the
+comparison of its own arms in ``<out_dir>/compare_<name>/``; ``sao compare <out_dir>`` (or run
+directories grouped as ``<arm>/seed<s>``) reads each run's ``metrics.jsonl``.
 
 ``shared_start`` (a list of overrides, possibly empty) makes every seed start its arms from one
 run: ``<out_dir>/_start/seed<s>`` is ``sao train`` of the common overrides, these and
@@ -154,7 +156,7 @@ def load_sweep(path: str | Path) -> Sweep:
     sweep = Sweep(
         name=name, config=config, seeds=seeds,
         arms=arm_overrides,
-        out_dir=Path(data.get("out_dir") or REPO_ROOT / "runs" / "sweeps" / name),
+        out_dir=REPO_ROOT / Path(data.get("out_dir") or Path("runs") / "sweeps" / name),  # absolute stays
         overrides=[str(o) for o in data.get("overrides") or []], metrics=[str(m) for m in metric] if isinstance(metric, list) else [str(metric)],
         shared_start=None if shared is None else [str(o) for o in shared], own_start=own_start,
     )  # fmt: skip
@@ -195,6 +197,11 @@ def run_one(sweep: Sweep, arm: str, seed: int, run_dir: Path, log=print) -> dict
     log(f"[sweep {sweep.name}] {arm} seed {seed}: exit {rc} in {result['wall_s']:.0f} s"
         + ("" if rc == 0 else f"; see {run_dir / 'sweep.log'} (a rerun resumes it)"))  # fmt: skip
     return result
+
+
+def finished_runs(sweep: Sweep) -> list[Path]:
+    """This sweep's run directories that hold metrics (what ``sao compare`` of the sweep reads)."""
+    return [run_dir for _, _, run_dir in sweep.runs() if (run_dir / "metrics.jsonl").exists()]
 
 
 def begin_from(start: Path, run_dir: Path) -> None:

@@ -87,7 +87,7 @@ def test_a_sweep_runs_its_grid_resumes_a_failed_run_and_compares(sweep_file, tmp
             in rows[arm]
         )
     assert "| eval/accuracy gain | low | 3 | 0.001 +- 0 |" in out  # last minus first evaluation
-    assert (tmp_path / "out" / "compare" / "eval_accuracy.png").stat().st_size > 0
+    assert (tmp_path / "out" / "compare_mini" / "eval_accuracy.png").stat().st_size > 0
 
     assert main(["compare", str(tmp_path / "out" / "low" / "seed1"), str(tmp_path / "out" / "low" / "seed2"),
                  "--metric", "rollout/reward", "--out", str(tmp_path / "cmp")]) == 0  # fmt: skip
@@ -173,3 +173,18 @@ def test_every_committed_experiment_file_loads():
     for path in files:
         sweep = load_sweep(path)
         assert sweep.arms and sweep.seeds, path
+
+
+def test_sweeps_sharing_an_out_dir_run_a_common_arm_once_and_compare_only_their_arms(
+    sweep_file, tmp_path, capsys
+):
+    assert main(["sweep", str(sweep_file)]) == 0  # arms low and high
+    other = tmp_path / "other.yaml"
+    other.write_text(sweep_file.read_text().replace("high: [algo.eps_high=4.0]", "mid: [algo.eps_high=2.0]"))
+    capsys.readouterr()
+    assert main(["sweep", str(other)]) == 0
+    calls = [c.split()[0] for c in (tmp_path / "calls.txt").read_text().split("\n") if c]
+    assert calls[6:] == ["mid/seed1", "mid/seed2", "mid/seed3"]  # low was done by the first sweep
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| eval/accuracy |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["low", "mid"]
+    assert (tmp_path / "out" / "compare_other" / "eval_accuracy.png").exists()

@@ -51,7 +51,7 @@ def test_a_miniature_sweep_shares_its_start_and_compares(tmp_path, capsys):
         assert state["step"] == 2 and state["final_eval"] is not None
     assert "| eval/accuracy | sao | 1 |" in table and "| eval/accuracy gain | grpo_dis | 1 |" in table
     assert "| eval/mean_accuracy@1 | grpo_dis | 1 |" in table and "_start" not in table
-    assert (out / "compare" / "eval_accuracy.png").stat().st_size > 0
+    assert (out / "compare_mini" / "eval_accuracy.png").stat().st_size > 0
 
     assert main(["compare", str(out), "--metric", "rollout/reward", "--out", str(tmp_path / "cmp")]) == 0
     assert "| rollout/reward | sao | 1 |" in capsys.readouterr().out
