@@ -15,7 +15,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import shutil
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -334,6 +336,9 @@ class Session:
           ``train.eval_sample_temperature``, mean accuracy over all of them (paper: k=16 at 1.0),
           with ``eval/pass@k`` (share of prompts with a correct sample) and ``eval/sampled_failed``.
 
+        Each accuracy comes with its standard error over the prompts (``_se``: binomial for the
+        greedy one, the per-prompt means' for the sampled one): the noise of the evaluation set.
+
         Failed episodes count as wrong. All episodes run concurrently (``rollout.max_concurrent``).
         """
         t = self.cfg.train
@@ -361,15 +366,19 @@ class Session:
         jobs = [(0, i, 0) for i in range(n)] + [(1, i, j) for i in range(n) for j in range(k)]
         results = await asyncio.gather(*(one(*job) for job in jobs))
         first, rest = results[:n], results[n:]
+        accuracy = sum(bool(r.correct) for r in first) / n
         metrics = {
-            "eval/accuracy": sum(bool(r.correct) for r in first) / n,
+            "eval/accuracy": accuracy,
+            "eval/accuracy_se": math.sqrt(accuracy * (1 - accuracy) / n),  # binomial, over the n prompts
             "eval/reward": sum(r.reward for r in first) / n,
             "eval/failed": float(sum(r.status == "failed" for r in first)),
             "eval/turns": sum(r.num_turns for r in first) / n,
         }
         if k > 0:
             per_prompt = [[bool(r.correct) for r in rest[i * k : (i + 1) * k]] for i in range(n)]
-            metrics[f"eval/mean_accuracy@{k}"] = sum(map(sum, per_prompt)) / (n * k)
+            means = [sum(p) / k for p in per_prompt]
+            metrics[f"eval/mean_accuracy@{k}"] = sum(means) / n
+            metrics[f"eval/mean_accuracy@{k}_se"] = statistics.stdev(means) / math.sqrt(n) if n > 1 else 0.0
             metrics[f"eval/pass@{k}"] = sum(map(any, per_prompt)) / n
             metrics["eval/sampled_failed"] = float(sum(r.status == "failed" for r in rest))
         return metrics

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections import Counter
 from dataclasses import dataclass
 from typing import cast
@@ -72,6 +73,9 @@ def test_greedy_pass1_and_mean_accuracy_over_k_samples() -> None:
     # prompts 0..7: i % 4 correct samples of 4, except prompt 5 whose first (correct) sample failed
     assert metrics["eval/mean_accuracy@4"] == pytest.approx((2 * (0 + 1 + 2 + 3) - 1) / 32)
     assert metrics["eval/pass@4"] == 5 / 8  # i % 4 > 0, but prompt 5 lost its one correct sample
+    assert metrics["eval/accuracy_se"] == pytest.approx((0.5 * 0.5 / 8) ** 0.5)  # binomial over 8 prompts
+    means = [(i % 4 - (i == 5)) / 4 for i in range(8)]
+    assert metrics["eval/mean_accuracy@4_se"] == pytest.approx(statistics.stdev(means) / 8**0.5)
     assert metrics["eval/sampled_failed"] == 1.0 and metrics["eval/failed"] == 0.0
     temps = Counter(t for t, _, _ in ScriptedEvalLoop.calls)
     assert temps == {0.0: 8, 0.7: 32}
@@ -83,7 +87,7 @@ def test_without_samples_only_pass1_and_prompts_capped_at_the_heldout_size() -> 
     session = make_session(["train.eval_prompts=1000"])
     size = session.task.size("heldout")
     metrics = asyncio.run(session.evaluate())
-    assert set(metrics) == {"eval/accuracy", "eval/reward", "eval/failed", "eval/turns"}
+    assert set(metrics) == {"eval/accuracy", "eval/accuracy_se", "eval/reward", "eval/failed", "eval/turns"}
     assert len(ScriptedEvalLoop.calls) == size == 11  # every held-out problem once, none repeated
     assert asyncio.run(make_session(["train.eval_prompts=0"]).evaluate()) == {}
 
