@@ -212,7 +212,7 @@ def cmd_simulate(args) -> int:
 
 def cmd_sweep(args) -> int:
     """Every (arm, seed) of a sweep file not done yet, then the comparison table."""
-    from sao_megatron.sweep import compare, finished_runs, load_sweep, run_sweep
+    from sao_megatron.sweep import compare, finished_runs, load_sweep, run_sweep, wall_time
 
     sweep = load_sweep(args.sweep)
     runs = [r for r in sweep.runs() if not args.only or r[0] in args.only]
@@ -228,6 +228,8 @@ def cmd_sweep(args) -> int:
     print(
         compare(runs, sweep.metrics, sweep.out_dir / f"compare_{sweep.name}") if runs else "no run finished"
     )
+    seconds, n = wall_time(sweep)
+    print(f"{sweep.name}: {n} finished runs (arms and their starts) took {seconds / 60:.1f} min")
     for r in failed:
         print(
             f"failed: {r['arm']} seed {r['seed']} (exit {r['exit']}); rerun the sweep to resume it",

@@ -204,6 +204,15 @@ def finished_runs(sweep: Sweep) -> list[Path]:
     return [run_dir for _, _, run_dir in sweep.runs() if (run_dir / "metrics.jsonl").exists()]
 
 
+def wall_time(sweep: Sweep) -> tuple[float, int]:
+    """Seconds the finished runs of this sweep took (its arms and the starts they used), and how
+    many runs: the comparison's cost on this machine, whichever sweep file ran a shared run."""
+    runs = [r for r in sweep.runs() if (r[2] / "done.json").exists()]
+    starts = {sweep.start_of(arm, seed) for arm, seed, _ in runs} - {None}
+    done = [json.loads((d / "done.json").read_text()) for d in [r[2] for r in runs] + sorted(starts)]  # type: ignore[list-item]
+    return sum(d.get("wall_s", 0.0) for d in done), len(done)
+
+
 def begin_from(start: Path, run_dir: Path) -> None:
     """A run directory that continues a finished shared start: its checkpoint (RL not begun, the
     final evaluation forgotten) and its metrics (SFT, value pretraining, the initial evaluation)."""

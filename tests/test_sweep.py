@@ -132,6 +132,7 @@ def test_arms_of_a_seed_begin_from_one_shared_start_unless_they_opt_out(tmp_path
     assert "| _start" not in out and "| eval/accuracy | own | 2 |" in out
     # a shared arm's curve begins at its start's evaluation: seed s's start is s/100, its last eps/10 + s/100 + 0.002
     assert "| eval/accuracy gain | low | 2 | 0.102 +- 0 |" in out
+    assert "shared: 8 finished runs (arms and their starts) took" in out  # 3 arms x 2 seeds + 2 starts
     assert (tmp_path / "out" / "low" / "seed1" / "checkpoint" / "state.json").exists()
 
 
