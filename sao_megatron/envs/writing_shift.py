@@ -129,7 +129,7 @@ class WritingTask(Task):
             digest = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big")
             if (digest % 1_000_000 < self.heldout_fraction * 1_000_000) == (split == "heldout"):
                 break
-        meta = {"topic": topic, "audience": audience, "form": form}
+        meta = {"topic": topic, "audience": audience, "form": form, "index": index}
         return Sample(f"writing_shift:{self.seed}:{split}:{index}", question, "", meta)
 
 
@@ -175,22 +175,39 @@ class WritingShiftEnv(Env):
         progress: the schedule position of this episode (training step or episode count).
         schedule: when the rewarded style changes (default :class:`StyleSchedule`).
         judge: scorer for (prompt, response, style); default :class:`HeuristicJudge`.
+        boundaries: the schedule's boundaries (a list, e.g. from ``rollout.env_kwargs``) with the
+            default styles; instead of ``schedule``.
+        shift_by_prompt_index: a ``train`` episode's progress is its prompt's index (the RL
+            cursor: how many prompts came before it), so the rewarded style shifts during one
+            ``sao train`` run (the paper's preference-shift simulation). Demonstrations and
+            held-out episodes keep ``progress``.
     """
 
     task_class = WritingTask
 
     def __init__(
-        self, progress: int = 0, schedule: StyleSchedule | None = None, judge: Judge | None = None
-    ) -> None:
-        self.progress = progress
-        self.schedule = schedule or StyleSchedule()
+        self, progress: int = 0, schedule: StyleSchedule | None = None, judge: Judge | None = None,
+        boundaries: list[int] | None = None, shift_by_prompt_index: bool = False,
+    ) -> None:  # fmt: skip
+        if schedule is not None and boundaries is not None:
+            raise ValueError("writing_shift: give schedule or boundaries, not both")
+        self.progress = self.base_progress = progress
+        self.schedule = schedule or (
+            StyleSchedule(tuple(boundaries)) if boundaries is not None else StyleSchedule()
+        )
         self.judge: Judge = judge or HeuristicJudge()
+        self.shift_by_prompt_index = shift_by_prompt_index
         self.style = self.schedule.style_at(progress)
         self.sample: Sample | None = None
         self.response: str | None = None
 
     def reset(self, sample: Sample) -> str:
         self.sample, self.response = sample, None
+        index = sample.meta.get("index")
+        if self.shift_by_prompt_index:
+            shifted = ":train:" in sample.prompt_id and isinstance(index, int)
+            self.progress = index if shifted else self.base_progress
+            self.style = self.schedule.style_at(self.progress)
         return sample.question
 
     def step(self, action: str) -> StepResult:

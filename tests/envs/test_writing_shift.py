@@ -86,3 +86,18 @@ def test_splits_disjoint_and_demonstration_follows_the_schedule() -> None:
     env.reset(sample)
     env.step(text)
     assert role == "assistant" and env.style == "formal" and env.reward().reward >= 0.8
+
+
+def test_the_style_shifts_with_the_prompt_index_during_a_run() -> None:
+    task = WritingTask()
+    env = WritingShiftEnv(boundaries=[10, 20, 30], shift_by_prompt_index=True)
+    styles = []
+    for index in (0, 9, 10, 25, 31):
+        env.reset(task.get("train", index))
+        styles.append(env.style)
+    assert styles == ["concise", "concise", "verbose", "formal", "casual"]
+    env.reset(task.get("heldout", 25))  # held-out episodes (and demonstrations) keep `progress`
+    assert env.style == "concise" and env.demonstration(task.get("train", 25))[0][1].count(" ") < 12
+    plain = WritingShiftEnv(boundaries=[10, 20, 30])
+    plain.reset(task.get("train", 25))
+    assert plain.style == "concise"  # without shift_by_prompt_index the style is progress's
