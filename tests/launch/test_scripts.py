@@ -68,8 +68,10 @@ def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
     KeyboardInterrupt so that ``sao train`` checkpoints in its ``finally:``."""
     marker = tmp_path / "marker"
     script = f'source launch/common.sh; sao_run_driver - "{sys.executable}" "{STUB}" "{marker}" cfg.yaml; echo "rc=$?"'
+    # A shell started with SIGINT ignored cannot trap it (POSIX), as under a pytest run in a background
+    # job (`nohup pytest &`); a Slurm batch shell, like a terminal's, starts with the default.
     proc = subprocess.Popen(["bash", "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         _wait_for(marker, "started")
         _wait_for_traps(proc.pid)  # the traps are set right after the driver starts
