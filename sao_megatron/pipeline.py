@@ -40,6 +40,11 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> d
     Returns the last step's metrics (empty when no step ran)."""
     estimator, buffer, manager, source, observer = open_stage(s, state, stage)
     step = state.step if stage.resumable else 0
+    first, ahead = step, s.cfg.algo.max_batches_ahead
+
+    def allow() -> None:  # flow control: the engines at most `ahead` batches ahead of the learner
+        if ahead is not None and not stage.synchronous:
+            manager.allow((step - first + ahead) * s.cfg.algo.batch_size)
 
     async def train_on(trajectories: list[Trajectory], waited: float, in_flight: int,
                        taken_at: float) -> dict[str, float]:  # fmt: skip
@@ -63,6 +68,7 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> d
         return metrics
 
     log.set_total(stage.name, stage.steps)
+    allow()
     source.start()
     metrics: dict[str, float] = {}
     try:
@@ -73,6 +79,7 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> d
                 train_on(trajectories, time.perf_counter() - waited, manager.in_flight, time.time())
             )
             step += 1
+            allow()
             if stopping:
                 raise asyncio.CancelledError
             if stage.done(metrics):

@@ -250,6 +250,11 @@ class AlgoConfig:
     """Rollouts per prompt: 1 for SAO, G for GRPO (batch = batch_size / G prompts x G)."""
     max_policy_lag: int | None = 4
     """Drop trajectories whose oldest action token is more than this many versions old; null: unbounded."""
+    max_batches_ahead: int | None = None
+    """Flow control: a new episode starts only while the episodes started in the stage number at
+    most (learner steps done + this) x ``batch_size``, so the engines run at most this many batches
+    ahead of the learner (AReaL's max staleness) and a slow learner trains fresher trajectories
+    instead of the lag bound dropping the surplus; null: no cap (the engines always generate)."""
     synchronous: bool = False
     """Batch barrier: rollouts of the next batch start only after the weight update (sync baseline)."""
     critic_warmup_steps: int = 10

@@ -12,6 +12,10 @@ an engine that is up, up to ``episode_max_retries`` times; only then is it a fai
 ``retry_from="scratch"`` runs the whole episode again with a fresh environment; ``"turn"`` keeps
 the environment and the tokens so far and generates the failed turn again on the other engine. New episodes go only to engines marked up, and wait while none is.
 
+Flow control (:meth:`allow`): the learner may cap how many fresh episodes have started, so the
+engines run at most a few batches ahead of it instead of generating what the lag bound will
+drop (``algo.max_batches_ahead``); without a cap the engines always generate.
+
 Checkpointing: :meth:`state_dict` records the cursor and the submissions still in flight.
 Resuming re-submits those first (their partial work is discarded, never trained), so no prompt
 is lost; prompts handed to the learner are never in flight again, so none is trained twice.
@@ -181,6 +185,10 @@ class RolloutManager:
         self._busy_since = [0.0] * len(loops)
         self._paused = asyncio.Event()
         self._paused.set()
+        self._allowed: int | None = None
+        """Fresh episodes (not resubmissions) that may have started; None: no cap (:meth:`allow`)."""
+        self._started = 0
+        self._room = asyncio.Event()
         self._error: BaseException | None = None
         self.max_failed_fraction = max_failed_fraction
         self._recent: deque[str] = deque(maxlen=failure_window)  # "" or the failure's reason
@@ -194,6 +202,7 @@ class RolloutManager:
 
     # ---- submissions ------------------------------------------------------------------------
     def _next_submissions(self) -> list[Submission]:
+        self._started += self.group_size
         index = self.cursor.advance()
         now = time.time()
         return [Submission(self.cursor.split, index, g, now) for g in range(self.group_size)]
@@ -325,6 +334,15 @@ class RolloutManager:
     def resume(self) -> None:
         self._paused.set()
 
+    def allow(self, episodes: int | None) -> None:
+        """Start new prompts only while at most ``episodes`` fresh episodes have started in this
+        manager (resubmissions of a resumed run do not count); None lifts the cap."""
+        self._allowed = episodes
+        self._room.set()
+
+    def _capped(self) -> bool:
+        return self._allowed is not None and self._started + self.group_size > self._allowed
+
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
@@ -352,6 +370,13 @@ class RolloutManager:
                     await asyncio.wait(
                         [stopping, *self._in_flight.values()], return_when=asyncio.FIRST_COMPLETED
                     )
+                    continue
+                if not self._pending and self._capped():  # the learner is far enough behind
+                    self._room.clear()
+                    room = asyncio.ensure_future(self._room.wait())
+                    await asyncio.wait([stopping, room, *self._in_flight.values()],
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                    room.cancel()
                     continue
                 if not self._pending:
                     self._pending = self._next_submissions()

@@ -88,6 +88,7 @@ def test_saved_config_round_trips(tmp_path):
         ("algo.lam=-1", "algo.lam=-1.0 must be in [0, 1], or adaptive"),
         ("algo.max_policy_lag=-1", "algo.max_policy_lag=-1; use null (unbounded) or >= 0"),
         ("rollout.weight_sync_every=0", "rollout.weight_sync_every=0; use 1 (every step) or more"),
+        ("algo.max_batches_ahead=0", "algo.max_batches_ahead=0; use null (no cap) or >= 1"),
         (
             "rollout.weight_sync_every=6",
             "rollout.weight_sync_every=6 with algo.max_policy_lag=4: episodes run on "

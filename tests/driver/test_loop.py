@@ -433,3 +433,30 @@ def test_batches_hold_distinct_prompts_when_the_cursor_wraps_a_small_dataset(tmp
 
     with pytest.raises(ConfigError, match=r"train split has 3 prompts but a batch takes 4 distinct ones"):
         run(FakeSession(cfg, task=RowsTask(3)), rl(cfg, True), tmp_path / "small")
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_flow_control_keeps_the_engines_at_most_n_batches_ahead_of_a_slow_learner(tmp_path, ahead):
+    """Fast episodes, a 0.2-s learner: with algo.max_batches_ahead=n the k-th fresh episode starts
+    only once k <= (updates done + n) x batch, so nothing goes stale; without it the engines run on."""
+    cfg = config(
+        "train.steps=4",
+        f"algo.max_batches_ahead={ahead}",
+        "algo.max_policy_lag=1",
+        "rollout.max_concurrent=16",
+    )
+    s = FakeSession(cfg, ScriptedLoop(duration=lambda i: 0.01), actor=FakeActor(update_s=0.2))
+    state, rows = run(s, rl(cfg, True), tmp_path)
+    ends = sorted(u.end for u in s.actor.updates)
+    for k, episode in enumerate(sorted(s.loop.episodes, key=lambda e: e.start)):
+        done = sum(end <= episode.start for end in ends)
+        assert k < (done + ahead) * 4, (k, done)
+    assert len(s.loop.episodes) <= (4 + ahead) * 4
+    assert s.buffer is not None and s.buffer.stats.dropped_stale == 0
+    assert max(r["lag/max"] for r in rows) <= ahead
+
+    free = FakeSession(config("train.steps=4", "algo.max_policy_lag=1", "rollout.max_concurrent=16"),
+                       ScriptedLoop(duration=lambda i: 0.01), actor=FakeActor(update_s=0.2))  # fmt: skip
+    run(free, rl(free.cfg, True), tmp_path / "free")
+    assert len(free.loop.episodes) > 3 * len(s.loop.episodes)  # no cap: generated, then dropped as stale
+    assert free.buffer is not None and free.buffer.stats.dropped_stale > 0
