@@ -205,8 +205,8 @@ class WritingShiftEnv(Env):
         self.sample, self.response = sample, None
         index = sample.meta.get("index")
         if self.shift_by_prompt_index:
-            shifted = ":train:" in sample.prompt_id and isinstance(index, int)
-            self.progress = index if shifted else self.base_progress
+            train = ":train:" in sample.prompt_id  # held-out episodes keep the base progress
+            self.progress = index if train and isinstance(index, int) else self.base_progress
             self.style = self.schedule.style_at(self.progress)
         return sample.question
 
