@@ -1,0 +1,48 @@
+"""Copy a sweep's results into the repository: each run's ``metrics.jsonl`` reduced to the metrics
+docs/RESULTS.md reads (evaluations, reward, lengths, lag, DIS kept fractions, critic fit, timing)
+and its ``done.json``, under ``DEST/<arm>/seed<s>/``. ``sao compare`` runs on the copy as on the
+original, so every table in docs/RESULTS.md can be recomputed from the repository.
+
+    .venv/bin/python tools/sweep_snapshot.py runs/sweeps/arith benchmarks/results/sweeps/arith
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+KEEP = ("eval/", "rollout/reward", "rollout/accuracy", "rollout/response_tokens", "rollout/action_tokens",
+        "rollout/turns", "lag/", "dis/kept_frac/lag", "actor/kept_frac", "actor/entropy", "actor/kl_k3",
+        "critic/explained_var", "critic/loss", "time/", "buffer/dropped_", "policy_version", "sft/")  # fmt: skip
+
+
+def snapshot(src: Path, dest: Path) -> int:
+    copied = 0
+    for metrics in sorted(src.glob("*/seed*/metrics.jsonl")):
+        run = metrics.parent
+        out = dest / run.parent.name / run.name
+        out.mkdir(parents=True, exist_ok=True)
+        with metrics.open() as f, (out / "metrics.jsonl").open("w") as g:
+            for line in f:
+                r = json.loads(line)
+                kept = {k: v for k, v in r.items() if k in ("step", "stage", "time") or k.startswith(KEEP)}
+                kept = {k: v for k, v in kept.items() if "/adv_" not in k and not k.endswith("/weight")}
+                g.write(json.dumps(kept) + "\n")
+        if (run / "done.json").exists():
+            shutil.copyfile(run / "done.json", out / "done.json")
+        copied += 1
+    return copied
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("src", type=Path, help="a sweep's out_dir")
+    p.add_argument("dest", type=Path)
+    args = p.parse_args()
+    print(f"{snapshot(args.src, args.dest)} runs copied to {args.dest}")
+
+
+if __name__ == "__main__":
+    main()
