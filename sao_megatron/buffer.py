@@ -12,9 +12,10 @@ carry no learning signal and would break GAE (``dropped_no_actions``). Batches:
   rollout of a row already in the batch waits for a later batch.
 - GRPO baselines (``group_size == G``): ``batch_size / G`` complete groups; a group is
   eligible once all G siblings are admitted, and the time its first finished member waited
-  for the last one is recorded as *group wait*. Groups of a batch have distinct prompts too. A group with a dropped member (failed, no
-  action token, too stale) can never be complete: its waiting siblings and every later one are
-  dropped too (``dropped_group``), so no sibling waits forever for a member that will not come.
+  for the last one is recorded as *group wait*. Groups of a batch have distinct prompts too. A
+  group with a dropped member (failed, no action token, too stale) can never be complete: its
+  waiting siblings and every later one are dropped too (``dropped_group``), so no sibling waits
+  forever for a member that will not come.
 
 The learner awaits :meth:`get` (no polling): admission wakes it once a batch is complete.
 A trajectory is handed out at most once (checked). :meth:`state_dict` captures everything

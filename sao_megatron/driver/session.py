@@ -168,6 +168,7 @@ class Session:
                 for i in dead:
                     await self._restart(i)
         self.version = version
+        self.actor_version = max(self.actor_version, version)  # a resumed run's first sync sets both
         for i in states.live():
             try:
                 label = await self.clients[i].weight_version()
@@ -241,14 +242,12 @@ class Session:
                     if await self.clients[i].weight_version() == str(self.version):
                         states.mark_up(i)
                     else:
-                        await self.sync_weights(max(self.version, self.actor_version))
+                        await self.sync_weights(self.actor_version)
                 return
             log.warning("engine%d is down (%s); restarting it", i, why[:300])
             await self._restart(i)
             if i not in states.dropped:
-                await self.sync_weights(
-                    max(self.version, self.actor_version)
-                )  # the actor's, before it takes episodes
+                await self.sync_weights(self.actor_version)  # the actor's, before it takes episodes
 
     async def _restart(self, i: int) -> None:
         """Replace engine ``i`` by a fresh server (same index, a new port) from ``<run_dir>/hf/policy``,
