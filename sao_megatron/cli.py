@@ -137,8 +137,12 @@ def cmd_train(args) -> int:
         return 143
     wall = time.perf_counter() - t0
     initial, final = result["initial"] or {}, result["final"] or {}
-    print(f"done in {wall / 60:.1f} min: held-out accuracy {initial.get('eval/accuracy', float('nan')):.3f} "
-          f"(start of RL) -> {final.get('eval/accuracy', float('nan')):.3f} (end); report: sao report {run_dir}")  # fmt: skip
+    if "eval/accuracy" in initial or "eval/accuracy" in final:
+        accuracy = (f"held-out accuracy {initial.get('eval/accuracy', float('nan')):.3f} (start of RL) -> "
+                    f"{final.get('eval/accuracy', float('nan')):.3f} (end)")  # fmt: skip
+    else:
+        accuracy = "no held-out evaluation (train.eval_prompts=0)"
+    print(f"done in {wall / 60:.1f} min: {accuracy}; report: sao report {run_dir}")
     for key in sorted(k for k in {*initial, *final} if k.startswith(("eval/mean_accuracy@", "eval/pass@"))):
         print(f"  held-out {key.removeprefix('eval/')} at temperature {cfg.train.eval_sample_temperature:g}: "
               f"{initial.get(key, float('nan')):.3f} (start of RL) -> {final.get(key, float('nan')):.3f} (end)")  # fmt: skip
