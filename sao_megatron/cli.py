@@ -230,7 +230,9 @@ def cmd_sweep(args) -> int:
     failed = [r for r in results if r["exit"] != 0]
     runs = finished_runs(sweep)
     print(
-        compare(runs, sweep.metrics, sweep.out_dir / f"compare_{sweep.name}") if runs else "no run finished"
+        compare(runs, sweep.metrics, sweep.out_dir / f"compare_{sweep.name}", sweep.windows)
+        if runs
+        else "no run finished"
     )
     seconds, n = wall_time(sweep)
     print(f"{sweep.name}: {n} finished runs (arms and their starts) took {seconds / 60:.1f} min")
@@ -244,7 +246,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_compare(args) -> int:
     """Mean +- standard error and 95% intervals over seeds, per arm, and overlaid curves."""
-    from sao_megatron.sweep import compare
+    from sao_megatron.sweep import compare, parse_window
 
     try:
         print(
@@ -252,6 +254,7 @@ def cmd_compare(args) -> int:
                 [Path(p) for p in args.runs],
                 args.metric or ["eval/accuracy"],
                 Path(args.out) if args.out else None,
+                [parse_window(w) for w in args.window or []],
             )
         )
     except ValueError as err:
@@ -556,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="curves and a table (mean +- s.e., 95%% CI over seeds) of runs by arm")
     p.add_argument("runs", nargs="+", help="a sweep's out_dir, or run directories (<arm>/seed<s>)")
     p.add_argument("--metric", action="append", help="metric to compare (repeatable; default eval/accuracy)")
+    p.add_argument("--window", action="append", metavar="FIRST-LAST",
+                   help="also each metric's mean over these RL steps, e.g. 11-15 (repeatable)")  # fmt: skip
     p.add_argument("--out", help="directory for compare.md and one PNG per metric")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("report", help="plots and a summary table of a run directory")

@@ -9,6 +9,7 @@ A sweep file::
     seeds: [1, 2, 3]
     out_dir: runs/sweeps/grpo_vs_sao      # default: runs/sweeps/<name>; relative to the repository
     metric: eval/accuracy                 # what sao compare tabulates (default; or a list)
+    windows: ["11-15", "16-20"]           # optional: also each metric's mean over these RL steps
     shared_start: []                      # optional: one SFT + value-pretraining start per seed
     arms:                                 # name -> its overrides (after the common ones)
       sao: []
@@ -45,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +66,8 @@ class Sweep:
     out_dir: Path
     overrides: list[str] = field(default_factory=list)
     metrics: list[str] = field(default_factory=lambda: ["eval/accuracy"])
+    windows: list[tuple[int, int]] = field(default_factory=list)
+    """RL-step ranges (first, last) over which compare also averages each metric."""
     shared_start: list[str] | None = None
     """Overrides of each seed's shared start (None: every run makes its own start)."""
     own_start: set[str] = field(default_factory=set)
@@ -118,10 +122,18 @@ def load_sweep(path: str | Path) -> Sweep:
         "metric",
         "arms",
         "shared_start",
+        "windows",
     }
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; use name, config, overrides, seeds, out_dir, "
-                          "metric, shared_start, arms")  # fmt: skip
+                          "metric, windows, shared_start, arms")  # fmt: skip
+    windows = data.get("windows") or []
+    if not isinstance(windows, list):
+        raise ConfigError(f'{path}: windows is a list of RL-step ranges like "11-15", got {windows!r}')
+    try:
+        windows = [parse_window(w) for w in windows]
+    except ValueError as err:
+        raise ConfigError(f"{path}: windows: {err}") from err
     arms = data.get("arms")
     if not isinstance(arms, dict) or not arms:
         raise ConfigError(
@@ -158,6 +170,7 @@ def load_sweep(path: str | Path) -> Sweep:
         arms=arm_overrides,
         out_dir=REPO_ROOT / Path(data.get("out_dir") or Path("runs") / "sweeps" / name),  # absolute stays
         overrides=[str(o) for o in data.get("overrides") or []], metrics=[str(m) for m in metric] if isinstance(metric, list) else [str(metric)],
+        windows=windows,
         shared_start=None if shared is None else [str(o) for o in shared], own_start=own_start,
     )  # fmt: skip
     for arm, seed, run_dir in [*sweep.starts(), *sweep.runs()]:
@@ -305,15 +318,45 @@ def gain(records: list[dict], metric: str) -> float | None:
     return float(values[-1] - values[0]) if len(values) > 1 else None
 
 
-def compare(paths: list[Path], metrics: list[str], out_dir: Path | None = None) -> str:
+def parse_window(text: object) -> tuple[int, int]:
+    """``"11-15"`` -> (11, 15): RL steps 11 to 15, both included."""
+    first, sep, last = str(text).partition("-")
+    try:
+        window = (int(first), int(last if sep else first))
+    except ValueError:
+        window = (0, 0)
+    if window[0] < 1 or window[1] < window[0]:
+        raise ValueError(f"{text!r} is not a range of RL steps like 11-15 (first >= 1, last >= first)")
+    return window
+
+
+def window_mean(records: list[dict], metric: str, window: tuple[int, int]) -> float | None:
+    """The metric's mean over the RL steps ``window`` (first, last), both included."""
+    values = [float(r[metric]) for r in records if r.get("stage") == "rl"
+              and window[0] <= r.get("step", 0) <= window[1] and isinstance(r.get(metric), (int, float))]  # fmt: skip
+    return statistics.fmean(values) if values else None
+
+
+def compare(
+    paths: list[Path],
+    metrics: list[str],
+    out_dir: Path | None = None,
+    windows: Sequence[tuple[int, int]] = (),
+) -> str:
     """A markdown table (per arm and metric: mean +- standard error and the 95% interval over its
-    runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation) and, with
-    ``out_dir``, one PNG per metric of the arms' mean curves with a +-1 standard-error band."""
+    runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation; for each of
+    ``windows`` the metric's mean over those RL steps) and, with ``out_dir``, one PNG per metric of
+    the arms' mean curves with a +-1 standard-error band."""
     groups = group_runs(paths)
     records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
     lines = ["| metric | arm | n | mean +- s.e. | 95% CI |", "|---|---|---|---|---|"]
     rows = [(m, m, final_value) for m in metrics]
     rows += [(f"{m} gain", m, gain) for m in metrics if m.startswith("eval/")]
+    rows += [
+        (f"{m} steps {a}-{b}", m, lambda r, m, w=(a, b): window_mean(r, m, w))
+        for m in metrics
+        for a, b in windows
+    ]
     for label, metric, reduce in rows:
         for arm, runs in records.items():
             values = [v for v in (reduce(r, metric) for r in runs) if v is not None]

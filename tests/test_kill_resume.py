@@ -200,7 +200,7 @@ def test_sigkill_at_every_fault_point_then_resume_trains_the_same_prompts(tmp_pa
 
     assert not any(leftovers.values()), f"processes left {GRACE_S:.0f} s after a run ended: {leftovers}"
     # An uninterrupted synchronous run trains step k on prompts 4(k-1)..4k-1 (the cursor's order;
-    # tests/test_pipeline.py compares a stopped-and-resumed run with an uninterrupted one directly).
+    # tests/test_pipeline.py checks it on a run's first steps, then across a stop and resume).
     full = {k: {("train", i, 0) for i in range(4 * (k - 1), 4 * k)} for k in range(1, STEPS + 1)}
     chain = _per_step_prompts(run_dir / "checkpoint")
     assert chain == full, f"resumed run trained other prompts:\n{chain}\nvs uninterrupted\n{full}"

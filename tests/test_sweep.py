@@ -152,6 +152,8 @@ def test_dry_run_lists_every_run_and_its_state(sweep_file, capsys):
     ("arms: {_start: []}", "'_start' names the shared starts"),
     ("arms: {x: {overrides: [], share: 1}}", "arm 'x': a mapping holds overrides"),
     ("shared_start: a=1\narms: {x: []}", "shared_start is a list of overrides"),
+    ("windows: [3-1]\narms: {x: []}", "windows: '3-1' is not a range of RL steps"),
+    ("windows: 1-5\narms: {x: []}", "windows is a list of RL-step ranges"),
 ])  # fmt: skip
 def test_bad_sweep_files_fail_before_any_run_naming_the_file_and_arm(tmp_path, body, message):
     path = tmp_path / "bad.yaml"
@@ -189,3 +191,20 @@ def test_sweeps_sharing_an_out_dir_run_a_common_arm_once_and_compare_only_their_
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| eval/accuracy |")]
     assert [r.split("|")[2].strip() for r in rows] == ["low", "mid"]
     assert (tmp_path / "out" / "compare_other" / "eval_accuracy.png").exists()
+
+
+def test_windows_average_a_metric_over_rl_steps_per_run_then_over_seeds(sweep_file, tmp_path, capsys):
+    sweep_file.write_text(sweep_file.read_text() + 'metric: rollout/reward\nwindows: ["2-2", "1-2"]\n')
+    assert main(["sweep", str(sweep_file)]) == 0
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[4].strip()
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| rollout/reward")}  # fmt: skip
+    # the stand-in's reward at step k is 0.1 * k * eps_high, the same for every seed (s.e. 0)
+    assert rows[("rollout/reward steps 2-2", "low")] == "0.2 +- 0"
+    assert rows[("rollout/reward steps 1-2", "low")] == "0.15 +- 0"
+    assert rows[("rollout/reward steps 1-2", "high")] == "0.6 +- 0"
+
+    out = tmp_path / "out"
+    assert main(["compare", str(out), "--metric", "rollout/reward", "--window", "1-1"]) == 0
+    assert "| rollout/reward steps 1-1 | high | 3 | 0.4 +- 0 |" in capsys.readouterr().out
+    assert main(["compare", str(out), "--window", "x"]) == 2
+    assert "'x' is not a range of RL steps" in capsys.readouterr().err
