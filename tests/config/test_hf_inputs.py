@@ -15,12 +15,8 @@ import pytest
 from sao_megatron.cli import _tools_from, main
 from sao_megatron.config import ConfigError, load_config
 from sao_megatron.config import hf as hf_config
-from sao_megatron.config.load import (
-    chat_template_source,
-    check_hf_tokenizer,
-    check_init_tokenizer,
-    tokenizer_size,
-)
+from sao_megatron.config.load import check_init_tokenizer
+from sao_megatron.config.tokenizer_files import chat_template_source, check_hf_tokenizer, tokenizer_size
 from sao_megatron.tokenizer import TOKENIZER_DIR
 from tests.config.test_init_from import EMPTY_SAFETENSORS
 
