@@ -289,17 +289,22 @@ class ArmStats:
 
 
 def group_runs(paths: list[Path]) -> dict[str, list[Path]]:
-    """Run directories by arm: a sweep's out_dir (``<arm>/seed<s>/metrics.jsonl``), or run directories
-    (their parent's name is the arm when it is ``seed<s>``, else their own name)."""
+    """Run directories by arm: a sweep's out_dir (``<arm>/seed<s>/metrics.jsonl``), an arm's
+    directory (``seed<s>/metrics.jsonl``), or run directories (their parent's name is the arm when
+    it is ``seed<s>``, else their own name)."""
     out: dict[str, list[Path]] = {}
     for path in paths:
         found = sorted(
             p.parent for p in path.glob("*/seed*/metrics.jsonl") if not p.parent.parent.name.startswith("_")
         )
+        if not found:
+            found = sorted(p.parent for p in path.glob("seed*/metrics.jsonl"))
         if not found and (path / "metrics.jsonl").exists():
             found = [path]
         if not found:
-            raise ValueError(f"{path}: no metrics.jsonl in it or in its <arm>/seed<s>/ directories")
+            raise ValueError(
+                f"{path}: no metrics.jsonl in it, in its seed<s>/ or in its <arm>/seed<s>/ directories"
+            )
         for run in found:
             arm = run.parent.name if run.name.startswith("seed") else run.name
             out.setdefault(arm, []).append(run)

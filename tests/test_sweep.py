@@ -206,5 +206,12 @@ def test_windows_average_a_metric_over_rl_steps_per_run_then_over_seeds(sweep_fi
     out = tmp_path / "out"
     assert main(["compare", str(out), "--metric", "rollout/reward", "--window", "1-1"]) == 0
     assert "| rollout/reward steps 1-1 | high | 3 | 0.4 +- 0 |" in capsys.readouterr().out
+    arm_dirs = [
+        str(out / "low"),
+        str(out / "high" / "seed1"),
+        str(out / "high" / "seed2"),
+    ]  # an arm's dir, runs
+    assert main(["compare", *arm_dirs, "--metric", "rollout/reward"]) == 0
+    assert "| rollout/reward | low | 3 |" in (text := capsys.readouterr().out) and "| high | 2 |" in text
     assert main(["compare", str(out), "--window", "x"]) == 2
     assert "'x' is not a range of RL steps" in capsys.readouterr().err
