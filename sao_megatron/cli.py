@@ -255,6 +255,7 @@ def cmd_compare(args) -> int:
                 args.metric or ["eval/accuracy"],
                 Path(args.out) if args.out else None,
                 [parse_window(w) for w in args.window or []],
+                args.paired_with,
             )
         )
     except ValueError as err:
@@ -561,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", action="append", help="metric to compare (repeatable; default eval/accuracy)")
     p.add_argument("--window", action="append", metavar="FIRST-LAST",
                    help="also each metric's mean over these RL steps, e.g. 11-15 (repeatable)")  # fmt: skip
+    p.add_argument("--paired-with", metavar="ARM",
+                   help="also each arm's final value minus this arm's, seed by seed (mean +- s.e. of the differences)")  # fmt: skip
     p.add_argument("--out", help="directory for compare.md and one PNG per metric")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("report", help="plots and a summary table of a run directory")

@@ -347,14 +347,25 @@ def compare(
     metrics: list[str],
     out_dir: Path | None = None,
     windows: Sequence[tuple[int, int]] = (),
+    paired_with: str | None = None,
 ) -> str:
     """A markdown table (per arm and metric: mean +- standard error and the 95% interval over its
     runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation; for each of
-    ``windows`` the metric's mean over those RL steps) and, with ``out_dir``, one PNG per metric of
-    the arms' mean curves with a +-1 standard-error band."""
+    ``windows`` the metric's mean over those RL steps; with ``paired_with`` an arm, each other arm's
+    final value minus that arm's, run by run of the same name, i.e. seed by seed) and, with
+    ``out_dir``, one PNG per metric of the arms' mean curves with a +-1 standard-error band."""
     groups = group_runs(paths)
     records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
+    if paired_with is not None and paired_with not in groups:
+        raise ValueError(f"paired with {paired_with!r}: no such arm; the arms are {sorted(groups)}")
     lines = ["| metric | arm | n | mean +- s.e. | 95% CI |", "|---|---|---|---|---|"]
+
+    def row(label: str, arm: str, values: list[float]) -> None:
+        if values:
+            s = ArmStats(arm, values)
+            ci = f"[{s.mean - s.ci95:.4g}, {s.mean + s.ci95:.4g}]" if len(values) > 1 else "-"
+            lines.append(f"| {label} | {arm} | {len(values)} | {s.mean:.4g} +- {s.stderr:.2g} | {ci} |")
+
     rows = [(m, m, final_value) for m in metrics]
     rows += [(f"{m} gain", m, gain) for m in metrics if m.startswith("eval/")]
     rows += [
@@ -364,12 +375,15 @@ def compare(
     ]
     for label, metric, reduce in rows:
         for arm, runs in records.items():
-            values = [v for v in (reduce(r, metric) for r in runs) if v is not None]
-            if not values:
-                continue
-            s = ArmStats(arm, values)
-            ci = f"[{s.mean - s.ci95:.4g}, {s.mean + s.ci95:.4g}]" if len(values) > 1 else "-"
-            lines.append(f"| {label} | {arm} | {len(values)} | {s.mean:.4g} +- {s.stderr:.2g} | {ci} |")
+            row(label, arm, [v for v in (reduce(r, metric) for r in runs) if v is not None])
+    if paired_with is not None:
+        base = {run.name: recs for run, recs in zip(groups[paired_with], records[paired_with], strict=True)}
+        for metric in metrics:
+            for arm in (a for a in groups if a != paired_with):
+                pairs = [(final_value(recs, metric), final_value(base.get(run.name, []), metric))
+                         for run, recs in zip(groups[arm], records[arm], strict=True)]  # fmt: skip
+                row(f"{metric} minus {paired_with}, paired", arm,
+                    [a - b for a, b in pairs if a is not None and b is not None])  # fmt: skip
     table = "\n".join(lines) + "\n"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

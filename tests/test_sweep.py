@@ -213,5 +213,11 @@ def test_windows_average_a_metric_over_rl_steps_per_run_then_over_seeds(sweep_fi
     ]  # an arm's dir, runs
     assert main(["compare", *arm_dirs, "--metric", "rollout/reward"]) == 0
     assert "| rollout/reward | low | 3 |" in (text := capsys.readouterr().out) and "| high | 2 |" in text
+    # paired by seed: the stand-in's final accuracy is eps_high / 10 + seed / 100 + 0.002
+    assert main(["compare", str(out), "--paired-with", "low", "--metric", "eval/accuracy"]) == 0
+    text = capsys.readouterr().out
+    assert "| eval/accuracy minus low, paired | high | 3 | 0.3 +- " in text and "| low | 3 | 0 +-" not in text
+    assert main(["compare", str(out), "--paired-with", "lo"]) == 2
+    assert "paired with 'lo': no such arm; the arms are ['high', 'low']" in capsys.readouterr().err
     assert main(["compare", str(out), "--window", "x"]) == 2
     assert "'x' is not a range of RL steps" in capsys.readouterr().err
