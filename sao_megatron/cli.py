@@ -230,7 +230,9 @@ def cmd_sweep(args) -> int:
     failed = [r for r in results if r["exit"] != 0]
     runs = finished_runs(sweep)
     print(
-        compare(runs, sweep.metrics, sweep.out_dir / f"compare_{sweep.name}", sweep.windows)
+        compare(
+            runs, sweep.metrics, sweep.out_dir / f"compare_{sweep.name}", sweep.windows, sweep.paired_with
+        )
         if runs
         else "no run finished"
     )

@@ -10,6 +10,7 @@ A sweep file::
     out_dir: runs/sweeps/grpo_vs_sao      # default: runs/sweeps/<name>; relative to the repository
     metric: eval/accuracy                 # what sao compare tabulates (default; or a list)
     windows: ["11-15", "16-20"]           # optional: also each metric's mean over these RL steps
+    paired_with: sao                      # optional: also each arm minus this one, seed by seed
     shared_start: []                      # optional: one SFT + value-pretraining start per seed
     arms:                                 # name -> its overrides (after the common ones)
       sao: []
@@ -68,6 +69,8 @@ class Sweep:
     metrics: list[str] = field(default_factory=lambda: ["eval/accuracy"])
     windows: list[tuple[int, int]] = field(default_factory=list)
     """RL-step ranges (first, last) over which compare also averages each metric."""
+    paired_with: str | None = None
+    """An arm that compare also subtracts from every other arm, seed by seed."""
     shared_start: list[str] | None = None
     """Overrides of each seed's shared start (None: every run makes its own start)."""
     own_start: set[str] = field(default_factory=set)
@@ -123,10 +126,11 @@ def load_sweep(path: str | Path) -> Sweep:
         "arms",
         "shared_start",
         "windows",
+        "paired_with",
     }
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; use name, config, overrides, seeds, out_dir, "
-                          "metric, windows, shared_start, arms")  # fmt: skip
+                          "metric, windows, paired_with, shared_start, arms")  # fmt: skip
     windows = data.get("windows") or []
     if not isinstance(windows, list):
         raise ConfigError(f'{path}: windows is a list of RL-step ranges like "11-15", got {windows!r}')
@@ -171,8 +175,13 @@ def load_sweep(path: str | Path) -> Sweep:
         out_dir=REPO_ROOT / Path(data.get("out_dir") or Path("runs") / "sweeps" / name),  # absolute stays
         overrides=[str(o) for o in data.get("overrides") or []], metrics=[str(m) for m in metric] if isinstance(metric, list) else [str(metric)],
         windows=windows,
+        paired_with=None if data.get("paired_with") is None else str(data["paired_with"]),
         shared_start=None if shared is None else [str(o) for o in shared], own_start=own_start,
     )  # fmt: skip
+    if sweep.paired_with is not None and sweep.paired_with not in sweep.arms:
+        raise ConfigError(
+            f"{path}: paired_with {sweep.paired_with!r} is not an arm; the arms are {sorted(sweep.arms)}"
+        )
     for arm, seed, run_dir in [*sweep.starts(), *sweep.runs()]:
         given = sweep.shared_start if arm == Sweep.START else sweep.arms[arm]
         if any(not isinstance(o, str) or "=" not in o for o in given or []):
@@ -351,8 +360,8 @@ def compare(
 ) -> str:
     """A markdown table (per arm and metric: mean +- standard error and the 95% interval over its
     runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation; for each of
-    ``windows`` the metric's mean over those RL steps; with ``paired_with`` an arm, each other arm's
-    final value minus that arm's, run by run of the same name, i.e. seed by seed) and, with
+    ``windows`` the metric's mean over those RL steps; with ``paired_with`` an arm, each of these
+    per run minus that arm's, run by run of the same name, i.e. seed by seed) and, with
     ``out_dir``, one PNG per metric of the arms' mean curves with a +-1 standard-error band."""
     groups = group_runs(paths)
     records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
@@ -376,14 +385,22 @@ def compare(
     for label, metric, reduce in rows:
         for arm, runs in records.items():
             row(label, arm, [v for v in (reduce(r, metric) for r in runs) if v is not None])
-    if paired_with is not None:
-        base = {run.name: recs for run, recs in zip(groups[paired_with], records[paired_with], strict=True)}
-        for metric in metrics:
-            for arm in (a for a in groups if a != paired_with):
-                pairs = [(final_value(recs, metric), final_value(base.get(run.name, []), metric))
-                         for run, recs in zip(groups[arm], records[arm], strict=True)]  # fmt: skip
-                row(f"{metric} minus {paired_with}, paired", arm,
-                    [a - b for a, b in pairs if a is not None and b is not None])  # fmt: skip
+        if paired_with is None:
+            continue
+        base = {
+            run.name: reduce(recs, metric)
+            for run, recs in zip(groups[paired_with], records[paired_with], strict=True)
+        }
+        for arm in (a for a in groups if a != paired_with):
+            pairs = [
+                (reduce(recs, metric), base.get(run.name))
+                for run, recs in zip(groups[arm], records[arm], strict=True)
+            ]
+            row(
+                f"{label} minus {paired_with}, paired",
+                arm,
+                [x - y for x, y in pairs if x is not None and y is not None],
+            )
     table = "\n".join(lines) + "\n"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -154,6 +154,7 @@ def test_dry_run_lists_every_run_and_its_state(sweep_file, capsys):
     ("shared_start: a=1\narms: {x: []}", "shared_start is a list of overrides"),
     ("windows: [3-1]\narms: {x: []}", "windows: '3-1' is not a range of RL steps"),
     ("windows: 1-5\narms: {x: []}", "windows is a list of RL-step ranges"),
+    ("paired_with: y\narms: {x: []}", "paired_with 'y' is not an arm; the arms are ['x']"),
 ])  # fmt: skip
 def test_bad_sweep_files_fail_before_any_run_naming_the_file_and_arm(tmp_path, body, message):
     path = tmp_path / "bad.yaml"
@@ -194,7 +195,9 @@ def test_sweeps_sharing_an_out_dir_run_a_common_arm_once_and_compare_only_their_
 
 
 def test_windows_average_a_metric_over_rl_steps_per_run_then_over_seeds(sweep_file, tmp_path, capsys):
-    sweep_file.write_text(sweep_file.read_text() + 'metric: rollout/reward\nwindows: ["2-2", "1-2"]\n')
+    sweep_file.write_text(
+        sweep_file.read_text() + 'metric: rollout/reward\nwindows: ["2-2", "1-2"]\npaired_with: low\n'
+    )
     assert main(["sweep", str(sweep_file)]) == 0
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[4].strip()
             for line in capsys.readouterr().out.splitlines() if line.startswith("| rollout/reward")}  # fmt: skip
@@ -202,6 +205,8 @@ def test_windows_average_a_metric_over_rl_steps_per_run_then_over_seeds(sweep_fi
     assert rows[("rollout/reward steps 2-2", "low")] == "0.2 +- 0"
     assert rows[("rollout/reward steps 1-2", "low")] == "0.15 +- 0"
     assert rows[("rollout/reward steps 1-2", "high")] == "0.6 +- 0"
+    assert rows[("rollout/reward minus low, paired", "high")].startswith("0.6 +- ")  # 0.2 * (4 - 1)
+    assert rows[("rollout/reward steps 1-2 minus low, paired", "high")].startswith("0.45 +- ")
 
     out = tmp_path / "out"
     assert main(["compare", str(out), "--metric", "rollout/reward", "--window", "1-1"]) == 0
