@@ -1,7 +1,10 @@
 """Role checkpoints: model, optimizer, LR schedule and RNG of one rank's role (``torch_dist``).
 
 The model and optimizer shards reshard on load (any TP/PP/EP layout); per-rank extras
-(schedule, RNG) are restored when the layout is the same.
+(schedule, RNG) are restored when the layout is the same. A role whose optimizer has never stepped
+(the critic of a run stopped during SFT, or of an SFT-only run) has no optimizer state to save:
+its checkpoint holds the model and a ``NOT_STEPPED`` marker, and loading it leaves the optimizer
+fresh, exactly as it was.
 """
 
 from __future__ import annotations
@@ -17,9 +20,25 @@ from sao_megatron.models.layout import unwrap
 
 __all__ = ["load_model", "load_role", "save_model", "save_role"]
 
+NOT_STEPPED = "optimizer_not_stepped"
+"""Marker file of a role checkpoint saved before its optimizer's first step (no optimizer state)."""
 
-def _role_sharded_state(role, is_loading: bool) -> dict:
+
+def _optimizers(role) -> list:
+    return list(getattr(role.optimizer, "chained_optimizers", [role.optimizer]))
+
+
+def _never_stepped(role) -> bool:
+    """No optimizer of the role holds state yet (Megatron's distributed optimizer cannot write a
+    state dict then: it reads the step count from the Adam state)."""
+    inner = [getattr(opt, "optimizer", None) for opt in _optimizers(role)]
+    return all(o is not None and not o.state for o in inner)
+
+
+def _role_sharded_state(role, is_loading: bool, with_optimizer: bool = True) -> dict:
     model_sd = unwrap(role.model).sharded_state_dict()
+    if not with_optimizer:
+        return {"model": model_sd}
     metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
     return {
         "model": model_sd,
@@ -32,10 +51,19 @@ def save_role(role, directory: str | Path) -> Path:
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
+    stepped = not _never_stepped(role)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
+        if not stepped:
+            (directory / NOT_STEPPED).write_text(
+                "the optimizer had not stepped; it has no state to restore\n"
+            )
+        else:
+            (directory / NOT_STEPPED).unlink(missing_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_role_sharded_state(role, is_loading=False), str(directory))
+    dist_checkpointing.save(
+        _role_sharded_state(role, is_loading=False, with_optimizer=stepped), str(directory)
+    )
     extra = {"scheduler": role.scheduler.state_dict(), "steps": role.steps, "rng": torch.get_rng_state()}
     torch.save(extra, directory / f"extra_rank{dist.get_rank()}.pt")
     dist.barrier()
@@ -49,18 +77,23 @@ def load_role(role, directory: str | Path) -> None:
     directory = Path(directory)
     if not (directory / "metadata.json").exists():
         raise FileNotFoundError(f"{directory} is not a role checkpoint (no metadata.json)")
-    for opt in getattr(role.optimizer, "chained_optimizers", [role.optimizer]):
+    stepped = not (directory / NOT_STEPPED).exists()
+    for opt in _optimizers(role) if stepped else []:
         # A fresh distributed optimizer has no Adam state to load into; Megatron's own loader
         # fills it with a zero-gradient step first (the loaded tensors then replace it).
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
-    state = cast(dict, dist_checkpointing.load(_role_sharded_state(role, is_loading=True), str(directory)))
+    sharded = _role_sharded_state(role, is_loading=True, with_optimizer=stepped)
+    state = cast(dict, dist_checkpointing.load(sharded, str(directory)))
     result = unwrap(role.model).load_state_dict(state["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing:
         raise KeyError(f"checkpoint {directory} lacks tensors {missing[:5]}")
     with torch.no_grad():  # the optimizer copies into views of leaf parameters
-        role.optimizer.load_state_dict(state["optimizer"])
+        if stepped:
+            role.optimizer.load_state_dict(state["optimizer"])
+        else:  # the fresh optimizer's main (e.g. fp32) copies must start from the loaded weights
+            role.optimizer.reload_model_params()
     extra_path = directory / f"extra_rank{dist.get_rank()}.pt"
     if extra_path.exists():
         # Plain data (schedule numbers, step count, RNG bytes): never unpickle objects from a file.

@@ -40,3 +40,12 @@ def test_checkpoint_saved_at_tp1_loads_into_tp2(results):
     for r in results:
         assert r["ckpt"]["before"] > 1e-2, "the fresh model must differ before loading"
         assert r["ckpt"]["after"] <= 1e-5, r["ckpt"]
+
+
+def test_a_role_saved_before_its_first_step_loads_and_steps_the_same(results):
+    """An SFT-only run's critic never steps; Megatron's distributed optimizer cannot write its state
+    then (the run failed at its final checkpoint before): the checkpoint holds the model only."""
+    for r in results:
+        c = r["never_stepped"]
+        assert c["differ_before"] and c["equal_loaded"], c
+        assert c["moved"] and c["step_diff"] == 0.0, c

@@ -125,12 +125,48 @@ def case_checkpoint_reshard(rank, world, directory: str):
     return {"before": before.item(), "after": after.item()}
 
 
+def case_never_stepped_role(rank, world, directory: str):
+    """A critic saved before its optimizer's first step (an SFT-only run) and loaded into a fresh
+    role: same weights, and the next step of both gives the same weights (the optimizer starts
+    fresh in both, its main copies from the loaded weights)."""
+    m = tiny_model_config()
+    p = ParallelConfig(world_size=world, use_distributed_optimizer=True)
+    _setup(p)
+    critic_cfg = CriticConfig(parallel=p, optim=OptimizerConfig(lr=2e-3))
+    original = build_critic_role(m, critic_cfg, layout.gather_full(build_gpt(m, p)))
+    checkpoint.save_role(original, directory)
+    seed_everything(999)
+    loaded = build_critic_role(m, critic_cfg, layout.gather_full(build_gpt(m, p)))  # other weights
+    pairs = list(zip(original.module.parameters(), loaded.module.parameters(), strict=True))
+    differ_before = any(not torch.equal(a, b) for a, b in pairs)
+    checkpoint.load_role(loaded, directory)
+    equal_loaded = all(torch.equal(a, b) for a, b in pairs)
+    micro = _micro_batches(seed=rank)
+    for mb in micro:
+        mb["targets"] = torch.linspace(-1, 1, SEQ).expand(2, SEQ)
+
+    def value_loss(values, mb):
+        return 0.5 * ((values.squeeze(-1) - mb["targets"]) ** 2).mean() / len(micro), {}
+
+    before_step = [a.detach().clone() for a, _ in pairs]
+    for role in (original, loaded):
+        role.forward_backward(micro, value_loss)
+        role.step()
+    return {
+        "differ_before": differ_before,
+        "equal_loaded": equal_loaded,
+        "step_diff": max((a - b).abs().max().item() for a, b in pairs),
+        "moved": any(not torch.equal(a, b) for (a, _), b in zip(pairs, before_step, strict=True)),
+    }
+
+
 def case_all(rank, world, directory):
     return {
         "ddp_distopt": case_ddp(rank, world, True),
         "ddp_plain": case_ddp(rank, world, False),
         "critic": case_frozen_critic(rank, world),
         "ckpt": case_checkpoint_reshard(rank, world, directory),
+        "never_stepped": case_never_stepped_role(rank, world, directory + "_never_stepped"),
     }
 
 
