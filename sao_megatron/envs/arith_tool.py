@@ -38,6 +38,10 @@ class ArithTask(Task):
         ops: operator characters to draw from (subset of ``+-*``).
         seed: generator seed; different seeds give different (equally disjoint) streams.
         heldout_fraction: share of expressions reserved for ``heldout``, in (0, 1).
+        train_size: 0 (default): every training index is a new problem; ``n > 0``: the training
+            split is a pool of ``n`` problems, index ``i`` is problem ``i % n`` (prompts repeat every
+            ``n`` indices, as in a small dataset: per-prompt baselines, memorisation). ``heldout``
+            is unchanged.
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class ArithTask(Task):
         ops: str = "+-*",
         seed: int = 0,
         heldout_fraction: float = 0.2,
+        train_size: int = 0,
     ) -> None:
         if not 2 <= min_operands <= max_operands:
             raise ValueError(f"need 2 <= min_operands <= max_operands, got {min_operands}, {max_operands}")
@@ -60,7 +65,13 @@ class ArithTask(Task):
             raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
         self.min_operands, self.max_operands = min_operands, max_operands
         self.min_digits, self.max_digits = min_digits, max_digits
+        if train_size < 0:
+            raise ValueError(f"train_size must be >= 0 (0: unlimited), got {train_size}")
         self.ops, self.seed, self.heldout_fraction = ops, seed, heldout_fraction
+        self.train_size = train_size
+
+    def size(self, split: Split) -> int | None:
+        return self.train_size if check_split(split) == "train" and self.train_size else None
 
     def _expression(self, rng: random.Random) -> str:
         n = rng.randint(self.min_operands, self.max_operands)
@@ -77,6 +88,8 @@ class ArithTask(Task):
         split = check_split(split)
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
+        if split == "train" and self.train_size:
+            index %= self.train_size
         rng = random.Random(f"arith_tool:{self.seed}:{split}:{index}")
         want_heldout = split == "heldout"
         while True:

@@ -125,3 +125,15 @@ def test_sample_prompts_and_iterate_are_resumable() -> None:
     resumed = task.iterate("train", start=first[2][0] + 1)
     assert next(resumed) == first[3]
     assert task.size("train") is None
+
+
+def test_train_size_makes_the_training_split_a_repeating_pool() -> None:
+    pool, unlimited = ArithTask(train_size=5), ArithTask()
+    assert pool.size("train") == 5 and pool.size("heldout") is None and unlimited.size("train") is None
+    first = [pool.get("train", i) for i in range(5)]
+    assert [pool.get("train", i + 10) for i in range(5)] == first  # index i is problem i % 5
+    assert first == [unlimited.get("train", i) for i in range(5)]  # the pool is the stream's start
+    assert len({s.prompt_id for s in first}) == 5
+    assert pool.get("heldout", 7) == unlimited.get("heldout", 7)
+    with pytest.raises(ValueError, match="train_size must be >= 0"):
+        ArithTask(train_size=-1)
