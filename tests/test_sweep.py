@@ -5,6 +5,7 @@ The stand-in writes a ``metrics.jsonl`` whose held-out accuracy is a function of
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
@@ -226,3 +227,30 @@ def test_windows_average_a_metric_over_rl_steps_per_run_then_over_seeds(sweep_fi
     assert "paired with 'lo': no such arm; the arms are ['high', 'low']" in capsys.readouterr().err
     assert main(["compare", str(out), "--window", "x"]) == 2
     assert "'x' is not a range of RL steps" in capsys.readouterr().err
+
+
+def test_a_snapshot_keeps_what_compare_reads_and_sums_the_runs_wall_time(sweep_file, tmp_path, capsys):
+    import importlib.util
+
+    from sao_megatron.config import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("sweep_snapshot", REPO_ROOT / "tools" / "sweep_snapshot.py")
+    assert spec and spec.loader
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert main(["sweep", str(sweep_file)]) == 0
+    original = capsys.readouterr().out
+    out = tmp_path / "out"
+    (out / "low" / "seed1" / "big.bin").write_bytes(b"x")  # not copied
+    with (out / "low" / "seed1" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "stage": "rl", "actor/grad_norm": 1.0}\n')  # a metric compare never reads
+    copied, wall_s = tool.snapshot(out, tmp_path / "copy")
+    walls = [json.loads(p.read_text())["wall_s"] for p in out.glob("*/seed*/done.json")]
+    assert copied == 6 and wall_s == pytest.approx(sum(walls))
+    assert not (tmp_path / "copy" / "low" / "seed1" / "big.bin").exists()
+    assert "grad_norm" not in (tmp_path / "copy" / "low" / "seed1" / "metrics.jsonl").read_text()
+    assert main(["compare", str(tmp_path / "copy")]) == 0
+    table = {line for line in capsys.readouterr().out.splitlines() if line.startswith("| eval/accuracy |")}
+    assert len(table) == 2 and table == {
+        line for line in original.splitlines() if line.startswith("| eval/accuracy |")
+    }

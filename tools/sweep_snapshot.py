@@ -18,8 +18,9 @@ KEEP = ("eval/", "rollout/reward", "rollout/accuracy", "rollout/response_tokens"
         "critic/explained_var", "critic/loss", "time/", "buffer/dropped_", "policy_version", "sft/")  # fmt: skip
 
 
-def snapshot(src: Path, dest: Path) -> int:
-    copied = 0
+def snapshot(src: Path, dest: Path) -> tuple[int, float]:
+    """Copy every run of ``src``; (runs copied, the sum of their wall times in seconds)."""
+    copied, wall_s = 0, 0.0
     for metrics in sorted(src.glob("*/seed*/metrics.jsonl")):
         run = metrics.parent
         out = dest / run.parent.name / run.name
@@ -32,16 +33,18 @@ def snapshot(src: Path, dest: Path) -> int:
                 g.write(json.dumps(kept) + "\n")
         if (run / "done.json").exists():
             shutil.copyfile(run / "done.json", out / "done.json")
+            wall_s += float(json.loads((run / "done.json").read_text()).get("wall_s", 0.0))
         copied += 1
-    return copied
+    return copied, wall_s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("src", type=Path, help="a sweep's out_dir")
     p.add_argument("dest", type=Path)
     args = p.parse_args()
-    print(f"{snapshot(args.src, args.dest)} runs copied to {args.dest}")
+    copied, wall_s = snapshot(args.src, args.dest)
+    print(f"{copied} runs copied to {args.dest}; together they took {wall_s / 60:.1f} min")
 
 
 if __name__ == "__main__":
