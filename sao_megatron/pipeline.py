@@ -132,7 +132,8 @@ async def train(cfg: SAOConfig, run_dir: Path, resume: bool = False) -> dict:
             state.stage = "rl"
         if state.initial_eval is None:
             state.initial_eval = await s.evaluate()
-            log.log(state.step, "eval", state.initial_eval)
+            if state.initial_eval:  # empty when train.eval_prompts=0: nothing to log
+                log.log(state.step, "eval", state.initial_eval)
         last = await run_stage(s, state, log, rl(cfg, s.critic is not None))
         if state.step == 0 and state.version == 0:  # nothing trained (train.steps=0: a shared start)
             state.final_eval = state.initial_eval
@@ -140,7 +141,8 @@ async def train(cfg: SAOConfig, run_dir: Path, resume: bool = False) -> dict:
             state.final_eval = {k: v for k, v in last.items() if k.startswith("eval/")}
         else:
             state.final_eval = await s.evaluate()
-            log.log(state.step, "eval", state.final_eval)
+            if state.final_eval:
+                log.log(state.step, "eval", state.final_eval)
         state.save(run_dir)
         return {"initial": state.initial_eval, "final": state.final_eval}
     finally:

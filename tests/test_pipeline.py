@@ -86,6 +86,7 @@ def test_stop_and_resume_gives_the_same_prompt_sequence(tmp_path):
         "algo.max_policy_lag=0",
         "train.sft_steps=2",
         "train.eval_every=0",
+        "train.eval_prompts=0",  # no evaluation: none is logged (no empty eval records)
     ]
 
     def run(run_dir, steps, resume=False):
@@ -106,3 +107,4 @@ def test_stop_and_resume_gives_the_same_prompt_sequence(tmp_path):
     assert per_step(tmp_path / "cut") == uninterrupted(2)
     run(tmp_path / "cut", 4, resume=True)
     assert per_step(tmp_path / "cut") == uninterrupted(4)
+    assert [r["stage"] for r in read_metrics(tmp_path / "cut") if r["stage"] not in ("sft", "rl")] == []
