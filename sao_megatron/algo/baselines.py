@@ -146,11 +146,9 @@ class PromptRunningMeanBaseline:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("window") != self.window:
-            raise ValueError(
-                f"state window {state.get('window')} != this baseline's window {self.window}; "
-                "construct the baseline with the checkpoint's window."
-            )
+        """Restore :meth:`state_dict`. A different ``window`` (a run resumed with another
+        ``algo.running_mean_window``, or an arm continuing a shared start) keeps each prompt's
+        most recent ``window`` rewards."""
         self.initial = float(state["initial"])
         self._history = {k: deque(v, maxlen=self.window) for k, v in state["history"].items()}
 
@@ -185,10 +183,6 @@ class GlobalRunningMeanBaseline:
         return {"window": self.window, "initial": self.initial, "history": list(self._history)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("window") != self.window:
-            raise ValueError(
-                f"state window {state.get('window')} != this baseline's window {self.window}; "
-                "construct the baseline with the checkpoint's window."
-            )
+        """Restore :meth:`state_dict`; a different ``window`` keeps the most recent ``window`` rewards."""
         self.initial = float(state["initial"])
         self._history = deque(state["history"], maxlen=self.window)

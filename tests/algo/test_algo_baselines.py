@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 import torch
 
 from sao_megatron.algo import (
@@ -49,8 +48,14 @@ def test_prompt_running_mean_excludes_own_reward_and_round_trips():
         c.advantages(torch.tensor([2.0]), ["a"])[0].tolist()
         == b.advantages(torch.tensor([2.0]), ["a"])[0].tolist()
     )
-    with pytest.raises(ValueError, match="window"):
-        PromptRunningMeanBaseline(window=3).load_state_dict(b.state_dict())
+    # another window (an arm continuing a shared start with its own running_mean_window): the most
+    # recent rewards of each prompt, up to the new window
+    narrow = PromptRunningMeanBaseline(window=1)
+    narrow.load_state_dict(b.state_dict())
+    assert narrow.baseline("a") == 2.0 and narrow.state_dict()["window"] == 1
+    wide = PromptRunningMeanBaseline(window=8)
+    wide.load_state_dict(b.state_dict())
+    assert wide.baseline("a") == 1.5  # mean(1, 2): all two kept, room for six more
 
 
 def test_global_running_mean_hand_computed_and_round_trip():
@@ -60,6 +65,12 @@ def test_global_running_mean_hand_computed_and_round_trip():
     c = GlobalRunningMeanBaseline(window=2)
     c.load_state_dict(b.state_dict())
     assert c.baseline() == 4.0  # mean(3, 5)
+    d = GlobalRunningMeanBaseline(window=1)  # another window: the most recent rewards
+    d.load_state_dict(b.state_dict())
+    assert d.baseline() == 5.0
+    e = GlobalRunningMeanBaseline(window=128)
+    e.load_state_dict(GlobalRunningMeanBaseline(window=8).state_dict())  # an empty start's state
+    assert e.baseline() == 0.0 and e.advantages(torch.tensor([1.0]))[0].tolist() == [1.0]
 
 
 def test_broadcast_to_tokens():
