@@ -320,15 +320,21 @@ def group_runs(paths: list[Path]) -> dict[str, list[Path]]:
     return out
 
 
+def _number(value: object) -> bool:
+    """A finite number: a metric undefined at a step (NaN, e.g. explained variance of constant
+    returns) is left out rather than poisoning a mean."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def final_value(records: list[dict], metric: str) -> float | None:
     """The metric's last value in the run (the final evaluation for ``eval/*``)."""
-    values = [r[metric] for r in records if isinstance(r.get(metric), (int, float))]
+    values = [r[metric] for r in records if _number(r.get(metric))]
     return float(values[-1]) if values else None
 
 
 def gain(records: list[dict], metric: str) -> float | None:
     """The metric's last value minus its first (an evaluation's end of RL minus its start)."""
-    values = [r[metric] for r in records if isinstance(r.get(metric), (int, float))]
+    values = [r[metric] for r in records if _number(r.get(metric))]
     return float(values[-1] - values[0]) if len(values) > 1 else None
 
 
@@ -347,7 +353,7 @@ def parse_window(text: object) -> tuple[int, int]:
 def window_mean(records: list[dict], metric: str, window: tuple[int, int]) -> float | None:
     """The metric's mean over the RL steps ``window`` (first, last), both included."""
     values = [float(r[metric]) for r in records if r.get("stage") == "rl"
-              and window[0] <= r.get("step", 0) <= window[1] and isinstance(r.get(metric), (int, float))]  # fmt: skip
+              and window[0] <= r.get("step", 0) <= window[1] and _number(r.get(metric))]  # fmt: skip
     return statistics.fmean(values) if values else None
 
 
@@ -414,7 +420,7 @@ def _curve(runs: list[list[dict]], metric: str) -> tuple[list[int], list[float],
     by_step: dict[int, list[float]] = {}
     for records in runs:
         for r in records:
-            if isinstance(r.get(metric), (int, float)) and r.get("stage") in ("rl", "eval"):
+            if _number(r.get(metric)) and r.get("stage") in ("rl", "eval"):
                 by_step.setdefault(int(r["step"]), []).append(float(r[metric]))
     steps = sorted(by_step)
     means = [statistics.fmean(by_step[s]) for s in steps]

@@ -225,6 +225,10 @@ def test_windows_average_a_metric_over_rl_steps_per_run_then_over_seeds(sweep_fi
     assert "| eval/accuracy minus low, paired | high | 3 | 0.3 +- " in text and "| low | 3 | 0 +-" not in text
     assert main(["compare", str(out), "--paired-with", "lo"]) == 2
     assert "paired with 'lo': no such arm; the arms are ['high', 'low']" in capsys.readouterr().err
+    with (out / "low" / "seed1" / "metrics.jsonl").open("a") as f:  # NaN (JSON NaN): left out
+        f.write('{"step": 3, "stage": "rl", "rollout/reward": NaN}\n')
+    assert main(["compare", str(out), "--metric", "rollout/reward", "--window", "1-3"]) == 0
+    assert "| rollout/reward steps 1-3 | low | 3 | 0.15 +- 0 |" in capsys.readouterr().out
     assert main(["compare", str(out), "--window", "x"]) == 2
     assert "'x' is not a range of RL steps" in capsys.readouterr().err
 
