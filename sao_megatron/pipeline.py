@@ -110,16 +110,25 @@ async def evaluate_paused(s: Session, manager: RolloutManager, version: int) -> 
     return metrics | {"time/eval_s": time.perf_counter() - t0}
 
 
+def _stop_on_signals(task: asyncio.Task) -> None:
+    """SIGTERM (preemption, ``scancel``, ``kill``) and SIGUSR1 (Slurm ``--signal``) cancel the run's
+    main task: it checkpoints in ``finally:`` and ``sao train`` exits 143 (SIGINT does the same
+    through KeyboardInterrupt)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        loop.add_signal_handler(sig, task.cancel)
+
+
 async def train(cfg: SAOConfig, run_dir: Path, resume: bool = False) -> dict:
     """``sao train``: SFT -> value pretraining -> asynchronous RL, resumable from ``run_dir``."""
-    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    task = asyncio.current_task()
     assert task is not None
-    for sig in (signal.SIGTERM, signal.SIGUSR1):  # preemption (Slurm --signal): checkpoint, then exit
-        loop.add_signal_handler(sig, task.cancel)
+    _stop_on_signals(task)
     save_config(cfg, run_dir)
     log = RunLog(run_dir, wandb_project=cfg.run.wandb_project, config=to_dict(cfg))
     state = RunState.load(run_dir) if resume else RunState()
     s = await Session.start(cfg, run_dir, state)
+    _stop_on_signals(task)  # ray.init replaced SIGTERM's handler with sys.exit: take it back
     try:
         if state.stage == "sft":
             await sft(s, log)

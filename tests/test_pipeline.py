@@ -2,18 +2,23 @@
 
 Small and few steps; the figures that matter are exact: engine logprobs equal the actor's
 after each sync, the version advances, trajectories span updates, nothing is trained twice,
-and a run stopped between steps resumes with the same prompt sequence.
+and a run stopped by SIGTERM resumes with the same prompt sequence.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from sao_megatron.batch import build_batch
-from sao_megatron.config import load_config
+from sao_megatron.config import REPO_ROOT, load_config
 from sao_megatron.driver import stages
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
@@ -76,35 +81,46 @@ def test_async_loop_versions_sync_and_buffer(tmp_path):
     assert all(any(k.startswith("dis/kept_frac/lag") for k in r) for r in rl)
 
 
-def test_stop_and_resume_gives_the_same_prompt_sequence(tmp_path):
-    """Synchronous with lag 0, an uninterrupted run trains step k on prompts 4(k-1)..4k-1 (the
-    cursor's order). A run stopped after step 2 shows it for steps 1-2; resumed to step 4, it must
-    continue the sequence exactly (the cursor, buffer and weights come from its checkpoint)."""
-    base = [
-        *SMALL,
-        "algo.synchronous=true",
-        "algo.max_policy_lag=0",
-        "train.sft_steps=2",
-        "train.eval_every=0",
-        "train.eval_prompts=0",  # no evaluation: none is logged (no empty eval records)
-    ]
+def test_sigterm_checkpoints_mid_run_and_the_resume_trains_the_same_prompt_sequence(tmp_path):
+    """``sao train`` gets SIGTERM (preemption, ``scancel``) after its first RL step: it checkpoints
+    and exits 143 (ray.init replaces Python's SIGTERM handler; the driver takes it back). Synchronous
+    with lag 0, an uninterrupted run trains step k on prompts 4(k-1)..4k-1 (the cursor's order): the
+    stopped run shows it for its steps, and resumed to the end it continues the sequence exactly
+    (cursor, buffer and weights come from its checkpoint)."""
+    steps, run_dir = 6, tmp_path / "cut"
+    base = [*SMALL, "algo.synchronous=true", "algo.max_policy_lag=0", "train.sft_steps=2", "train.eval_every=0",
+            "train.eval_prompts=0", f"train.steps={steps}", f"run.run_dir={run_dir}"]  # fmt: skip
 
-    def run(run_dir, steps, resume=False):
-        cfg = load_config(None, [*base, f"train.steps={steps}", f"run.run_dir={run_dir}"])
-        return asyncio.run(train(cfg, run_dir, resume=resume))
-
-    def per_step(run_dir):
+    def per_step():
         state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
-        steps: dict[int, set] = {}
+        out: dict[int, set] = {}
         for step, split, index, member in state["trained_prompts"]:
-            steps.setdefault(step, set()).add((split, index, member))
-        return steps
+            out.setdefault(step, set()).add((split, index, member))
+        return state["step"], out
 
-    def uninterrupted(steps):
-        return {k: {("train", i, 0) for i in range(4 * (k - 1), 4 * k)} for k in range(1, steps + 1)}
+    def uninterrupted(n):
+        return {k: {("train", i, 0) for i in range(4 * (k - 1), 4 * k)} for k in range(1, n + 1)}
 
-    run(tmp_path / "cut", 2)  # stops between steps; its checkpoint holds cursor, buffer, weights
-    assert per_step(tmp_path / "cut") == uninterrupted(2)
-    run(tmp_path / "cut", 4, resume=True)
-    assert per_step(tmp_path / "cut") == uninterrupted(4)
-    assert [r["stage"] for r in read_metrics(tmp_path / "cut") if r["stage"] not in ("sft", "rl")] == []
+    log = tmp_path / "cut.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sao_megatron.cli", "train", *base], cwd=REPO_ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"stage": "rl"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 143 and "stopped by a signal" in text, text[-3000:]
+    stopped_at, trained = per_step()
+    assert 1 <= stopped_at < steps and trained == uninterrupted(stopped_at), (stopped_at, trained)
+
+    asyncio.run(train(load_config(None, base), run_dir, resume=True))
+    assert per_step() == (steps, uninterrupted(steps))
+    assert {r["stage"] for r in read_metrics(run_dir)} == {"sft", "rl"}  # eval_prompts=0: no eval record

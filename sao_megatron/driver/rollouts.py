@@ -24,18 +24,27 @@ class RolloutSource:
         self._runner: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Start (or, in synchronous mode, restart) submitting episodes."""
+        """Start (or, in synchronous mode, restart) submitting episodes. Synchronous with a batch
+        already waiting (a resumed run's buffer), nothing goes out yet: the next batch of prompts is
+        submitted after that one is trained, as in an uninterrupted run (submitted now, it would be
+        one version stale by then and dropped)."""
+        if self.prompts_per_batch is not None and self.buffer.ready():
+            self._runner = None
+            return
         self._runner = asyncio.create_task(self.manager.run(self._stop, max_prompts=self.prompts_per_batch))
 
     async def next_batch(self) -> list[Trajectory]:
         """The next batch of finished trajectories, in the order they became ready."""
-        assert self._runner is not None, "call start() first"
+        if self._runner is None:
+            self.start()  # synchronous, after the batch a resumed run found waiting
         get = asyncio.ensure_future(self.buffer.get())
         try:
             while True:
-                await asyncio.wait([get, self._runner], return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([get, *([self._runner] if self._runner else [])],
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
                 if get.done():
                     return get.result()
+                assert self._runner is not None  # only get was awaited otherwise
                 self._runner.result()  # surfaces a manager crash
                 if self.prompts_per_batch is None:
                     raise RuntimeError("the rollout manager stopped before a batch was ready")
