@@ -143,7 +143,8 @@ def cmd_train(args) -> int:
     else:
         accuracy = "no held-out evaluation (train.eval_prompts=0)"
     print(f"done in {wall / 60:.1f} min: {accuracy}; report: sao report {run_dir}")
-    for key in sorted(k for k in {*initial, *final} if k.startswith(("eval/mean_accuracy@", "eval/pass@"))):
+    sampled = ("eval/mean_accuracy@", "eval/pass@")
+    for key in sorted(k for k in {*initial, *final} if k.startswith(sampled) and not k.endswith("_se")):
         print(f"  held-out {key.removeprefix('eval/')} at temperature {cfg.train.eval_sample_temperature:g}: "
               f"{initial.get(key, float('nan')):.3f} (start of RL) -> {final.get(key, float('nan')):.3f} (end)")  # fmt: skip
     if args.report:
