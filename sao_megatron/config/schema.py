@@ -320,8 +320,9 @@ class RolloutConfig:
     """Episodes the failure share is measured over (the check starts once this many finished)."""
     engine_max_restarts: int = 3
     """Restarts of one engine (its process exited, or it stopped answering) before it is dropped and
-    the run continues on the others; with none left the run stops. A restarted engine starts from
-    ``<run_dir>/hf/policy`` and takes episodes once a weight sync gave it the current version."""
+    the run continues on the others; with none left the run stops. A restarted engine starts as
+    at the run's start (random weights; the last export with ``weight_sync: disk``) and takes
+    episodes once a weight sync gave it the current version."""
     engine_check_s: float = 5.0
     """Period of the engine watchdog: each engine's process is polled and its ``/model_info`` asked;
     an exited process, or three missed answers in a row, marks the engine down for a restart."""
@@ -346,7 +347,9 @@ class RolloutConfig:
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """Turn and token limits and sampling of every episode."""
     weight_sync: WeightSync = "distributed"
-    """``distributed`` (broadcast group trainer rank 0 -> engines) or ``disk``."""
+    """``distributed`` (broadcast group trainer rank 0 -> engines; the engines start with random
+    weights while the roles start, and the first sync gives them the actor's) or ``disk`` (the
+    engines start from, and reload, the actor's HF export in ``<run_dir>/hf/policy``)."""
     weight_sync_every: int = 1
     """Push the actor's weights to the engines every n policy versions (1: every step). n > 1 is a
     staleness knob for experiments: episodes then run on weights up to n - 1 versions old (and

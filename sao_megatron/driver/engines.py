@@ -126,12 +126,31 @@ class RemoteEngine:
             remove_placement_group(self.group)
 
 
-async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices: list[int] | None = None,
-                        restart: int = 0) -> list[Engine]:  # fmt: skip
-    """``rollout.num_engines`` servers of ``model_path`` (or only engines ``indices``), healthy when
-    this returns; each on a fresh port. ``restart`` > 0: the engines' ``restart``-th start (its own
-    log, ``engine<i>.restart<k>.log``, so the dead server's log stays). If one does not become
-    healthy, all are stopped and the error raised."""
+def engine_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
+    """``<run_dir>/hf/engine``: the actor's ``config.json`` and tokenizer files, no weights; what the
+    engines start from with random weights (``--load-format dummy``) when a broadcast weight sync
+    gives them the actor's weights before their first episode. The files are those of the
+    actor's HF export (same generated config and dtype, same tokenizer source), rewritten each call."""
+    import json
+    import shutil
+
+    from sao_megatron.config.hf import hf_config_from_model
+    from sao_megatron.tokenizer import tokenizer_files, tokenizer_source
+
+    out = Path(run_dir) / "hf" / "engine"
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config_from_model(cfg.model, "bfloat16" if cfg.actor.bf16 else "float32")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for path in tokenizer_files(tokenizer_source(getattr(cfg.actor, "init_from", "") or None)):
+        shutil.copy(path, out / path.name)
+    return out
+
+
+def launch_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices: list[int] | None = None,
+                   restart: int = 0, load_format: str = "auto") -> list[Engine]:  # fmt: skip
+    """Start ``rollout.num_engines`` servers of ``model_path`` (or only engines ``indices``), each on
+    a fresh port, without waiting for them (:func:`wait_healthy`). ``restart`` > 0: the engines'
+    ``restart``-th start (its own log, ``engine<i>.restart<k>.log``, so the dead server's log stays)."""
     r, c = cfg.rollout, cfg.cluster
     remote = bool(c.ray_address)  # the rollout node group (the run directory is on a shared filesystem)
     suffix = f".restart{restart}" if restart else ""
@@ -139,15 +158,28 @@ async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices
                         tensor_parallel=r.tensor_parallel, expert_parallel=r.expert_parallel, dtype=r.dtype,
                         max_total_tokens=r.max_total_tokens, dp_attention=c.engine_dp_attention,
                         mem_fraction_static=c.engine_mem_fraction if c.gpus_per_node else None,
-                        random_seed=cfg.run.seed + i, log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
+                        random_seed=cfg.run.seed + i, load_format=load_format,
+                        log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
                         env={str(k): str(v) for k, v in r.engine_env.items()})
              for i in (range(r.num_engines) if indices is None else indices)]  # fmt: skip
-    engines: list[Engine]
-    if remote:
-        gpus = r.tensor_parallel if c.gpus_per_node else 0
-        engines = [RemoteEngine(spec, gpus, c.gpus_per_node, c.placement_timeout_s) for spec in specs]
-    else:
-        engines = [EngineProcess(spec).start() for spec in specs]
+    engines: list[Engine] = []
+    try:
+        for spec in specs:
+            if remote:
+                gpus = r.tensor_parallel if c.gpus_per_node else 0
+                engines.append(RemoteEngine(spec, gpus, c.gpus_per_node, c.placement_timeout_s))
+            else:
+                engines.append(EngineProcess(spec).start())
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines
+
+
+async def wait_healthy(engines: list[Engine]) -> list[Engine]:
+    """``engines`` once every one answers; if one does not become healthy, all are stopped and the
+    error raised."""
     try:
         await asyncio.gather(*(asyncio.to_thread(e.wait_healthy) for e in engines))
     except BaseException:
@@ -155,3 +187,9 @@ async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices
             await asyncio.to_thread(e.stop)
         raise
     return engines
+
+
+async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices: list[int] | None = None,
+                        restart: int = 0, load_format: str = "auto") -> list[Engine]:  # fmt: skip
+    """:func:`launch_engines`, healthy when this returns (:func:`wait_healthy`)."""
+    return await wait_healthy(launch_engines(cfg, model_path, run_dir, indices, restart, load_format))

@@ -3,7 +3,8 @@
 Engine faults: an engine whose process exited, that misses three watchdog checks in a row
 (``rollout.engine_check_s``), or on which an episode hit a connection error, is marked down (no
 new episodes; the managers retry its failed ones elsewhere) and restarted: same index, a fresh
-port, from ``<run_dir>/hf/policy``, then a weight sync of the current version to every engine (the
+port, from random weights (``<run_dir>/hf/engine``; the last export ``<run_dir>/hf/policy`` with the
+disk weight sync), then a weight sync of the current version to every engine (the
 broadcast group re-formed with the new URL) before it is marked up again. A sync that fails
 because an engine died restarts that engine and syncs again. After ``rollout.engine_max_restarts``
 restarts an engine is dropped; with none left the run stops (:class:`EnginesLost`).
@@ -26,7 +27,7 @@ from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import SAOConfig
 from sao_megatron.config.load import check_init_from
 from sao_megatron.driver.advantages import Advantages
-from sao_megatron.driver.engines import Engine, start_engines
+from sao_megatron.driver.engines import Engine, engine_model_dir, launch_engines, start_engines, wait_healthy
 from sao_megatron.driver.env_workers import EnvWorkerPool
 from sao_megatron.driver.roles import ActorGroup, CriticGroup, init_ray
 from sao_megatron.driver.run_state import RunState
@@ -65,6 +66,8 @@ class Session:
         self.actor = actor
         self.critic: CriticGroup | None = None
         self.engines: list[Engine] = []
+        self._engines_ready: asyncio.Task | None = None
+        """Set when the engines were launched with the roles (:meth:`start`): done once all are healthy."""
         self.clients: list[EngineClient] = []
         self.loops: list[AgentLoop] = []
         self.sync_address = "127.0.0.1"
@@ -87,14 +90,29 @@ class Session:
         """The actor world, restored from the run's checkpoint after SFT; the critic too."""
         check_init_from(cfg)  # a missing checkpoint fails here, before any process starts
         init_ray(cfg.cluster.ray_address)
-        actor = ActorGroup(cfg, run_dir)
-        await actor.started()
+        engines, ready = [], None
+        if cfg.rollout.weight_sync == "distributed":
+            # The engines load while the roles start: random weights now, the actor's by the first
+            # weight sync (start_rollouts), before any episode.
+            engines = launch_engines(cfg, engine_model_dir(cfg, run_dir), run_dir, load_format="dummy")
+            ready = asyncio.create_task(wait_healthy(engines))
+        try:
+            actor = ActorGroup(cfg, run_dir)
+            await actor.started()
+        except BaseException:
+            await _stop_engines(engines, ready)
+            raise
         session = cls(cfg, run_dir, actor)
-        checkpoint = RunState.checkpoint_dir(run_dir)
-        if state.stage != "sft":
-            if (checkpoint / "actor").exists():
-                await actor.load(checkpoint / "actor")
-            await session.ensure_critic()
+        session.engines, session._engines_ready = engines, ready
+        try:
+            checkpoint = RunState.checkpoint_dir(run_dir)
+            if state.stage != "sft":
+                if (checkpoint / "actor").exists():
+                    await actor.load(checkpoint / "actor")
+                await session.ensure_critic()
+        except BaseException:
+            await session.shutdown()
+            raise
         return session
 
     async def ensure_critic(self) -> None:
@@ -127,16 +145,19 @@ class Session:
         return hf_dir
 
     async def start_rollouts(self, version: int) -> None:
-        """Start the env workers (``rollout.env_workers`` > 0), export the current policy, start the
-        engines from it and connect the weight sync."""
+        """Start the env workers (``rollout.env_workers`` > 0); wait for the engines launched by
+        :meth:`start`, or (disk weight sync) export the current policy and start the engines from it;
+        connect the weight sync and sync the actor's weights."""
         r = self.cfg.rollout
-        if r.env_workers > 0 and self.env_pool is None:  # first: placement errors come before engine loads
+        if r.env_workers > 0 and self.env_pool is None:  # first: placement errors come before engine syncs
             group = r.env_node_group if self.cfg.cluster.ray_address else None
             self.env_pool = await EnvWorkerPool.start(r.env_workers, r.env_worker_episodes, r.env_worker_cpus,
                                                       group, self.cfg.cluster.placement_timeout_s)  # fmt: skip
-        hf_dir = await self._export_policy()
+        if self._engines_ready is not None:
+            await self._engines_ready  # stopped them all and raises when one never became healthy
+        else:
+            self.engines = await start_engines(self.cfg, await self._export_policy(), self.run_dir)
         self._policy_exported = False  # the actor trains from here on: later exports are fresh
-        self.engines = await start_engines(self.cfg, hf_dir, self.run_dir)
         if self.cfg.cluster.ray_address:  # engines dial actor rank 0's node
             self.sync_address = await self.actor.node_ip()
         for i, engine in enumerate(self.engines):
@@ -250,10 +271,16 @@ class Session:
                 await self.sync_weights(self.actor_version)  # the actor's, before it takes episodes
 
     async def _restart(self, i: int) -> None:
-        """Replace engine ``i`` by a fresh server (same index, a new port) from ``<run_dir>/hf/policy``,
-        not yet synced nor up; or drop it after ``rollout.engine_max_restarts`` restarts. The caller
-        holds :attr:`weights_lock`."""
+        """Replace engine ``i`` by a fresh server (same index, a new port), not yet synced nor up; or
+        drop it after ``rollout.engine_max_restarts`` restarts. The caller holds :attr:`weights_lock`.
+        The server starts as at :meth:`start`: random weights (``<run_dir>/hf/engine``) with the
+        broadcast weight sync, else the last export (``<run_dir>/hf/policy``)."""
         from sao_megatron.driver.engines import start_engines
+
+        if self.cfg.rollout.weight_sync == "distributed":
+            source, load_format = self.run_dir / "hf" / "engine", "dummy"
+        else:
+            source, load_format = self.run_dir / "hf" / "policy", "auto"
 
         states, limit = self.engine_states, self.cfg.rollout.engine_max_restarts
         states.mark_down(i)
@@ -270,8 +297,8 @@ class Session:
                 return
             states.restarts[i] += 1
             try:
-                (engine,) = await start_engines(self.cfg, self.run_dir / "hf" / "policy", self.run_dir, [i],
-                                                restart=states.restarts[i])  # fmt: skip
+                (engine,) = await start_engines(self.cfg, source, self.run_dir, [i], restart=states.restarts[i],
+                                                load_format=load_format)  # fmt: skip
                 break
             except Exception as err:
                 log.warning("restart %d of engine%d failed: %s", states.restarts[i], i, err)
@@ -408,11 +435,21 @@ class Session:
                     await task
         for client in self.clients:
             await client.close()
-        for engine in self.engines:
-            engine.stop()
+        await _stop_engines(self.engines, self._engines_ready)
         if self.env_pool is not None:
             self.env_pool.shutdown()
             self.env_pool = None
         for group in (self.actor, self.critic):
             if group is not None:
                 group.shutdown()
+
+
+async def _stop_engines(engines: list[Engine], ready: asyncio.Task | None) -> None:
+    """Stop ``engines``, healthy or still starting (``ready``: their health wait, given up here)."""
+    if ready is not None:
+        if not ready.done():
+            ready.cancel()
+        with contextlib.suppress(BaseException):  # its error, if any, was raised where it was awaited
+            await ready
+    for engine in engines:
+        engine.stop()

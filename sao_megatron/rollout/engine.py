@@ -63,6 +63,9 @@ class EngineSpec:
     dist_init_addr: str = ""
     """``host:port`` where the engine's nodes meet (node 0's address) when ``nnodes`` > 1."""
     random_seed: int = 0
+    load_format: str = "auto"
+    """SGLang ``--load-format``; ``dummy``: random weights from ``config.json`` alone (a weight
+    sync gives the real ones), so the server starts without waiting for an export."""
     log_path: str | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -89,6 +92,8 @@ def _command(spec: EngineSpec, cpu: bool) -> list[str]:
         "--max-total-tokens", str(spec.max_total_tokens), "--random-seed", str(spec.random_seed),
         "--watchdog-timeout", str(spec.watchdog_timeout_s), "--skip-server-warmup",
     ]  # fmt: skip
+    if spec.load_format != "auto":
+        cmd += ["--load-format", spec.load_format]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.dp_attention > 1:

@@ -258,9 +258,10 @@ def fake_session(tmp_path: Path, monkeypatch, max_restarts: int, engines: int = 
     s.loops = [SimpleNamespace(client=c) for c in s.clients]  # type: ignore[list-item]
     s.engine_states = EngineStates(engines, on_failure=s._episode_failed)
     s.weights_lock, s.version, s.actor_version, s._watchdog, s._recovering = asyncio.Lock(), 0, 0, None, {}
-    s.sync_address = "127.0.0.1"
+    s.sync_address, s._engines_ready = "127.0.0.1", None
 
-    async def start_engines(cfg, model_path, run_dir, indices=None, restart=0):
+    async def start_engines(cfg, model_path, run_dir, indices=None, restart=0, load_format="auto"):
+        assert (model_path.name, load_format) == ("engine", "dummy")  # random weights, then the sync
         new = [FakeEngine(f"http://e{i}.r{restart}") for i in indices or []]
         clients.update({e.url: FakeClient(e) for e in new})
         return new
