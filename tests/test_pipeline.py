@@ -87,7 +87,7 @@ def test_sigterm_checkpoints_mid_run_and_the_resume_trains_the_same_prompt_seque
     with lag 0, an uninterrupted run trains step k on prompts 4(k-1)..4k-1 (the cursor's order): the
     stopped run shows it for its steps, and resumed to the end it continues the sequence exactly
     (cursor, buffer and weights come from its checkpoint)."""
-    steps, run_dir = 6, tmp_path / "cut"
+    steps, run_dir = 4, tmp_path / "cut"
     base = [*SMALL, "algo.synchronous=true", "algo.max_policy_lag=0", "train.sft_steps=2", "train.eval_every=0",
             "train.eval_prompts=0", f"train.steps={steps}", f"run.run_dir={run_dir}"]  # fmt: skip
 

@@ -87,7 +87,9 @@ class Session:
 
     @classmethod
     async def start(cls, cfg: SAOConfig, run_dir: Path, state: RunState) -> Session:
-        """The actor world, restored from the run's checkpoint after SFT; the critic too."""
+        """The actor world, restored from the run's checkpoint after SFT; the critic too. With the
+        broadcast weight sync the engines are launched first and load while the roles start
+        (:meth:`start_rollouts` waits for them)."""
         check_init_from(cfg)  # a missing checkpoint fails here, before any process starts
         init_ray(cfg.cluster.ray_address)
         engines, ready = [], None

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 STUB = Path(__file__).with_name("stub_driver.py")
-TINY = ["configs/tiny_cpu.yaml", "train.sft_steps=5", "train.value_pretrain_steps=0", "train.eval_prompts=4",
+TINY = ["configs/tiny_cpu.yaml", "train.sft_steps=2", "train.value_pretrain_steps=0", "train.eval_prompts=4",
         "train.eval_every=0", "train.sample_trajectories=1", "cluster.cpus_per_rank=0.5"]  # fmt: skip
 JOB_TIMEOUT_S = float(os.environ.get("SAO_SLURM_JOB_TIMEOUT_S", "1500"))
 
