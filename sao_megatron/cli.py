@@ -309,7 +309,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     are copied. Runs keep only their latest checkpoint, so ``step`` must equal its step
     (``checkpoint/state.json``)."""
     import dataclasses
-    import shutil
 
     from sao_megatron.config import validate_parallel
     from sao_megatron.models import hf_convert
@@ -359,10 +358,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
                         str(template) if template else None, dtype, max_shard_bytes, overwrite, progress,
                         backend="gloo")  # fmt: skip
     if template is None:  # no policy export yet (stopped during SFT): the run's tokenizer source
-        from sao_megatron.tokenizer import tokenizer_files, tokenizer_source
+        from sao_megatron.tokenizer import copy_tokenizer_files
 
-        for path in tokenizer_files(tokenizer_source(cfg.actor.init_from)):
-            shutil.copy(path, out_dir / path.name)
+        copy_tokenizer_files(cfg.actor.init_from, out_dir)
     r0 = results[0]
     phases = {
         "load_torch_dist": max(r["load_s"] for r in results),

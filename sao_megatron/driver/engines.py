@@ -132,17 +132,15 @@ def engine_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
     gives them the actor's weights before their first episode. The files are those of the
     actor's HF export (same generated config and dtype, same tokenizer source), rewritten each call."""
     import json
-    import shutil
 
     from sao_megatron.config.hf import hf_config_from_model
-    from sao_megatron.tokenizer import tokenizer_files, tokenizer_source
+    from sao_megatron.tokenizer import copy_tokenizer_files
 
     out = Path(run_dir) / "hf" / "engine"
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config_from_model(cfg.model, "bfloat16" if cfg.actor.bf16 else "float32")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for path in tokenizer_files(tokenizer_source(getattr(cfg.actor, "init_from", "") or None)):
-        shutil.copy(path, out / path.name)
+    copy_tokenizer_files(getattr(cfg.actor, "init_from", ""), out)
     return out
 
 

@@ -53,6 +53,15 @@ def tokenizer_files(source: str | Path) -> list[Path]:
     return [source / f for f in TOKENIZER_FILES if (source / f).is_file()]
 
 
+def copy_tokenizer_files(init_from: str | Path | None, out_dir: str | Path) -> None:
+    """Copy the run's tokenizer files (:func:`tokenizer_source` of ``init_from``) into ``out_dir``,
+    next to exported weights or the engines' config."""
+    import shutil
+
+    for path in tokenizer_files(tokenizer_source(init_from or None)):
+        shutil.copy(path, Path(out_dir) / path.name)
+
+
 def load_tokenizer(path: str | Path | None = None, *, init_from: str | Path | None = None) -> Any:
     """``transformers.AutoTokenizer.from_pretrained(path)``; without ``path``, the run's tokenizer
     :func:`tokenizer_source` ``(init_from)`` (the in-repo tiny one when ``init_from`` is not an

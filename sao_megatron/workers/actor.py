@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,13 +161,11 @@ class ActorWorker:
         directory, else the in-repo tiny tokenizer), copied unchanged so engines serve it as is.
         """
         from sao_megatron.models.hf_weights import save_hf_checkpoint
-        from sao_megatron.tokenizer import tokenizer_files, tokenizer_source
+        from sao_megatron.tokenizer import copy_tokenizer_files
 
         stats = save_hf_checkpoint(self.role.module, self.cfg.model, out_dir, overwrite=True)
         if dist.get_rank() == 0:
-            source = tokenizer_source(getattr(self.cfg.actor, "init_from", "") or None)
-            for path in tokenizer_files(source):
-                shutil.copy(path, Path(out_dir) / path.name)
+            copy_tokenizer_files(getattr(self.cfg.actor, "init_from", ""), out_dir)
         return ExportReport(stats.tensors, stats.bytes, stats.seconds)
 
     def sync_weights(
