@@ -5,13 +5,17 @@
   parameters. Not a collective: ranks share nothing.
 - :func:`iter_hf_weights`: a collective over the model's whole world (the default process
   group) yielding ``(hf_name, full_tensor)`` buckets. Buckets are yielded in lock-step on every
-  rank; only rank ``dst`` (global rank 0 by default, what weight sync needs) receives tensors,
-  the others get an empty list per bucket and must still exhaust the iterator.
+  rank; only rank ``dst`` (global rank 0 by default) receives tensors, the others get an empty
+  list per bucket and must still exhaust the iterator.
+- :class:`HFWeightStream` with ``per_stage=True`` (the parallel weight sync): each pipeline
+  stage gathers its own tensors to its own sender (the stage's lowest global rank), stages
+  independently of each other; every rank of a stage iterates that stage's buckets only.
 - :func:`save_hf_checkpoint`: the same stream written as HF shards by rank ``dst``.
 
 Gathering is point-to-point: for every tensor one replica's TP shards (lowest global rank per
-TP rank, ``dst`` itself when it holds one) are sent to ``dst``, which concatenates them with
-the layout rules (SwiGLU ``[gate; up]`` per rank) and splits them into HF tensors.
+TP rank, the receiver itself when it holds one) are sent to the receiver (``dst``, or its
+stage's sender), which concatenates them with the layout rules (SwiGLU ``[gate; up]`` per
+rank) and splits them into HF tensors.
 """
 
 from __future__ import annotations
@@ -144,6 +148,8 @@ class _Item:
     dtype: torch.dtype
     tp: _TP  # size, dim and glu; rank unused
     sources: tuple[tuple[int, tuple[int, ...]], ...]  # per TP rank: (global rank, local shape)
+    dst: int  # the global rank that receives it whole
+    stage: int  # the pipeline stage that holds it (0 when not gathered per stage)
 
     @property
     def nbytes(self) -> int:
@@ -163,12 +169,19 @@ class HFWeightStream:
     them, on every rank, before any tensor moves (the shard writer needs it up front). Build
     the stream once (one ``all_gather_object`` of names) and call :meth:`buckets` at every
     weight sync: it sends the parameters' current values.
+
+    ``per_stage``: every pipeline stage gathers its own tensors to its own sender
+    (:attr:`senders`, the stage's lowest global rank), without waiting for the other stages;
+    :meth:`buckets` then yields this rank's stage only, and :meth:`bucket_plan` tells every rank
+    every stage's buckets. ``group``: the process group the point-to-point gathers use (all
+    ranks, global ranks; default the default group), so that they can run in a thread of their
+    own while the caller uses the default group.
     """
 
-    def __init__(
-        self, model: torch.nn.Module, m: ModelConfig, dst: int = 0, dtype: torch.dtype | None = None
-    ):
+    def __init__(self, model: torch.nn.Module, m: ModelConfig, dst: int = 0, dtype: torch.dtype | None = None,
+                 per_stage: bool = False, group: dist.ProcessGroup | None = None):  # fmt: skip
         self.model, self.m, self.dst, self.rank = model, m, dst, dist.get_rank()
+        self.group = group
         self._params: dict[tuple[str, int], torch.Tensor] = {}
         meta = []
         for local, param in layout.unwrap(model).named_parameters():
@@ -180,20 +193,36 @@ class HFWeightStream:
             meta.append((name, tp.size, tp.rank, tp.dim, tp.glu, tuple(param.shape), str(param.dtype)))
         params = list(self._params.values())
         self.device = params[0].device if params else torch.device("cpu")  # NCCL receives on the GPU
+        stage = layout.pipeline_rank() if per_stage else 0
         everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, meta)
+        dist.all_gather_object(everyone, (stage, meta))
+        stages = [s for s, _ in everyone]
+        self.stage = stage
+        self.senders = [min(r for r, s in enumerate(stages) if s == k) if per_stage else dst
+                        for k in range(max(stages) + 1)]  # fmt: skip
         self.items = self._plan(everyone)
         self.specs = [TensorSpec(hf, bridge.hf_shape(hf, m), dtype or item.dtype)
                       for item in self.items for hf in bridge.hf_names(item.name, m)]  # fmt: skip
         self.dtype = dtype
 
+    @property
+    def sender(self) -> int:
+        """The global rank that receives this rank's stage's tensors (``dst`` unless ``per_stage``)."""
+        return self.senders[self.stage]
+
     def _plan(self, everyone: list) -> list[_Item]:
         found: dict[str, dict] = {}
-        for rank, meta in enumerate(everyone):
+        for rank, (stage, meta) in enumerate(everyone):
             for name, size, tp_rank, dim, glu, shape, dtype in meta:
-                entry = found.setdefault(name, {"tp": _TP(size, 0, dim, glu), "dtype": dtype, "src": {}})
+                entry = found.setdefault(name, {"tp": _TP(size, 0, dim, glu), "dtype": dtype, "src": {},
+                                                "stage": stage})  # fmt: skip
+                if stage != entry["stage"]:  # held by two stages: the first one sends it
+                    if stage > entry["stage"]:
+                        continue
+                    entry.update(stage=stage, src={})
+                dst = self.senders[stage]
                 best = entry["src"].get(tp_rank)
-                if best is None or (rank == self.dst) or (best[0] != self.dst and rank < best[0]):
+                if best is None or (rank == dst) or (best[0] != dst and rank < best[0]):
                     entry["src"][tp_rank] = (rank, shape)
         produced = {hf for name in found for hf in bridge.hf_names(name, self.m)}
         missing = [n for n in bridge.expected_hf_names(self.m) if n not in produced]
@@ -211,42 +240,59 @@ class HFWeightStream:
             if _local_shape(full, tp) != tuple(sources[0][1]):
                 raise ValueError(f"'{name}': shard shape {list(sources[0][1])} does not fit the config's "
                                  f"full shape {list(full)} over TP={tp.size}")  # fmt: skip
-            items.append(_Item(name, full, getattr(torch, entry["dtype"].split(".")[-1]), tp, sources))
+            items.append(_Item(name, full, getattr(torch, entry["dtype"].split(".")[-1]), tp, sources,
+                               self.senders[entry["stage"]], entry["stage"]))  # fmt: skip
         return items
 
-    def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Yield lists of ``(hf_name, full_tensor)`` of at most ``bucket_bytes`` (one larger tensor alone)."""
+    def bucket_plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[list[TensorSpec]]]:
+        """Per stage, its buckets' HF tensors (name, shape, dtype) in the order :meth:`buckets`
+        yields them on that stage's sender; the same on every rank."""
+        plan: list[list[list[TensorSpec]]] = []
+        for stage in range(len(self.senders)):
+            plan.append([[TensorSpec(hf, bridge.hf_shape(hf, self.m), self.dtype or item.dtype)
+                          for item in group for hf in bridge.hf_names(item.name, self.m)]
+                         for group in self._groups(stage, bucket_bytes)])  # fmt: skip
+        return plan
+
+    def _groups(self, stage: int | None, bucket_bytes: int) -> Iterator[list[_Item]]:
         group: list[_Item] = []
         size = 0
         for item in self.items:
+            if stage is not None and item.stage != stage:
+                continue
             if group and size + item.nbytes > bucket_bytes:
-                yield self._transfer(group)
+                yield group
                 group, size = [], 0
             group.append(item)
             size += item.nbytes
         if group:
+            yield group
+
+    def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield lists of ``(hf_name, full_tensor)`` of at most ``bucket_bytes`` (one larger tensor alone):
+        every stage's, or with ``per_stage`` this rank's stage's. Non-empty on the receiving rank only."""
+        for group in self._groups(self.stage if len(self.senders) > 1 else None, bucket_bytes):
             yield self._transfer(group)
 
     def _transfer(self, group: list[_Item]) -> list[tuple[str, torch.Tensor]]:
         works, received = [], {}
         for item in group:
             for tp_rank, (src, shape) in enumerate(item.sources):
-                if self.rank == self.dst and src == self.dst:
+                if self.rank == item.dst and src == item.dst:
                     received[(item.name, tp_rank)] = self._params[(item.name, tp_rank)].detach()
-                elif self.rank == self.dst:
+                elif self.rank == item.dst:
                     buf = torch.empty(shape, dtype=item.dtype, device=self.device)
-                    works.append(dist.irecv(buf, src))
+                    works.append(dist.irecv(buf, src, group=self.group))
                     received[(item.name, tp_rank)] = buf
                 elif self.rank == src:
-                    works.append(
-                        dist.isend(self._params[(item.name, tp_rank)].detach().contiguous(), self.dst)
-                    )
+                    param = self._params[(item.name, tp_rank)].detach().contiguous()
+                    works.append(dist.isend(param, item.dst, group=self.group))
         for work in works:
             work.wait()
-        if self.rank != self.dst:
-            return []
         out = []
         for item in group:
+            if self.rank != item.dst:
+                continue
             shards = [received[(item.name, r)] for r in range(item.tp.size)]
             full = _concat_tp(shards, item.tp)
             for hf, tensor in bridge.to_hf(item.name, full, self.m):

@@ -35,6 +35,11 @@ def _groups():
     return ps
 
 
+def pipeline_rank() -> int:
+    """This rank's pipeline stage."""
+    return _groups().get_pipeline_model_parallel_rank()
+
+
 def is_expert_param(name: str) -> bool:
     return ".experts." in name
 

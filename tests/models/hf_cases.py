@@ -278,6 +278,8 @@ def case_parity(rank, world, root: str, shape: str, layout_name: str) -> dict:
         out["logits"] = (logits - reference).abs().max().item()
     save_hf_checkpoint(model, m, root_path / "export" / f"{shape}-{layout_name}", template=hf_dir,
                        max_shard_bytes=50_000)  # fmt: skip
+    if layout_name == "pp2":  # the parallel weight sync's stream: each stage to its own sender
+        out["per_stage"] = _per_stage_stream(model, m, root_path / "per_stage" / f"{shape}-rank{rank}.pt")
     if layout_name in ("ep2", "tp2"):
         bucket_bytes = 40_000  # above the largest tensor (the 32 KB embedding)
         buckets = list(iter_hf_weights(model, m, bucket_bytes=bucket_bytes))
@@ -287,6 +289,24 @@ def case_parity(rank, world, root: str, shape: str, layout_name: str) -> dict:
         out["buckets"] = {"count": len(buckets), "nonempty": sum(1 for b in buckets if b), "over": over,
                           "names": names, "unique": len(set(names)) == len(names)}  # fmt: skip
     return out
+
+
+def _per_stage_stream(model, m, out_file: Path) -> dict:
+    """``HFWeightStream(per_stage=True)`` gathering in a thread over a group of its own (as the
+    weight sync does); this rank's tensors saved to ``out_file``, its plan and buckets returned."""
+    from sao_megatron.models.hf_weights import HFWeightStream
+    from sao_megatron.weight_sync import prefetched
+
+    stream = HFWeightStream(model, m, per_stage=True, group=dist.new_group())
+    bucket_bytes = 20_000
+    plan = stream.bucket_plan(bucket_bytes)
+    got = list(prefetched(stream.buckets(bucket_bytes)))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({n: t.clone() for b in got for n, t in b}, out_file)
+    return {"senders": stream.senders, "stage": stream.stage,
+            "planned": [[(t.name, list(t.shape), str(t.dtype)) for t in b] for b in plan[stream.stage]],
+            "got": [[(n, list(t.shape), str(t.dtype)) for n, t in b] for b in got],
+            "other_stages": [[t.name for b in stage for t in b] for stage in plan]}  # fmt: skip
 
 
 def case_corrupt(rank, world, hf_dir: str) -> dict:

@@ -84,6 +84,26 @@ def test_iter_hf_weights_buckets_reach_rank0_only(world, case):
     assert sorted(rank0["names"]) == sorted(hf_bridge.expected_hf_names(m))
 
 
+@pytest.mark.parametrize("shape", [s for s, lay in CASES if lay == "pp2"])
+def test_each_pipeline_stage_gathers_its_own_tensors_to_its_own_sender(world, shape):
+    """The parallel weight sync's stream at PP=2: stage r's sender is rank r, it receives exactly its
+    stage's tensors, bucket by bucket as planned on every rank, and they equal the checkpoint's."""
+    ranks = [r[f"{shape}/pp2"]["per_stage"] for r in world["results"]]
+    assert [r["senders"] for r in ranks] == [[0, 1], [0, 1]] and [r["stage"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["got"] == r["planned"] and len(r["got"]) > 1
+    assert ranks[0]["other_stages"] == ranks[1]["other_stages"]  # the same plan everywhere
+    names = [[n for b in r["got"] for n, _, _ in b] for r in ranks]
+    assert names[0] and names[1] and not set(names[0]) & set(names[1])
+    m = model_config_from_hf(read_hf_config(world["root"] / "hf" / shape))
+    assert sorted(names[0] + names[1]) == sorted(hf_bridge.expected_hf_names(m))
+    assert any(".layers.0." in n for n in names[0]) and not any(".layers.0." in n for n in names[1])
+    original = _state(world["root"] / "hf" / shape)
+    for rank in (0, 1):
+        for name, tensor in torch.load(world["root"] / "per_stage" / f"{shape}-rank{rank}.pt").items():
+            assert torch.equal(tensor, original[name]), name
+
+
 def test_corrupt_checkpoint_fails_before_loading_anything(world):
     for r in world["results"]:
         message = r["corrupt"]["message"]
