@@ -17,8 +17,8 @@ Points (where they sit):
   publishing (``Session.checkpoint``);
 * ``checkpoint:renaming``: between the two renames of ``RunState.publish`` (``checkpoint/`` is
   ``checkpoint.old/`` and the new one not yet in place);
-* ``weight_sync:bucket``: in the actor rank 0 Ray worker, after a bucket was broadcast to the
-  engines and before the sync ends (``WeightSync.update``);
+* ``weight_sync:bucket``: in the actor rank 0 Ray worker, after the engines answered a bucket's
+  request (received and loaded it) and before the sync ends (``EngineControl.load``);
 * ``rollout:generate``: after an engine's ``/generate`` answered, mid-episode
   (``EngineClient.generate``; evaluation episodes count too).
 

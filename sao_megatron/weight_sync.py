@@ -1,27 +1,45 @@
-"""Trainer -> engines weight sync over a broadcast group (gloo on CPU, NCCL on GPU).
+"""Trainer -> engines weight sync over broadcast groups (gloo on CPU, NCCL on GPU).
 
-Group: trainer rank 0 is rank 0; engine ``e`` with TP size t holds ranks
-``1 + e*t .. (e+1)*t``. Each update, bucket by bucket (HF names, full tensors gathered from
-the trainer's TP/EP/PP shards by ``models.hf_weights``):
+Data plane: one broadcast group per sender. A sender is the trainer rank that holds one pipeline
+stage's tensors whole (``HFWeightStream(per_stage=True)``: the stage's lowest global rank, which
+gathers them from its TP / EP / DP peers); with one stage, global rank 0. In each group the sender
+is rank 0 and engine ``e`` with TP size t holds ranks ``1 + e*t .. (e+1)*t``; every engine joins
+every sender's group. A bucket travels tensor by tensor, or with ``flat`` (when its tensors share
+one dtype) as one byte buffer: one broadcast, SGLang's ``flattened_bucket``.
+
+Control plane (:class:`EngineControl`, held by one coordinator, trainer rank 0):
 
     engines: /pause_generation (retract: in-flight requests are kept) -> /begin_weight_update
-    per bucket: POST /update_weights_from_distributed {names, dtypes, shapes}  (each engine)
-                || trainer broadcasts each tensor from rank 0, in the same order
-    engines: /end_weight_update -> /flush_cache (done by the update) -> /continue_generation
+    per bucket, in one global order: POST /update_weights_from_distributed {names, dtypes,
+        shapes, group} to every engine || that bucket's sender broadcasts it
+    engines: /end_weight_update -> /continue_generation
+
+An engine takes one update request at a time. If two engines took two senders' buckets in
+different orders, each could wait inside one group for the other, busy in the other group; so
+the coordinator posts bucket j+1 only once every engine has answered bucket j (:func:`sync_order`
+interleaves the stages). The senders meanwhile gather and convert their next bucket, each stage
+on its own ranks: nothing funnels through one rank or one NIC, and only the engines' own
+receive-and-load is serial. A sender broadcasts a bucket only once the coordinator has released it
+(:class:`SyncGate`, keys in the trainer world's store, set just before the bucket's request is
+posted), so no sender waits in a broadcast that no engine will join: on an error the coordinator
+stops every sender at its next bucket, a failing sender raises an abort flag that the coordinator
+reads before its next post, and the engines end the update and resume.
 
 In-flight episodes continue under the new version; their later tokens carry it. When the
-engines change (one restarted on a new port, or dropped), the group is re-formed under a new
-name: :meth:`WeightSync.close` destroys the old one on the engines still running
-(``/destroy_weights_update_group``) and here. The disk path
-(``update_weights_from_disk``) is the fallback when no broadcast group can be formed.
+engines change (one restarted on a new port, or dropped), the groups are re-formed under new
+names: :meth:`WeightSync.close` destroys the old one on the engines still running
+(``/destroy_weights_update_group``) and here. The disk path (``update_weights_from_disk``) is the
+fallback when no broadcast group can be formed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import cast
@@ -72,13 +90,199 @@ def new_group(backend: str, store: Store, world_size: int, rank: int, group_name
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+@dataclass(frozen=True)
+class BucketSpec:
+    """What an engine is told about one bucket before it receives it."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    flat: bool = False
+    """Sent as one byte buffer: asked for, and one dtype (each tensor's offset a multiple of its size)."""
+
+    @classmethod
+    def of(cls, bucket: Sequence[tuple[str, torch.Tensor]], flat: bool = False) -> BucketSpec:
+        return cls._make([(n, t.shape, t.dtype) for n, t in bucket], flat)
+
+    @classmethod
+    def planned(cls, specs: Iterable, flat: bool = False) -> BucketSpec:
+        """From ``hf_io.TensorSpec`` s (``HFWeightStream.bucket_plan``)."""
+        return cls._make([(t.name, t.shape, t.dtype) for t in specs], flat)
+
+    @classmethod
+    def _make(cls, rows: list, flat: bool) -> BucketSpec:
+        dtypes = [_DTYPE_NAMES[d] for _, _, d in rows]
+        return cls(
+            [n for n, _, _ in rows], dtypes, [list(s) for _, s, _ in rows], flat and len(set(dtypes)) == 1
+        )
+
+
+def sync_order(buckets_per_sender: Sequence[int]) -> list[tuple[int, int]]:
+    """The global order of ``(sender, bucket)``: the senders' buckets interleaved round robin, so
+    every sender has its next bucket gathered while the others send."""
+    rounds = max(buckets_per_sender, default=0)
+    return [(s, k) for k in range(rounds) for s, n in enumerate(buckets_per_sender) if k < n]
+
+
+def prefetched[T](items: Iterator[T], depth: int = 1) -> Iterator[T]:
+    """``items`` produced by a thread of their own, up to ``depth`` ahead of the consumer (the next
+    bucket is gathered and converted while this one is sent). The producer's error is raised here;
+    the consumer must exhaust the iterator (the producer may be inside a collective)."""
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                slots.put((item, None))
+        except BaseException as err:  # re-raised in the consumer
+            slots.put((None, err))
+        slots.put((done, None))
+
+    thread = threading.Thread(target=produce, name="weight-sync-gather", daemon=True)
+    thread.start()
+    while True:
+        item, err = slots.get()
+        if err is not None:
+            thread.join()
+            raise err
+        if item is done:
+            break
+        yield item
+    thread.join()
+
+
+class SyncGate:
+    """The coordinator's word to the senders during an update, through the trainer world's store
+    (not a collective: nobody waits inside a collective for a peer that gave up).
+
+    The coordinator :meth:`start` s the update (or tells every rank to skip it, with the reason), and
+    :meth:`release` s each bucket just before posting its request, so a sender broadcasts only a
+    bucket the engines are about to receive. On an error it :meth:`stop` s every sender at its next
+    bucket. A sender that fails raises :meth:`abort`; the coordinator checks :meth:`aborted`
+    before each post. Keys live under one prefix per update (:meth:`next_update`) and are deleted
+    once waited for.
+
+    A blocking get holds its store connection until the key is set, so the waits (:meth:`started`,
+    :meth:`wait`, on the sender's thread) and the calls that never block (the coordinator's, on
+    another thread of the same process) use two connections of their own."""
+
+    def __init__(self, store: Store):
+        self._calls = store.clone()
+        self._waits = store.clone()
+        self._prefix = "sao_weight_sync/0/"
+
+    @classmethod
+    def of_world(cls) -> SyncGate:
+        """On the default process group's store (torch exposes it only privately)."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return cls(_get_default_store())
+
+    def next_update(self, n: int) -> SyncGate:
+        """Use update ``n``'s keys (every rank counts its updates alike)."""
+        self._prefix = f"sao_weight_sync/{n}/"
+        return self
+
+    def start(self, error: str | None = None) -> None:
+        self._calls.set(self._prefix + "start", error or "")
+
+    def started(self) -> str | None:
+        """Blocks until :meth:`start`; None to go, else why the update is skipped."""
+        return self._waits.get(self._prefix + "start").decode() or None
+
+    def release(self, sender: int, bucket: int) -> None:
+        self._calls.set(f"{self._prefix}go/{sender}/{bucket}", "go")
+
+    def stop(self, next_buckets: Iterable[tuple[int, int]]) -> None:
+        """``(sender, bucket)``: each sender's first bucket not released."""
+        for sender, bucket in next_buckets:
+            self._calls.set(f"{self._prefix}go/{sender}/{bucket}", "stop")
+
+    def wait(self, sender: int, bucket: int) -> bool:
+        """Blocks until the bucket is released (True) or the update stopped (False)."""
+        key = f"{self._prefix}go/{sender}/{bucket}"
+        word = self._waits.get(key)
+        self._waits.delete_key(key)
+        return word == b"go"
+
+    def abort(self, reason: str) -> None:
+        self._calls.set(self._prefix + "abort", reason)
+
+    def aborted(self) -> str | None:
+        key = self._prefix + "abort"
+        return self._calls.get(key).decode() if self._calls.check([key]) else None
+
+
+class EngineControl:
+    """The control plane of one update, held by the coordinator: pause and begin on entry, every
+    bucket's request to every engine (:meth:`load`), end and resume on exit (resume also after an
+    error). ``paused_s``: from the pause request to the resume's answer."""
+
+    def __init__(self, engine_urls: Sequence[str]):
+        self.clients = [EngineClient(u) for u in engine_urls]
+        self.paused_s = 0.0
+        self._t0 = 0.0
+
+    async def __aenter__(self) -> EngineControl:
+        for c in self.clients:
+            await c.__aenter__()
+        self._t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(c.pause("retract") for c in self.clients))
+            begun = await asyncio.gather(
+                *(c.begin_weight_update() for c in self.clients), return_exceptions=True
+            )
+            refused = [r for r in begun if isinstance(r, BaseException)]
+            if refused:  # the engines that began end again: each would refuse the next begin
+                opened = [
+                    c for c, r in zip(self.clients, begun, strict=True) if not isinstance(r, BaseException)
+                ]
+                await asyncio.gather(*(c.end_weight_update() for c in opened), return_exceptions=True)
+                raise refused[0]
+        except BaseException:
+            await self._resume()
+            raise
+        return self
+
+    async def load(self, group_name: str, spec: BucketSpec, version: int) -> None:
+        """Every engine receives one bucket over ``group_name`` (its sender broadcasts meanwhile)."""
+        await asyncio.gather(*(c.update_weights_from_distributed(spec.names, spec.dtypes, spec.shapes, group_name,
+                                                                   str(version), flat=spec.flat)
+                               for c in self.clients))  # fmt: skip
+        kill_point("weight_sync:bucket")  # engines hold a partly updated model
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        """End the update session and resume. After an error the session is still ended, best
+        effort (an engine refuses the next ``/begin_weight_update`` while one is open), and the
+        engines resume with a partly updated model until the next update (which the driver retries)."""
+        try:
+            ended = await asyncio.gather(*(c.end_weight_update() for c in self.clients),
+                                         return_exceptions=exc_type is not None)  # fmt: skip
+            for url, result in zip((c.url for c in self.clients), ended, strict=True):
+                if isinstance(result, BaseException):
+                    log.info("engine %s: ending a failed weight update: %s", url, result)
+        finally:
+            await self._resume()
+
+    async def _resume(self) -> None:
+        await asyncio.gather(*(c.resume() for c in self.clients), return_exceptions=True)
+        self.paused_s = time.perf_counter() - self._t0
+        for c in self.clients:
+            await c.close()
+
+
 class WeightSync:
-    """Held by trainer rank 0: the broadcast group and the engine clients."""
+    """One sender's broadcast group to every engine (it is the group's rank 0), and, for a lone
+    sender, the whole update (:meth:`update`)."""
 
     def __init__(self, engine_urls: list[str], engine_tp: int = 1, backend: str = "gloo",
-                 master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = "sao_weight_sync"):  # fmt: skip
-        """``master_port`` 0 (the default): any free port on ``master_address``, bound at connect()."""
+                 master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = "sao_weight_sync",
+                 flat: bool = False):  # fmt: skip
+        """``master_port`` 0 (the default): any free port on ``master_address``, bound at connect().
+        ``flat``: send a bucket of one dtype as one byte buffer (:class:`BucketSpec`)."""
         self.engine_urls = engine_urls
+        self.flat = flat
         self.engine_tp = engine_tp
         self.backend = backend
         self.master_address = master_address
@@ -94,7 +298,8 @@ class WeightSync:
         """Form the group: engines join over HTTP while this process joins as rank 0.
 
         The store listens before any engine is told its port (``master_port`` 0: a port bound
-        now, so no other process can have taken it since it was chosen)."""
+        now, so no other process can have taken it since it was chosen). An engine joins one
+        group at a time: form several senders' groups one after the other."""
         store = open_store(self.master_address, self.world_size, self.master_port, timeout_s=300.0)
         self.master_port = store.port
         loop = asyncio.get_running_loop()
@@ -110,37 +315,40 @@ class WeightSync:
         await asyncio.gather(*(join(i, u) for i, u in enumerate(self.engine_urls)))
         self.group = await local
 
+    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Broadcast one bucket (blocks until the engines have received it); its bytes."""
+        if self.group is None:
+            raise RuntimeError("WeightSync.send before connect()")
+        tensors = [t.contiguous() for _, t in bucket]
+        if BucketSpec.of(bucket, self.flat).flat:
+            dist.broadcast(
+                torch.cat([t.view(-1).view(torch.uint8) for t in tensors]), src=0, group=self.group
+            )
+        else:
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0, group=self.group)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     async def update(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> SyncReport:
-        """Pause engines, stream every bucket, resume. ``buckets`` yields HF-named full tensors."""
+        """Pause engines, stream every bucket (this process sends and posts), resume."""
         if self.group is None:
             raise RuntimeError("WeightSync.update before connect()")
         t0 = time.perf_counter()
-        clients = [EngineClient(u) for u in self.engine_urls]
-        for c in clients:
-            await c.__aenter__()
         tensors = nbytes = 0
-        paused = time.perf_counter()
-        try:
-            await asyncio.gather(*(c.pause("retract") for c in clients))
-            await asyncio.gather(*(c.begin_weight_update() for c in clients))
+        loop = asyncio.get_running_loop()
+        async with EngineControl(self.engine_urls) as control:
             for bucket in buckets:
-                names = [n for n, _ in bucket]
-                dtypes = [_DTYPE_NAMES[t.dtype] for _, t in bucket]
-                shapes = [list(t.shape) for _, t in bucket]
-                posts = asyncio.gather(*(c.update_weights_from_distributed(names, dtypes, shapes, self.group_name,
-                                                                             str(version)) for c in clients))  # fmt: skip
-                await asyncio.get_running_loop().run_in_executor(None, self._broadcast, bucket)
-                await posts
-                kill_point("weight_sync:bucket")  # engines hold a partly updated model
+                posted = asyncio.create_task(
+                    control.load(self.group_name, BucketSpec.of(bucket, self.flat), version)
+                )
+                try:
+                    nbytes += await loop.run_in_executor(None, self.send, bucket)
+                except BaseException:
+                    posted.cancel()  # its engine may wait for this bucket forever
+                    raise
+                await posted
                 tensors += len(bucket)
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            await asyncio.gather(*(c.end_weight_update() for c in clients))
-        finally:
-            await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
-            paused = time.perf_counter() - paused
-            for c in clients:
-                await c.close()
-        return SyncReport(version, tensors, nbytes, time.perf_counter() - t0, paused)
+        return SyncReport(version, tensors, nbytes, time.perf_counter() - t0, control.paused_s)
 
     async def close(self, engine_urls: Iterable[str] | None = None) -> None:
         """Destroy the group: on ``engine_urls`` (default: all of this group's engines; a dead one's
@@ -160,7 +368,3 @@ class WeightSync:
             except Exception as err:  # a group broken by a dead peer may not tear down cleanly
                 log.info("destroying weight-sync group %s here failed: %s", self.group_name, err)
             self.group = None
-
-    def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        for _, tensor in bucket:
-            dist.broadcast(tensor.contiguous(), src=0, group=self.group)

@@ -25,7 +25,7 @@ ValueHeadInit = Literal["zero", "normal"]
 EngineDtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 """SGLang ``--dtype`` values."""
 WeightSync = Literal["distributed", "disk"]
-"""``distributed``: broadcast group trainer rank 0 -> engines; ``disk``: engines load a saved copy."""
+"""``distributed``: broadcast groups, one per actor pipeline stage -> engines; ``disk``: engines load a saved copy."""
 Backend = Literal["auto", "nccl", "gloo"]
 """torch.distributed backend of the trainer ranks."""
 NodeGroup = Literal["actor", "critic", "rollout"]
@@ -347,7 +347,7 @@ class RolloutConfig:
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """Turn and token limits and sampling of every episode."""
     weight_sync: WeightSync = "distributed"
-    """``distributed`` (broadcast group trainer rank 0 -> engines; the engines start with random
+    """``distributed`` (one broadcast group per actor pipeline stage -> engines; the engines start with random
     weights while the roles start, and the first sync gives them the actor's) or ``disk`` (the
     engines start from, and reload, the actor's HF export in ``<run_dir>/hf/policy``)."""
     weight_sync_every: int = 1
@@ -355,6 +355,14 @@ class RolloutConfig:
     staleness knob for experiments: episodes then run on weights up to n - 1 versions old (and
     older while they wait); ``algo.max_policy_lag`` must be at least n - 1. Evaluations sync first."""
     weight_sync_bucket_mb: int = 512
+    """Size of the weight sync's buckets (per pipeline stage): each is one engine request. A sender
+    holds up to three at once (the one it sends, the next one gathered, the one being gathered),
+    four with ``weight_sync_flat`` (the flat copy): budget that much device memory on each stage's
+    first rank."""
+    weight_sync_flat: bool = False
+    """Broadcast each bucket as one byte buffer (SGLang's ``flattened_bucket``) instead of tensor by
+    tensor: one collective per bucket instead of one per tensor, for an extra copy on each side.
+    Per tensor measured faster with gloo on CPU (``docs/PERFORMANCE.md``); not measured with NCCL."""
     weight_sync_gb_per_s: float = 10.0
     """Trainer -> engines bandwidth ``sao plan`` assumes for its predicted sync time per step;
     measure yours with ``benchmarks/bench_weight_sync.py`` (the protocol's GB/s on your fabric)."""

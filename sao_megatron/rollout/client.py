@@ -356,10 +356,13 @@ class EngineClient:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, version: str | None,
-                                              flush_cache: bool = True) -> dict:  # fmt: skip
+                                              flush_cache: bool = True, flat: bool = False) -> dict:  # fmt: skip
+        """Receive one bucket over ``group_name``'s broadcast: tensor by tensor, or (``flat``) as one
+        byte buffer holding the tensors back to back (SGLang's ``flattened_bucket`` format)."""
         return await self._update("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "weight_version": version, "flush_cache": flush_cache,
+            "load_format": "flattened_bucket" if flat else None,
         })  # fmt: skip
 
     async def destroy_weights_update_group(self, group_name: str) -> dict:

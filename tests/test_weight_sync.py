@@ -1,0 +1,158 @@
+"""The weight sync's pieces without an engine: the global bucket order, the gather-ahead thread,
+bucket specs, and the flat wire format (read back with SGLang's own reader).
+
+The whole protocol against a real engine: ``tests/rollout/test_engine_integration.py`` (one
+sender) and ``tests/test_from_hf.py`` (a PP=2 actor: two senders).
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sao_megatron.models.hf_io import TensorSpec
+from sao_megatron.weight_sync import BucketSpec, prefetched, sync_order
+from tests.distributed import run_distributed
+
+
+def test_sync_order_interleaves_the_senders_round_robin():
+    assert sync_order([3, 1, 2]) == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
+    assert sync_order([2]) == [(0, 0), (0, 1)]
+    assert sync_order([0, 1]) == [(1, 0)]
+    assert sync_order([]) == []
+
+
+def test_prefetched_runs_one_item_ahead_in_order():
+    produced: list[int] = []
+
+    def items():
+        for i in range(5):
+            produced.append(i)
+            yield i
+
+    seen = []
+    for i in prefetched(items()):
+        time.sleep(0.05)  # the producer gets ahead meanwhile, but by one item at most
+        seen.append(i)
+        assert len(produced) <= i + 3  # this item, the one queued, the one waiting to be queued
+    assert seen == list(range(5)) == produced
+
+
+def test_prefetched_raises_the_producers_error_after_the_items_before_it():
+    def items():
+        yield 1
+        yield 2
+        raise ValueError("gather broke")
+
+    seen = []
+    with pytest.raises(ValueError, match="gather broke"):
+        for i in prefetched(items()):
+            seen.append(i)
+    assert seen == [1, 2]
+    assert not [t for t in threading.enumerate() if t.name == "weight-sync-gather"]
+
+
+def test_bucket_spec_is_flat_when_asked_and_of_one_dtype():
+    a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)
+    assert BucketSpec.of([("a", a), ("a2", a)]) == BucketSpec(
+        ["a", "a2"], ["float32", "float32"], [[2, 3], [2, 3]]
+    )
+    assert BucketSpec.of([("a", a), ("a2", a)], flat=True).flat
+    assert not BucketSpec.of([("a", a), ("a2", a)]).flat
+    assert not BucketSpec.of([("a", a), ("b", b)], flat=True).flat  # mixed dtypes: tensor by tensor
+    planned = [TensorSpec("a", (2, 3), torch.float32), TensorSpec("a2", (2, 3), torch.float32)]
+    assert BucketSpec.planned(planned, flat=True) == BucketSpec.of([("a", a), ("a2", a)], flat=True)
+
+
+def _flat_round_trip(rank, world):
+    """Rank 0 sends mixed-shape float32 and (separately) bfloat16 buckets flat; rank 1 reads them
+    with SGLang's FlattenedTensorBucket, as an engine does."""
+    import torch.distributed as dist
+
+    from sao_megatron.weight_sync import WeightSync
+
+    g = torch.Generator().manual_seed(0)
+    buckets = [
+        [
+            ("w", torch.randn(3, 5, generator=g)),
+            ("b", torch.randn(7, generator=g)),
+            ("s", torch.randn(1, generator=g)),
+        ],
+        [
+            ("h", torch.randn(4, 2, generator=g).to(torch.bfloat16)),
+            ("o", torch.randn(3, generator=g).bfloat16()),
+        ],
+    ]
+    if rank == 0:
+        sync = WeightSync([], group_name="test", flat=True)
+        sync.group = dist.group.WORLD
+        return [sync.send(b) for b in buckets]
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    out = []
+    for bucket in buckets:
+        spec = BucketSpec.of(bucket, flat=True)
+        assert spec.flat
+        received = FlattenedTensorBucket.empty(spec.names, spec.dtypes, spec.shapes, torch.device("cpu"))
+        dist.broadcast(received.get_flattened_tensor(), src=0)
+        got = dict(received.reconstruct_tensors())
+        out.append(all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in bucket))
+    return out
+
+
+def test_a_flat_bucket_is_what_sglangs_reader_expects():
+    sent, read = run_distributed(_flat_round_trip, 2, timeout_s=120)
+    assert sent == [(15 + 7 + 1) * 4, (8 + 3) * 2] and read == [True, True]
+
+
+def _gate_store():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]  # public API
+
+    return TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
+
+
+def test_gate_releases_each_bucket_to_a_sender_waiting_in_another_thread_of_the_same_process():
+    """Rank 0 coordinates on its event loop while its own sender waits on another thread: one
+    blocking get on a shared store connection would hold it until the store's timeout."""
+    from sao_megatron.weight_sync import SyncGate
+
+    store = _gate_store()
+    gate = SyncGate(store).next_update(1)
+    seen: list[tuple[int, bool, float]] = []
+
+    def sender():
+        if gate.started() is None:
+            for k in range(3):
+                seen.append((k, gate.wait(0, k), time.monotonic()))
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    gate.start()
+    released = []
+    for k in range(2):
+        time.sleep(0.2)
+        released.append(time.monotonic())
+        gate.release(0, k)
+    time.sleep(0.2)
+    gate.stop([(0, 2)])
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert [(k, ok) for k, ok, _ in seen] == [(0, True), (1, True), (2, False)]
+    assert all(t >= r for (_, _, t), r in zip(seen, released, strict=False))  # not before its release
+    assert not any(store.check([f"sao_weight_sync/1/go/0/{k}"]) for k in range(3))  # deleted once read
+
+
+def test_gate_skip_and_abort_reach_the_other_side():
+    from sao_megatron.weight_sync import SyncGate
+
+    store = _gate_store()
+    coordinator, rank1 = SyncGate(store).next_update(7), SyncGate(store).next_update(7)
+    coordinator.start("EngineError: /begin_weight_update refused")
+    assert rank1.started() == "EngineError: /begin_weight_update refused"
+    assert coordinator.aborted() is None
+    rank1.abort("trainer rank 1 (stage 1): gloo: connection closed")
+    assert coordinator.aborted() == "trainer rank 1 (stage 1): gloo: connection closed"
+    assert SyncGate(store).next_update(8).aborted() is None  # the next update starts clean
