@@ -3,9 +3,14 @@
 A tiny random Qwen3-MoE (float32) is saved with ``save_pretrained`` next to Qwen3's real
 tokenizer files; ``actor.init_from`` points at it with no ``model`` key (the shape comes from
 its ``config.json``). Real Ray, Megatron actor/critic workers and a CPU SGLang engine run a few
-RL steps on ``math_python`` (its tool is a JSON schema: native ``<tool_call>`` format). Checked:
+RL steps on ``math_python`` (its tool is a JSON schema: native ``<tool_call>`` format). The actor
+runs two pipeline stages, so every weight sync has two senders, each broadcasting its own
+stage's buckets over its own group, each bucket as one flat buffer (``rollout.weight_sync_flat``;
+the other end-to-end tests send tensor by tensor). Checked:
 
-* engine logprobs == actor logprobs at version 0, on a probe and on the first trained batch;
+* engine logprobs == actor logprobs at version 0 (the engine started from random weights: the
+  first sync), on a probe and on the first trained batch, and after the last sync;
+* each stage's rank sent its stage over a group of its own (the actor ranks' logs);
 * token-in/token-out on every turn: the first prompt is ``apply_chat_template(messages,
   tools=..., add_generation_prompt=True)``, each response is the generated action ids followed
   by the template's rendering of the tool result (replayed through a fresh environment);
@@ -47,6 +52,7 @@ RUN = [
     "rollout.loop.max_context_tokens=1024",
     "train.eval_prompts=0", "train.eval_every=0", "train.sft_steps=0", "train.value_pretrain_steps=0",
     "train.sample_trajectories=1", f"train.steps={STEPS}",
+    "actor.parallel.world_size=2", "actor.parallel.pipeline_parallel=2", "rollout.weight_sync_flat=true",
 ]  # fmt: skip
 
 
@@ -181,6 +187,10 @@ def test_sao_from_an_hf_checkpoint_with_the_qwen3_template(tmp_path, qwen3_token
     assert before[0] <= 1e-4 and before[2] == {"0"}, before
     assert after[0] <= 1e-4 and after[2] == {str(STEPS)}, after
     assert first_batch["tokens"] > 0 and first_batch["diff"] <= 1e-4, first_batch
+    for rank in (0, 1):  # one sender per pipeline stage, each on its own group
+        sent = (run_dir / "logs" / f"actor_rank{rank}.log").read_text()
+        assert f"group sao_weight_sync_pp{rank} at 127.0.0.1:" in sent, sent[-2000:]
+        assert f"(trainer rank {rank}, stage {rank})" in sent
     # (b) token-in/token-out: every trained trajectory replayed, multi-turn ones included
     assert observations > 0, "no trajectory had a tool-result turn"
     # (c) versions advance; nothing trained twice

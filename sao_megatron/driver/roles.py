@@ -256,13 +256,15 @@ class ActorGroup(RoleGroup[ActorWorker]):
         return (await self._all(ActorWorker.export_hf, str(out_dir)))[0]
 
     async def sync_weights(
-        self, engine_urls: list[str], version: int, address: str, port: int = 0
+        self, engine_urls: list[str], version: int, addresses: str | list[str], port: int = 0
     ) -> dict[str, float]:
-        """Broadcast the weights to the engines from global rank 0 (which reports the timing)."""
-        return (await self._all(ActorWorker.sync_weights, engine_urls, version, address, port))[0]
+        """Broadcast the weights to the engines from every pipeline stage's sender; global rank 0
+        coordinates and reports the timing. ``addresses``: per global rank (or one for all)."""
+        return (await self._all(ActorWorker.sync_weights, engine_urls, version, addresses, port))[0]
 
-    async def node_ip(self) -> str:
-        return await self.ranks[0].node_ip.remote()
+    async def node_ips(self) -> list[str]:
+        """Every rank's node address, by global rank."""
+        return list(await asyncio.gather(*(r.node_ip.remote() for r in self.ranks)))
 
 
 class CriticGroup(RoleGroup[CriticWorker]):

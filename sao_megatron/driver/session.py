@@ -49,6 +49,9 @@ _CONNECTION_FAILURES = ("ClientConnectorError", "ServerDisconnectedError", "Clie
 
 _MISSED_CHECKS = 3
 """Watchdog checks in a row an engine's ``/model_info`` may go unanswered before it is restarted."""
+_SYNC_METRICS = {"sync_s": "time/sync_s", "sync_pause_s": "time/sync_pause_s", "sync_gb_per_s": "sync/gb_per_s",
+                 "sync_tensors": "sync/tensors", "sync_senders": "sync/senders"}  # fmt: skip
+"""The actor's sync timing (``ActorWorker.sync_weights``) as logged: seconds under time/, the rest under sync/."""
 
 
 class Session:
@@ -70,7 +73,7 @@ class Session:
         """Set when the engines were launched with the roles (:meth:`start`): done once all are healthy."""
         self.clients: list[EngineClient] = []
         self.loops: list[AgentLoop] = []
-        self.sync_address = "127.0.0.1"
+        self.sync_address: str | list[str] = "127.0.0.1"
         self.engine_states = EngineStates(0)
         """Which engines take episodes, and the engine-fault counters (set by :meth:`start_rollouts`)."""
         self.weights_lock = asyncio.Lock()
@@ -160,8 +163,8 @@ class Session:
         else:
             self.engines = await start_engines(self.cfg, await self._export_policy(), self.run_dir)
         self._policy_exported = False  # the actor trains from here on: later exports are fresh
-        if self.cfg.cluster.ray_address:  # engines dial actor rank 0's node
-            self.sync_address = await self.actor.node_ip()
+        if self.cfg.cluster.ray_address:  # engines dial each pipeline stage's sender on its node
+            self.sync_address = await self.actor.node_ips()
         for i, engine in enumerate(self.engines):
             client = await EngineClient(engine.url).__aenter__()
             self.clients.append(client)
@@ -218,7 +221,7 @@ class Session:
             return {"time/sync_s": report.seconds}
         urls = [self.engines[i].url for i in live]
         report = await self.actor.sync_weights(urls, version, self.sync_address)
-        return {f"time/{k}": v for k, v in report.items()}
+        return {_SYNC_METRICS[k]: v for k, v in report.items()}
 
     # ---- engine faults ----------------------------------------------------------------------
     async def _responsive(self, i: int) -> bool:

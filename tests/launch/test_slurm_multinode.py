@@ -33,8 +33,10 @@ pytestmark = pytest.mark.skipif(
 
 NET = "10.200.0."
 NODE_IP = {f"n{i}": f"{NET}{i}" for i in range(1, 6)}
+# The actor in two pipeline stages, one per node: each stage's rank sends its own weights.
 GROUPS = ["cluster.actor_nodes=2", "cluster.critic_nodes=2", "cluster.rollout_nodes=1",
-          "actor.parallel.world_size=2", "critic.parallel.world_size=2", "cluster.cpus_per_rank=1"]  # fmt: skip
+          "actor.parallel.world_size=2", "actor.parallel.pipeline_parallel=2", "critic.parallel.world_size=2",
+          "cluster.cpus_per_rank=1"]  # fmt: skip
 # Synchronous and lag 0: the prompt sequence per step is deterministic (the requeue test compares it).
 RUN = [
     *TINY,
@@ -47,7 +49,7 @@ RUN = [
 ]
 RANK_LINE = re.compile(r"\[sao-rank\] rank (\d+) of (\d+) on host (\S+) addresses (\S+)")
 SYNC_LINE = re.compile(
-    r"\[sao-weight-sync\] \w+ group \S+ at ([\d.]+):\d+ \(trainer rank 0\) -> engines (.+)"
+    r"\[sao-weight-sync\] \w+ group \S+ at ([\d.]+):\d+ \(trainer rank (\d+), stage (\d+)\) -> engines (.+)"
 )
 
 
@@ -138,25 +140,32 @@ def test_role_worlds_formed_across_their_own_nodes(finished_run):
 
 
 def test_engine_on_the_rollout_node_and_weights_synced_across_nodes(finished_run):
-    """Actor rank 0 (n1 or n2) forms the broadcast group on its node; the engine on n5 joins it
-    and receives every update from there (the engine's own log names the peer's address)."""
+    """Each pipeline stage's actor rank (one on n1, one on n2) forms its own broadcast group on its
+    node; the engine on n5 joins both and receives every update over them, the requests posted
+    by rank 0 (the engine's own log names the peers' addresses)."""
     run_dir, _, logs = finished_run
     actor_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor_rank*.log"))
     syncs = SYNC_LINE.findall(actor_logs)
-    assert len(syncs) == 1, (syncs, logs)  # formed once, reused by every later sync
-    master, engines = syncs[0]
-    rank0_host, _ = _ranks(run_dir, "actor")[0]
-    assert master == NODE_IP[rank0_host], syncs  # the group meets on actor rank 0's node ...
-    assert re.fullmatch(rf"http://{re.escape(NODE_IP['n5'])}:\d+", engines.strip()), syncs  # ... engine on n5
+    assert len(syncs) == 2, (syncs, logs)  # one group per stage, formed once, reused by every later sync
+    ranks = _ranks(run_dir, "actor")
+    assert sorted((int(rank), int(stage)) for _, rank, stage, _ in syncs) == [(0, 0), (1, 1)], syncs
     engine_log = (run_dir / "logs" / "engine0.log").read_text(errors="replace")
     assert f"Uvicorn running on http://{NODE_IP['n5']}:" in engine_log, engine_log[-2000:]
-    assert f"init custom process group: master_address={master}," in engine_log, engine_log[-2000:]
+    for master, rank, _, engines in syncs:
+        assert master == NODE_IP[ranks[int(rank)][0]], (syncs, ranks)  # the group meets on its sender's node
+        assert re.fullmatch(rf"http://{re.escape(NODE_IP['n5'])}:\d+", engines.strip()), (
+            syncs
+        )  # ... engine on n5
+        assert f"init custom process group: master_address={master}," in engine_log, engine_log[-2000:]
+    assert {m for m, *_ in syncs} == {NODE_IP["n1"], NODE_IP["n2"]}, syncs  # two nodes sent
+    coordinator = NODE_IP[ranks[0][0]]
     updates = re.findall(
-        rf'{re.escape(master)}:\d+ - "POST /update_weights_from_distributed HTTP/1.1" 200', engine_log
+        rf'{re.escape(coordinator)}:\d+ - "POST /update_weights_from_distributed HTTP/1.1" 200', engine_log
     )
     versions = re.findall(r"Weight version changed\. old_version='[^']*' new_version='(\d+)'", engine_log)
-    # The initial sync (version 0) and one per actor step after the critic warm-up step.
-    assert len(updates) >= 2 and max(map(int, versions)) >= 1, (updates, versions)
+    # The initial sync (version 0) and one per actor step after the critic warm-up step, each one
+    # bucket per stage.
+    assert len(updates) >= 4 and max(map(int, versions)) >= 1, (updates, versions)
 
 
 def _auto_resume() -> bool:

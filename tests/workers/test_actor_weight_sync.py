@@ -1,0 +1,306 @@
+"""``ActorWorker.sync_weights`` end to end on a 2-rank gloo trainer world with two pipeline stages
+(one sender each, ragged: 3 and 2 buckets) and two fake engines (``tests/workers/fake_engine.py``).
+
+Covered: the control plane rank 0 runs (pause, begin, every bucket's request in ``sync_order``
+over each stage's own group, end, continue), the data plane (every tensor reaches every engine
+with its values; a sender broadcasts only the buckets released to it), the groups' reuse and
+re-formation, and the error paths (an engine failing a bucket, an engine refusing the session):
+rank 0 raises with the engine's message, the other rank returns ``{}``, the engines end the
+session and resume, nothing waits for the 300 s group timeout, and the next call succeeds. The
+store gate alone: ``tests/test_weight_sync.py``.
+
+Why fake engines: they log every call in order and inject failures at a chosen bucket, which a
+real SGLang engine cannot; they still form real gloo groups and receive real broadcasts. The
+real-engine path is covered by ``tests/test_from_hf.py`` and
+``tests/rollout/test_engine_integration.py``, which take minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sao_megatron.models.hf_io import TensorSpec
+from sao_megatron.weight_sync import sync_order
+from tests.distributed import run_distributed
+from tests.workers.fake_engine import EngineProcess, Faults, weight_name, weight_value
+
+SHAPES = [  # per pipeline stage, per bucket: its tensors' shapes (ragged stages: 3 and 2 buckets)
+    [[(3, 5), (7,)], [(2, 3, 4)], [(1,), (5, 2), (11,)]],
+    [[(4, 3)], [(9,), (2, 2)]],
+]
+ORDER = sync_order([len(stage) for stage in SHAPES])
+TENSORS = sum(len(bucket) for stage in SHAPES for bucket in stage)
+BUCKET_MB = 1
+WORLD_TIMEOUT_S = 60.0  # a world takes ~8 s (~25 s on a busy host); a hang fails before 300 s
+PAUSE, BEGIN, END, RESUME = (
+    ("/pause_generation",),
+    ("/begin_weight_update",),
+    ("/end_weight_update",),
+    ("/continue_generation",),
+)
+
+
+def _names(stage: int, bucket: int) -> list[str]:
+    return [weight_name(stage, bucket, i) for i in range(len(SHAPES[stage][bucket]))]
+
+
+class FakeStream:
+    """``HFWeightStream(per_stage=True)`` of two pipeline stages of one rank each (rank r is stage
+    r and its sender), without Megatron: the plan is :data:`SHAPES`, the values ``weight_value``."""
+
+    def __init__(self, module: Any, model_cfg: Any, per_stage: bool = False, group: Any = None):
+        assert per_stage and group is not None, "sync_weights streams per stage, on its gather group"
+        self.senders = [0, 1]
+        self.stage = dist.get_rank()
+        self.sender = self.senders[self.stage]
+
+    def bucket_plan(self, bucket_bytes: int) -> list[list[list[TensorSpec]]]:
+        assert bucket_bytes == BUCKET_MB << 20
+        return [[[TensorSpec(n, shape, torch.float32) for n, shape in zip(_names(s, k), bucket, strict=True)]
+                 for k, bucket in enumerate(stage)] for s, stage in enumerate(SHAPES)]  # fmt: skip
+
+    def buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for k, bucket in enumerate(SHAPES[self.stage]):
+            yield [
+                (n, weight_value(n, shape)) for n, shape in zip(_names(self.stage, k), bucket, strict=True)
+            ]
+
+
+def _worker() -> Any:
+    """An ``ActorWorker`` without Megatron: its own ``__init__``, with the rank set-up and the
+    model build stubbed out (so every attribute it sets is set, as in a real run)."""
+    import sao_megatron.workers.actor as actor
+
+    actor.init_rank = lambda parallel, seed: None  # type: ignore[assignment]  # the world is up already
+    actor.build_actor_role = lambda model, cfg: SimpleNamespace(module=None)  # type: ignore[assignment]
+    rollout = SimpleNamespace(tensor_parallel=1, weight_sync_flat=False, weight_sync_bucket_mb=BUCKET_MB)
+    cfg = SimpleNamespace(model=None, run=SimpleNamespace(seed=0), actor=SimpleNamespace(parallel=None),
+                          rollout=rollout)  # fmt: skip
+    return actor.ActorWorker(cfg)  # type: ignore[arg-type]
+
+
+def _trainer(rank: int, world_size: int, urls: list[str], versions: list[int]) -> list[dict[str, Any]]:
+    """One trainer rank: ``sync_weights`` once per version. Per call: its result (or rank 0's
+    error), its seconds, and the ``[group, first tensor]`` of each bucket this rank broadcast.
+    At the end each sender destroys its group, as a finished run leaves the engines."""
+    import sao_megatron.models.hf_weights as hf_weights
+    from sao_megatron.weight_sync import WeightSync
+
+    hf_weights.HFWeightStream = FakeStream  # type: ignore[misc]  # sync_weights imports it at call time
+    sent: list[list[str]] = []
+    send = WeightSync.send
+
+    def recording_send(self: WeightSync, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        sent.append([self.group_name, bucket[0][0]])
+        return send(self, bucket)
+
+    WeightSync.send = recording_send  # type: ignore[method-assign]
+    w = _worker()
+    outcomes = []
+    for version in versions:
+        before, t0 = len(sent), time.perf_counter()
+        result: dict[str, float] | None = None
+        error = None
+        try:
+            result = w.sync_weights(urls, version, "127.0.0.1")
+        except RuntimeError as err:
+            error = str(err)
+        outcomes.append({"result": result, "error": error, "seconds": time.perf_counter() - t0,
+                         "sent": sent[before:]})  # fmt: skip
+    if w._sync is not None:
+        asyncio.run(w._sync.close())
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[EngineProcess]]:
+    """Two fake engines for the module (each test resets them with its own faults)."""
+    procs: list[EngineProcess] = []
+    try:
+        procs = [EngineProcess(), EngineProcess()]
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _run(engines: list[EngineProcess], faults: list[Faults], versions: list[int]) -> tuple[list, list]:
+    """The trainer world's per-rank outcomes and each engine's call log."""
+    for engine, f in zip(engines, faults, strict=True):
+        engine.reset(f)
+    ranks = run_distributed(_trainer, 2, [e.url for e in engines], versions, timeout_s=WORLD_TIMEOUT_S)
+    return ranks, [e.log() for e in engines]
+
+
+def _brief(entry: dict[str, Any]) -> tuple:
+    """A log entry as the test compares it: endpoint, group, and for an update its names and version."""
+    if entry["endpoint"] == "/update_weights_from_distributed":
+        return entry["endpoint"], entry["group_name"], tuple(entry["names"]), entry["version"]
+    if "group_name" in entry:
+        return entry["endpoint"], entry["group_name"]
+    return (entry["endpoint"],)
+
+
+def _update(prefix: str, stage: int, bucket: int, version: int) -> tuple:
+    return (
+        "/update_weights_from_distributed",
+        f"{prefix}_pp{stage}",
+        tuple(_names(stage, bucket)),
+        str(version),
+    )
+
+
+def _session(prefix: str, version: int, order: list[tuple[int, int]] = ORDER) -> list[tuple]:
+    return [PAUSE, BEGIN, *(_update(prefix, s, k, version) for s, k in order), END, RESUME]
+
+
+def _groups(endpoint: str, prefix: str) -> list[tuple]:
+    return [(endpoint, f"{prefix}_pp0"), (endpoint, f"{prefix}_pp1")]
+
+
+def _sent(prefix: str, stage: int, order: list[tuple[int, int]] = ORDER) -> list[list[str]]:
+    return [[f"{prefix}_pp{stage}", weight_name(stage, k, 0)] for s, k in order if s == stage]
+
+
+def _assert_clean_updates(log: list[dict[str, Any]]) -> None:
+    """Every received tensor had its values, and no update overlapped another on the engine."""
+    for e in log:
+        if e["endpoint"] == "/update_weights_from_distributed":
+            assert e["bad"] == [] and not e["overlapped"], e
+            assert e["flush_cache"] is True and e["load_format"] is None, e
+
+
+def _assert_synced(outcome: list[dict[str, Any]], prefix: str) -> None:
+    """Both ranks of one call: rank 0's metrics, rank 1's ``{}``, each sender's every bucket."""
+    zero, one = outcome
+    assert zero["error"] is None and one["error"] is None
+    assert zero["result"]["sync_senders"] == 2.0
+    assert zero["result"]["sync_tensors"] == float(TENSORS)
+    assert zero["result"]["sync_gb_per_s"] > 0
+    assert one["result"] == {}
+    assert zero["sent"] == _sent(prefix, 0) and one["sent"] == _sent(prefix, 1)
+
+
+def test_sync_sends_every_bucket_in_order_and_reuses_the_groups(engines: list[EngineProcess]) -> None:
+    """Two calls with healthy engines: each engine joins both stages' groups once, gets every
+    bucket in ``sync_order`` over its stage's group inside one session per call, with the right
+    values; rank 0 reports the metrics, rank 1 ``{}``."""
+    ranks, logs = _run(engines, [Faults(), Faults()], [1, 2])
+    for call in range(2):
+        _assert_synced([ranks[0][call], ranks[1][call]], "sao_weight_sync")
+    for e, log in enumerate(logs):
+        head = _groups("/init_weights_update_group", "sao_weight_sync")
+        assert [_brief(x) for x in log[:-2]] == [
+            *head,
+            *_session("sao_weight_sync", 1),
+            *_session("sao_weight_sync", 2),
+        ]
+        assert sorted(_brief(x) for x in log[-2:]) == _groups(
+            "/destroy_weights_update_group", "sao_weight_sync"
+        )
+        assert all(x["success"] for x in log), log
+        assert [(x["rank"], x["world_size"], x["backend"]) for x in log[:2]] == [(e + 1, 3, "gloo")] * 2
+        assert log[2]["mode"] == "retract"
+        _assert_clean_updates(log)
+
+
+def test_a_failed_bucket_ends_the_session_fast_and_the_next_sync_reforms(
+    engines: list[EngineProcess],
+) -> None:
+    """Engine 1 receives stage 1's first bucket, then answers it with success false. Rank 0 raises
+    with its message well before any group timeout, rank 1 returns ``{}``; both engines end the
+    session and resume right after that update, with nothing posted after it; no sender broadcast
+    past the buckets released to it. The next call re-forms the groups under new names (the old
+    ones destroyed) and succeeds, so the failed session was ended."""
+    failing = ("sao_weight_sync_pp1", weight_name(1, 0, 0))
+    ranks, logs = _run(engines, [Faults(), Faults(fail_update=failing, message="cannot load")], [1, 2])
+    zero, one = ranks[0][0], ranks[1][0]
+    assert zero["result"] is None and zero["error"] is not None
+    assert "weight sync to version 1 failed" in zero["error"] and "cannot load" in zero["error"]
+    assert one["result"] == {} and one["error"] is None
+    assert zero["seconds"] < 30 and one["seconds"] < 30
+    released = ORDER[: ORDER.index((1, 0)) + 1]  # the buckets released up to the failed one
+    assert zero["sent"] == _sent("sao_weight_sync", 0, released)
+    assert one["sent"] == _sent("sao_weight_sync", 1, released)
+    _assert_synced([ranks[0][1], ranks[1][1]], "sao_weight_sync_2")
+
+    for e, log in enumerate(logs):
+        brief = [_brief(x) for x in log]
+        first = [*_groups("/init_weights_update_group", "sao_weight_sync"),
+                 *_session("sao_weight_sync", 1, released)]  # fmt: skip
+        assert brief[: len(first)] == first  # end and continue right after the failed update
+        failed = log[len(first) - 3]
+        assert _brief(failed) == _update("sao_weight_sync", 1, 0, 1)
+        assert failed["success"] is (e == 0) and failed["bad"] == []
+        assert all(x["success"] for x in log[len(first) - 2 : len(first)]), log  # the session was open
+        # The old groups destroyed (by each sender, before it forms its new one), the new ones formed:
+        reform = brief[len(first) : len(first) + 4]
+        old = _groups("/destroy_weights_update_group", "sao_weight_sync")
+        new = _groups("/init_weights_update_group", "sao_weight_sync_2")
+        assert sorted(reform) == sorted(old + new)
+        assert reform.index(old[0]) < reform.index(new[0]) < reform.index(new[1])
+        assert reform.index(old[1]) < reform.index(new[1])
+        rest = brief[len(first) + 4 :]
+        assert rest[:-2] == _session("sao_weight_sync_2", 2)
+        assert sorted(rest[-2:]) == _groups("/destroy_weights_update_group", "sao_weight_sync_2")
+        assert all(x["success"] for x in log if x is not failed), log
+        _assert_clean_updates(log)
+
+
+@pytest.fixture(scope="module")
+def refused_begin(engines: list[EngineProcess]) -> tuple[list, list]:
+    """Engine 1 refuses the first ``/begin_weight_update``; two calls (the second: no faults)."""
+    return _run(engines, [Faults(), Faults(refuse_begin_on_call=1)], [1, 2])
+
+
+def _first_call(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The log up to the second call's pause."""
+    return log[: [x["endpoint"] for x in log].index(PAUSE[0], 3)]
+
+
+def test_a_refused_begin_posts_no_update_and_resumes_every_engine(refused_begin: tuple[list, list]) -> None:
+    """Engine 1 refuses the session: rank 0 raises with the refusal, rank 1 returns ``{}``, no
+    bucket is posted or broadcast, and both engines resume."""
+    ranks, logs = refused_begin
+    zero, one = ranks[0][0], ranks[1][0]
+    assert zero["error"] is not None and zero["result"] is None
+    assert "/begin_weight_update" in zero["error"] and "refused by fault injection" in zero["error"]
+    assert one["result"] == {} and one["error"] is None
+    assert zero["seconds"] < 30 and one["seconds"] < 30
+    assert zero["sent"] == [] and one["sent"] == []
+    for e, log in enumerate(logs):
+        first = _first_call(log)
+        brief = [_brief(x) for x in first]
+        assert brief[:4] == [*_groups("/init_weights_update_group", "sao_weight_sync"), PAUSE, BEGIN]
+        assert first[3]["success"] is (e == 0)
+        assert RESUME in brief, brief
+        resumed = brief.index(RESUME)
+        assert set(brief[4:resumed]) <= {END} and first[resumed]["success"]  # at most the session's end
+        assert not [x for x in brief if x[0] == "/update_weights_from_distributed"]
+
+
+def test_a_refused_begin_ends_the_sessions_that_opened_so_the_next_sync_succeeds(
+    refused_begin: tuple[list, list],
+) -> None:
+    """Engine 0 accepted the session engine 1 refused: it is told to end it (before it resumes),
+    so that it accepts the next call's ``/begin_weight_update`` (SGLang refuses one while a
+    session is open) and the next call, with no fault, succeeds."""
+    ranks, logs = refused_begin
+    brief = [_brief(x) for x in _first_call(logs[0])]
+    assert brief[3:6] == [BEGIN, END, RESUME], f"engine 0's session was not ended: {brief}"
+    assert ranks[0][1]["error"] is None, ranks[0][1]["error"]
+    _assert_synced([ranks[0][1], ranks[1][1]], "sao_weight_sync_2")
+    second = _session("sao_weight_sync_2", 2)
+    for log in logs:
+        assert [_brief(x) for x in log[-2 - len(second) : -2]] == second  # then the groups' destroys
+        assert all(x["success"] for x in log[-2 - len(second) :]), log
