@@ -2,12 +2,23 @@
 
 In one run, interleaved round by round: (1) ``WeightSync.update`` of a Qwen3-MoE checkpoint to a
 real SGLang engine (CPU here: gloo over loopback, float32; pause, per-bucket HTTP request +
-broadcast, resume), and (2) a raw broadcast of the very same tensors, in the same buckets and
-order, over a group of the same size and backend to a plain receiver process. The ratio of their
-bytes/s is what the sync protocol keeps of the transport; the pause is how long the engine
-stopped generating per sync (``SyncReport.paused_s``, also logged as ``time/sync_pause_s``).
+broadcast, resume), per tensor and flat (``rollout.weight_sync_flat``), each against (2) a raw
+broadcast of the very same buckets in the same wire format and order, over a group of the same
+size and backend to a plain receiver process, and (3) the engine's pause + begin + end + resume
+alone, to split the sync's extra time into that fixed part and a per-bucket part (the engine's
+request and load). The ratio of their bytes/s is what the sync protocol keeps of the transport;
+the pause is how long the engine stopped generating per sync (``SyncReport.paused_s``, also
+logged as ``time/sync_pause_s``).
 
     .venv/bin/python benchmarks/bench_weight_sync.py [--quick] [--rounds 5] [--bucket-mb 64]
+
+``--actor-pp 1 2``: the same through the real actor instead (``ActorWorker.sync_weights`` in a
+2-rank Megatron world built from the checkpoint's config, random weights): at PP=2 each stage's
+sender gathers and broadcasts its own buckets over its own group while rank 0 posts the engine's
+requests in the global order; at PP=1 (DP=2) rank 0 is the one sender. The raw side is the same
+senders broadcasting the same gathered buckets (in the sync's wire format) over same-size groups
+to one plain receiver that takes them in the same global order, so the ratio is what the
+protocol, the gathers and the engine's load keep of those groups' bandwidth.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -34,16 +46,26 @@ from sao_megatron.parallel import join_store, open_store  # noqa: E402
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec  # noqa: E402
 from sao_megatron.spawn import free_port  # noqa: E402
 from sao_megatron.tokenizer import load_tokenizer  # noqa: E402
-from sao_megatron.weight_sync import WeightSync, new_group  # noqa: E402
+from sao_megatron.weight_sync import EngineControl, WeightSync, new_group  # noqa: E402
 
 
-def _receiver(port: int, shapes: list[list[tuple[list[int], torch.dtype]]], rounds: int) -> None:
+def _receiver(
+    port: int, shapes: list[list[tuple[list[int], torch.dtype]]], sizes: list[int], rounds: int
+) -> None:
+    """Per round: the buckets tensor by tensor, then flat."""
     store = join_store("127.0.0.1", port, 2)
     group = new_group("gloo", store, 2, 1, "raw")
     for _ in range(rounds):
         for bucket in shapes:
             for shape, dtype in bucket:
                 dist.broadcast(torch.empty(shape, dtype=dtype), src=0, group=group)
+        for size in sizes:
+            dist.broadcast(torch.empty(size, dtype=torch.uint8), src=0, group=group)
+
+
+def _flat(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """A bucket as the flat sync sends it (one dtype: one byte buffer)."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
 
 
 def _buckets(model_dir: Path, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -63,11 +85,110 @@ def _buckets(model_dir: Path, bucket_bytes: int) -> list[list[tuple[str, torch.T
     return out + ([bucket] if bucket else [])
 
 
+async def _control_only(url: str) -> float:
+    """Seconds of one pause + begin + end + resume with no bucket in between."""
+    t0 = time.perf_counter()
+    async with EngineControl([url]):
+        pass
+    return time.perf_counter() - t0
+
+
+def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, rounds: int) -> list[dict]:
+    """One rank of the actor's world: per round, the raw broadcast of its (pre-gathered) stage's
+    buckets, then a real ``sync_weights``; rank 0 returns the figures."""
+    from sao_megatron.models.hf_weights import HFWeightStream
+    from sao_megatron.workers.actor import ActorWorker
+
+    worker = ActorWorker(cfg)
+    bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
+    gather_group = cast(dist.ProcessGroup, dist.new_group())  # every rank is a member
+    stream = HFWeightStream(worker.role.module, cfg.model, per_stage=True, group=gather_group)
+    plan = stream.bucket_plan(bucket_bytes)
+    flat = cfg.rollout.weight_sync_flat
+    mine = [[_flat(b)] if flat else [t.contiguous() for _, t in b] for b in stream.buckets(bucket_bytes) if b]
+    store = join_store("127.0.0.1", store_port, 1 + len(plan))
+    raw = None
+    if rank == stream.sender:
+        if rank == 0:  # per stage, bucket, broadcast: its byte count, or its shape and dtype
+            shapes = [[[[sum(t.nbytes for t in b)]] if flat else [[list(t.shape), str(t.dtype)[6:]] for t in b]
+                       for b in stage] for stage in plan]  # fmt: skip
+            store.set("plan", json.dumps({"flat": flat, "shapes": shapes}))
+        raw = new_group("gloo", store, 2, 0, f"raw{len(plan)}_{stream.stage}")
+    total = sum(t.nbytes for stage in plan for b in stage for t in b)
+    out = []
+    for r in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for bucket in mine if raw is not None else []:
+            for buf in bucket:
+                dist.broadcast(buf, src=0, group=raw)
+        dist.barrier()
+        raw_s = time.perf_counter() - t0
+        report = worker.sync_weights([engine_url], r + 1, "127.0.0.1")
+        if rank == 0:
+            out.append({"raw_gb_per_s": total / raw_s / 1e9, "sync_gb_per_s": report["sync_gb_per_s"],
+                        "pause_s": report["sync_pause_s"], "senders": report["sync_senders"],
+                        "buckets": [len(stage) for stage in plan], "bytes": total})  # fmt: skip
+            print(f"round {r}: raw {out[-1]['raw_gb_per_s']:.3f} GB/s, sync {report['sync_gb_per_s']:.3f} GB/s, "
+                  f"pause {report['sync_pause_s']:.3f} s", flush=True)  # fmt: skip
+    return out
+
+
+def _raw_receiver(store, rounds: int) -> None:
+    """The raw side's one receiver: joins every sender's group, takes their buckets in the global order."""
+    from sao_megatron.weight_sync import sync_order
+
+    plan = json.loads(store.get("plan"))
+    shapes = plan["shapes"]
+    groups = [new_group("gloo", store, 2, 1, f"raw{len(shapes)}_{s}") for s in range(len(shapes))]
+    for _ in range(rounds):
+        for s, k in sync_order([len(stage) for stage in shapes]):
+            for piece in shapes[s][k]:
+                buf = torch.empty(piece[0], dtype=torch.uint8) if plan["flat"] else \
+                    torch.empty(piece[0], dtype=getattr(torch, piece[1]))  # fmt: skip
+                dist.broadcast(buf, src=0, group=groups[s])
+
+
+def actor_main(args, model: Path, engine_url: str, rounds: int) -> dict:
+    import threading
+
+    from sao_megatron.config import load_config
+    from sao_megatron.config.hf import model_config_from_hf, read_hf_config
+    from sao_megatron.spawn import run_world
+
+    results = {}
+    for pp in args.actor_pp:
+        cfg = load_config(None, ["actor.parallel.world_size=2", f"actor.parallel.pipeline_parallel={pp}",
+                                 f"rollout.weight_sync_bucket_mb={args.bucket_mb}", "rollout.dtype=float32",
+                                 f"rollout.weight_sync_flat={str(args.flat).lower()}"])  # fmt: skip
+        cfg.model = model_config_from_hf(read_hf_config(model))
+        store = open_store("127.0.0.1", 1 + pp)
+        receiver = threading.Thread(target=_raw_receiver, args=(store, rounds), daemon=True)
+        receiver.start()
+        rows = run_world(
+            _actor_ranks, 2, cfg, engine_url, store.port, rounds, backend="gloo", timeout_s=1800
+        )[0]
+        receiver.join(timeout=60)
+        ratio = statistics.median(x["sync_gb_per_s"] / x["raw_gb_per_s"] for x in rows)
+        results[f"pp{pp}"] = {"senders": rows[0]["senders"], "buckets": rows[0]["buckets"], "rounds": rounds,
+                              "bytes": rows[0]["bytes"],
+                              "raw_gb_per_s": statistics.median(x["raw_gb_per_s"] for x in rows),
+                              "sync_gb_per_s": statistics.median(x["sync_gb_per_s"] for x in rows),
+                              "sync_over_raw": ratio, "pause_s": statistics.median(x["pause_s"] for x in rows)}  # fmt: skip
+        x = results[f"pp{pp}"]
+        print(f"PP={pp} ({x['senders']:.0f} sender(s), buckets {x['buckets']}): median sync / raw = {ratio:.2f} "
+              f"({x['sync_gb_per_s']:.3f} / {x['raw_gb_per_s']:.3f} GB/s), pause {x['pause_s']:.3f} s", flush=True)  # fmt: skip
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a ~40 MB model, 2 rounds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--flat", action="store_true", help="with --actor-pp: rollout.weight_sync_flat=true")
+    ap.add_argument("--actor-pp", type=int, nargs="*", default=[],
+                    help="measure through the real actor (2 ranks) at these pipeline sizes (1 and/or 2)")  # fmt: skip
     args = ap.parse_args()
     shape = (2, 256, 8, 512) if args.quick else (4, 512, 16, 640)
     rounds = 2 if args.quick else args.rounds
@@ -83,32 +204,47 @@ def main() -> None:
         spec = EngineSpec(model_path=str(model), port=free_port(), dtype="float32", max_total_tokens=4096,
                           log_path=str(Path(tmp) / "engine.log"), env={"OMP_NUM_THREADS": "1"})  # fmt: skip
         with EngineProcess(spec) as engine:
+            if args.actor_pp:
+                summary = actor_main(args, model, engine.url, rounds)
+                print(json.dumps(summary))
+                return
             store = open_store("127.0.0.1", 2)
+            flat = [_flat(b) for b in buckets]
             shapes = [[(list(t.shape), t.dtype) for _, t in b] for b in buckets]
-            receiver = mp.get_context("spawn").Process(target=_receiver, args=(store.port, shapes, rounds))
+            receiver = mp.get_context("spawn").Process(target=_receiver,
+                                                       args=(store.port, shapes, [f.numel() for f in flat], rounds))  # fmt: skip
             receiver.start()
             raw_group = new_group("gloo", store, 2, 0, "raw")
-            sync = WeightSync([engine.url], backend="gloo")
-            asyncio.run(sync.connect())
-            raw, synced, paused = [], [], []
+            syncs = {"per_tensor": WeightSync([engine.url], backend="gloo", group_name="bench_per_tensor"),
+                     "flat": WeightSync([engine.url], backend="gloo", group_name="bench_flat", flat=True)}  # fmt: skip
+            for sync in syncs.values():
+                asyncio.run(sync.connect())
+            rows: dict[str, list[dict]] = {mode: [] for mode in syncs}
             for r in range(rounds):
-                t0 = time.perf_counter()
-                for bucket in buckets:
-                    for _, t in bucket:
-                        dist.broadcast(t.contiguous(), src=0, group=raw_group)
-                raw.append(total / (time.perf_counter() - t0) / 1e9)
-                report = asyncio.run(sync.update(buckets, version=r + 1))
-                synced.append(report.gb_per_s)
-                paused.append(report.paused_s)
-                print(f"round {r}: raw {raw[-1]:.3f} GB/s, sync {synced[-1]:.3f} GB/s, "
-                      f"pause {paused[-1]:.3f} s", flush=True)  # fmt: skip
+                for mode, sync in syncs.items():
+                    t0 = time.perf_counter()
+                    for buf in flat if sync.flat else [t.contiguous() for b in buckets for _, t in b]:
+                        dist.broadcast(buf, src=0, group=raw_group)
+                    raw_s = time.perf_counter() - t0
+                    report = asyncio.run(sync.update(buckets, version=r + 1))
+                    control = asyncio.run(_control_only(engine.url))
+                    rows[mode].append({"raw": total / raw_s / 1e9, "sync": report.gb_per_s, "pause": report.paused_s,
+                                       "control": control,
+                                       "extra": (report.seconds - raw_s - control) / len(buckets)})  # fmt: skip
+                    x = rows[mode][-1]
+                    print(f"round {r} {mode}: raw {x['raw']:.3f} GB/s, sync {x['sync']:.3f} GB/s, pause "
+                          f"{x['pause']:.3f} s; pause+begin+end+resume alone {control:.3f} s", flush=True)  # fmt: skip
             receiver.join(timeout=60)
-    ratio = statistics.median(s / w for s, w in zip(synced, raw, strict=True))
-    summary = {"model_mb": nbytes / 1e6, "buckets": len(buckets), "rounds": rounds,
-               "raw_gb_per_s": statistics.median(raw), "sync_gb_per_s": statistics.median(synced),
-               "sync_over_raw": ratio, "pause_s": statistics.median(paused)}  # fmt: skip
-    print(f"median: sync / raw = {ratio:.2f} ({summary['sync_gb_per_s']:.3f} / {summary['raw_gb_per_s']:.3f} "
-          f"GB/s), engine pause {summary['pause_s']:.3f} s per sync of {total / 1e6:.1f} MB")  # fmt: skip
+    summary = {"model_mb": nbytes / 1e6, "buckets": len(buckets), "rounds": rounds}
+    for mode, xs in rows.items():
+        m = {k: statistics.median(x[k] for x in xs) for k in xs[0]}
+        ratio = statistics.median(x["sync"] / x["raw"] for x in xs)
+        summary[mode] = {"raw_gb_per_s": m["raw"], "sync_gb_per_s": m["sync"], "sync_over_raw": ratio,
+                         "pause_s": m["pause"], "control_only_s": m["control"], "per_bucket_extra_s": m["extra"]}  # fmt: skip
+        print(f"{mode}: median sync / raw = {ratio:.2f} ({m['sync']:.3f} / {m['raw']:.3f} GB/s), engine pause "
+              f"{m['pause']:.3f} s per sync of {total / 1e6:.1f} MB; of the sync's time beyond the raw broadcast, "
+              f"{m['control']:.3f} s is pause+begin+end+resume and {m['extra']:.3f} s per bucket the engine's "
+              "request and load")  # fmt: skip
     print(json.dumps(summary))
 
 
