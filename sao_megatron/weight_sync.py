@@ -19,11 +19,12 @@ different orders, each could wait inside one group for the other, busy in the ot
 the coordinator posts bucket j+1 only once every engine has answered bucket j (:func:`sync_order`
 interleaves the stages). The senders meanwhile gather and convert their next bucket, each stage
 on its own ranks: nothing funnels through one rank or one NIC, and only the engines' own
-receive-and-load is serial. A sender broadcasts a bucket only once the coordinator has released it
-(:class:`SyncGate`, keys in the trainer world's store, set just before the bucket's request is
-posted), so no sender waits in a broadcast that no engine will join: on an error the coordinator
-stops every sender at its next bucket, a failing sender raises an abort flag that the coordinator
-reads before its next post, and the engines end the update and resume.
+receive-and-load is serial. The ranks coordinate through keys in the trainer world's store
+(:class:`SyncGate`), not collectives: a sender says it holds bucket j (or why it never will)
+before the coordinator posts it, and broadcasts it only once the coordinator released it. On an
+error the coordinator stops every sender at its next bucket, and the engines end the update and
+resume. An engine that refuses a bucket without receiving it, or dies mid-broadcast, still holds
+that broadcast's other members until the group's timeout (300 s).
 
 In-flight episodes continue under the new version; their later tokens carry it. When the
 engines change (one restarted on a new port, or dropped), the groups are re-formed under new
@@ -153,23 +154,35 @@ def prefetched[T](items: Iterator[T], depth: int = 1) -> Iterator[T]:
 
 
 class SyncGate:
-    """The coordinator's word to the senders during an update, through the trainer world's store
-    (not a collective: nobody waits inside a collective for a peer that gave up).
+    """The trainer ranks' word to each other during an update, through the trainer world's store.
+    Nobody waits inside a collective for a peer that may take long or give up: a rank waits here
+    (:attr:`WAIT_S`, longer than any sync or failure path) and enters a collective only once the
+    peers it needs are there.
 
-    The coordinator :meth:`start` s the update (or tells every rank to skip it, with the reason), and
-    :meth:`release` s each bucket just before posting its request, so a sender broadcasts only a
-    bucket the engines are about to receive. On an error it :meth:`stop` s every sender at its next
-    bucket. A sender that fails raises :meth:`abort`; the coordinator checks :meth:`aborted`
-    before each post. Keys live under one prefix per update (:meth:`next_update`) and are deleted
-    once waited for.
+    - Formation: stage ``s``'s sender forms its group and says :meth:`formed`; every rank waits
+      for it (:meth:`wait_formed`) before stage ``s + 1``'s sender starts (an engine joins one
+      group at a time).
+    - The coordinator :meth:`start` s the update, or tells every rank to skip it with the reason.
+    - Per bucket, two phases: its sender says it holds the bucket (:meth:`ready`) or why it never
+      will (:meth:`failed`); the coordinator waits for that word (:meth:`wait_ready`), then
+      :meth:`release` s the bucket and posts its request. A sender broadcasts only a released
+      bucket, and the coordinator posts only a bucket whose sender holds it, so neither the
+      engines nor a sender wait in a broadcast the other side never joins (short of a process
+      dying mid-broadcast). On an error the coordinator :meth:`stop` s every sender at its next
+      bucket.
+    - The coordinator says :meth:`done` after the engines resumed; the others wait for it
+      (:meth:`wait_done`) before the final all-gather of every rank's result.
 
-    A blocking get holds its store connection until the key is set, so the waits (:meth:`started`,
-    :meth:`wait`, on the sender's thread) and the calls that never block (the coordinator's, on
-    another thread of the same process) use two connections of their own."""
+    Keys live under one prefix per update (:meth:`next_update`). A blocking get holds its store
+    connection until the key is set, so the calls that never block, the sender's waits (a thread
+    of its own on rank 0) and the coordinator's waits use three connections."""
+
+    WAIT_S = 3600.0
 
     def __init__(self, store: Store):
-        self._calls = store.clone()
-        self._waits = store.clone()
+        self._calls, self._waits, self._coordinator = store.clone(), store.clone(), store.clone()
+        for connection in (self._waits, self._coordinator):
+            connection.set_timeout(timedelta(seconds=self.WAIT_S))
         self._prefix = "sao_weight_sync/0/"
 
     @classmethod
@@ -184,12 +197,32 @@ class SyncGate:
         self._prefix = f"sao_weight_sync/{n}/"
         return self
 
+    def formed(self, stage: int) -> None:
+        self._calls.set(f"{self._prefix}formed/{stage}", "")
+
+    def wait_formed(self, stage: int) -> None:
+        self._waits.get(f"{self._prefix}formed/{stage}")
+
     def start(self, error: str | None = None) -> None:
         self._calls.set(self._prefix + "start", error or "")
 
     def started(self) -> str | None:
         """Blocks until :meth:`start`; None to go, else why the update is skipped."""
         return self._waits.get(self._prefix + "start").decode() or None
+
+    def ready(self, sender: int, bucket: int) -> None:
+        self._calls.set(f"{self._prefix}ready/{sender}/{bucket}", "")
+
+    def failed(self, sender: int, bucket: int, reason: str) -> None:
+        """The sender will never hold ``bucket`` (nor any later one)."""
+        self._calls.set(f"{self._prefix}ready/{sender}/{bucket}", reason or "failed")
+
+    def wait_ready(self, sender: int, bucket: int) -> str | None:
+        """Blocks until the sender holds the bucket (None) or failed (why)."""
+        key = f"{self._prefix}ready/{sender}/{bucket}"
+        word = self._coordinator.get(key).decode()
+        self._coordinator.delete_key(key)
+        return word or None
 
     def release(self, sender: int, bucket: int) -> None:
         self._calls.set(f"{self._prefix}go/{sender}/{bucket}", "go")
@@ -206,12 +239,11 @@ class SyncGate:
         self._waits.delete_key(key)
         return word == b"go"
 
-    def abort(self, reason: str) -> None:
-        self._calls.set(self._prefix + "abort", reason)
+    def done(self) -> None:
+        self._calls.set(self._prefix + "done", "")
 
-    def aborted(self) -> str | None:
-        key = self._prefix + "abort"
-        return self._calls.get(key).decode() if self._calls.check([key]) else None
+    def wait_done(self) -> None:
+        self._waits.get(self._prefix + "done")
 
 
 class EngineControl:

@@ -145,14 +145,20 @@ def test_gate_releases_each_bucket_to_a_sender_waiting_in_another_thread_of_the_
     assert not any(store.check([f"sao_weight_sync/1/go/0/{k}"]) for k in range(3))  # deleted once read
 
 
-def test_gate_skip_and_abort_reach_the_other_side():
+def test_gate_carries_skip_ready_failed_and_done_between_two_ranks_gates():
     from sao_megatron.weight_sync import SyncGate
 
     store = _gate_store()
     coordinator, rank1 = SyncGate(store).next_update(7), SyncGate(store).next_update(7)
     coordinator.start("EngineError: /begin_weight_update refused")
     assert rank1.started() == "EngineError: /begin_weight_update refused"
-    assert coordinator.aborted() is None
-    rank1.abort("trainer rank 1 (stage 1): gloo: connection closed")
-    assert coordinator.aborted() == "trainer rank 1 (stage 1): gloo: connection closed"
-    assert SyncGate(store).next_update(8).aborted() is None  # the next update starts clean
+    rank1.ready(1, 0)
+    rank1.failed(1, 1, "trainer rank 1 (stage 1): gloo: connection closed")
+    assert coordinator.wait_ready(1, 0) is None
+    assert coordinator.wait_ready(1, 1) == "trainer rank 1 (stage 1): gloo: connection closed"
+    assert not store.check(["sao_weight_sync/7/ready/1/0"])  # deleted once read
+    coordinator.formed(0)
+    rank1.wait_formed(0)
+    coordinator.done()
+    rank1.wait_done()
+    assert not store.check(["sao_weight_sync/8/start"])  # the next update has keys of its own

@@ -356,9 +356,9 @@ class RolloutConfig:
     older while they wait); ``algo.max_policy_lag`` must be at least n - 1. Evaluations sync first."""
     weight_sync_bucket_mb: int = 512
     """Size of the weight sync's buckets (per pipeline stage): each is one engine request. A sender
-    holds up to three at once (the one it sends, the next one gathered, the one being gathered),
-    four with ``weight_sync_flat`` (the flat copy): budget that much device memory on each stage's
-    first rank."""
+    holds about four at once (the one it sends, the next one gathered, the one being gathered and
+    its shards), five with ``weight_sync_flat`` (the flat copy): budget that much device memory on
+    each stage's first rank."""
     weight_sync_flat: bool = False
     """Broadcast each bucket as one byte buffer (SGLang's ``flattened_bucket``) instead of tensor by
     tensor: one collective per bucket instead of one per tensor, for an extra copy on each side.

@@ -208,17 +208,25 @@ class ActorWorker:
         formed: list[str | None] = [None] * dist.get_world_size()
         if self._sync_urls != engine_urls:
             dist.all_gather_object(
-                formed, self._connect_senders(stream.senders, engine_urls, addresses, master_port)
+                formed, self._connect_senders(stream.senders, engine_urls, addresses, master_port, gate)
             )
         t0 = time.perf_counter()
         paused = 0.0
         if any(formed):  # skipped everywhere: an engine would wait for that sender's buckets forever
             results = [(0, 0, error) for error in formed]
         elif rank == 0:
-            nbytes, tensors, error, paused = asyncio.run(self._coordinate(stream, gate, engine_urls, version))
+            try:
+                nbytes, tensors, error, paused = asyncio.run(
+                    self._coordinate(stream, gate, engine_urls, version)
+                )
+            except Exception as err:  # a bug: the other ranks still get their word below
+                nbytes, tensors, error = 0, 0, f"{type(err).__name__}: {err}"
+            gate.done()  # the engines were resumed
             dist.all_gather_object(results, (nbytes, tensors, error))
         else:
-            dist.all_gather_object(results, self._data_plane(stream, gate))
+            mine = self._data_plane(stream, gate)
+            gate.wait_done()  # not in the collective: the coordinator may take longer than its timeout
+            dist.all_gather_object(results, mine)
         errors = [f"trainer rank {r}: {e}" for r, (_, _, e) in enumerate(results) if e]
         if errors:  # the groups are broken: the next call forms new ones
             self._sync_urls = None
@@ -236,9 +244,10 @@ class ActorWorker:
                 "sync_tensors": float(sum(t for _, t, _ in results)), "sync_senders": float(len(stream.senders))}  # fmt: skip
 
     def _connect_senders(self, senders: list[int], engine_urls: list[str], addresses: str | list[str],
-                         master_port: int) -> str | None:  # fmt: skip
-        """(Re-)form every sender's group, one at a time (an engine joins one group at a time).
-        Why this rank's group failed to form, or None (the update is skipped everywhere on any)."""
+                         master_port: int, gate: SyncGate) -> str | None:  # fmt: skip
+        """(Re-)form every sender's group, one at a time (an engine joins one group at a time; the
+        next sender starts on the previous one's word in the store). Why this rank's group failed to
+        form, or None (the update is skipped everywhere on any)."""
         from sao_megatron.weight_sync import WeightSync
 
         rank = dist.get_rank()
@@ -258,7 +267,7 @@ class ActorWorker:
                                   master_address=address, master_port=port, group_name=name,
                                   flat=self.cfg.rollout.weight_sync_flat)  # fmt: skip
                 try:
-                    asyncio.run(sync.connect())
+                    asyncio.run(sync.connect())  # bounded by the engines' HTTP and the group's timeouts
                     self._sync = sync
                     print(
                         f"[sao-weight-sync] {where % sync.master_port} -> engines {' '.join(engine_urls)}",
@@ -267,17 +276,18 @@ class ActorWorker:
                 except Exception as err:
                     error = f"{where % (sync.master_port or 'any port')} failed to form: {type(err).__name__}: {err}"
                     print(f"[sao-weight-sync] {error}", flush=True)
-            dist.barrier()
+                gate.formed(stage)
+            gate.wait_formed(stage)
         self._sync_urls = list(engine_urls)
         return error
 
     async def _coordinate(
         self, stream, gate, engine_urls: list[str], version: int
     ) -> tuple[int, int, str | None, float]:
-        """Rank 0: pause the engines, start the update, release and post every bucket in the global
-        order while sending its own stage's, end and resume; ``(bytes, tensors, error, paused_s)``.
-        On an error the senders are stopped at their next bucket and the engines resumed before
-        this rank's own sending is awaited."""
+        """Rank 0: pause the engines, start the update, then for every bucket in the global order wait
+        until its sender holds it, release and post it (while sending its own stage's); end and
+        resume. ``(bytes, tensors, error, paused_s)``. On an error the senders are stopped at their
+        next bucket and the engines resumed before this rank's own sending is awaited."""
         from sao_megatron.weight_sync import BucketSpec, EngineControl, sync_order
 
         control = EngineControl(engine_urls)
@@ -297,7 +307,7 @@ class ActorWorker:
         error = None
         try:
             for s, k in sync_order([len(p) for p in plan]):
-                if (reason := gate.aborted()) is not None:
+                if (reason := await asyncio.to_thread(gate.wait_ready, s, k)) is not None:
                     raise RuntimeError(reason)
                 gate.release(s, k)
                 released[s] = k + 1
@@ -322,11 +332,12 @@ class ActorWorker:
                 + (f"_pp{stage}" if stages > 1 else ""))  # fmt: skip
 
     def _data_plane(self, stream, gate) -> tuple[int, int, str | None]:
-        """This rank's part of an update: gather its stage's buckets and, on the stage's sender,
-        broadcast each once the coordinator releases it, while the next is gathered. Ranks other
-        than 0 first wait for the coordinator's start (and skip the update if it reports an
-        error). Never raises, and exhausts the stream after an error (the stage's other ranks are
-        inside the gathers); a sender's error aborts the update for the coordinator."""
+        """This rank's part of an update: gather its stage's buckets and, on the stage's sender, say
+        it holds each and broadcast it once the coordinator releases it, while the next is
+        gathered. Ranks other than 0 first wait for the coordinator's start (and skip the update
+        if it reports an error). Never raises; a sender's error reaches the coordinator at once
+        (its next bucket "failed"), then the stream is drained (the stage's other ranks are inside
+        the gathers)."""
         from sao_megatron.weight_sync import BucketSpec, WeightSync, prefetched
 
         rank = dist.get_rank()
@@ -337,35 +348,47 @@ class ActorWorker:
             return 0, 0, f"waiting for the coordinator's start: {type(err).__name__}: {err}"
         bucket_bytes = self.cfg.rollout.weight_sync_bucket_mb << 20
         flat = self.cfg.rollout.weight_sync_flat
-        nbytes = tensors = 0
+        sender = rank == stream.sender
+        plan = stream.bucket_plan(bucket_bytes)[stream.stage] if sender else []
+        nbytes = tensors = declared = 0  # declared: buckets this sender said it holds
         error: str | None = None
-        stopped = rank != stream.sender  # a sender sends until an error or the coordinator's stop
+        stopped = not sender  # a sender sends until an error or the coordinator's stop
+
+        def fail(reason: str) -> None:
+            nonlocal error
+            error = reason
+            if declared < len(plan):  # the coordinator waits for that bucket's word
+                try:
+                    gate.failed(
+                        stream.stage, declared, f"trainer rank {rank} (stage {stream.stage}): {reason}"
+                    )
+                except Exception as err:  # the store is gone with rank 0: the final all-gather fails too
+                    error += f"; telling the coordinator failed: {err}"
+
+        if sender and self._sync is None:
+            fail("no weight-sync group")
         try:
-            plan = stream.bucket_plan(bucket_bytes)[stream.stage] if not stopped else []
-            if not stopped and self._sync is None:
-                error = "no weight-sync group"
             buckets = stream.buckets(bucket_bytes)
-            for k, bucket in enumerate(prefetched(buckets) if not stopped else buckets):
+            for k, bucket in enumerate(prefetched(buckets) if sender else buckets):
                 if stopped or error is not None:
                     continue  # drained: the stage's other ranks are inside the gathers
                 try:
                     got, planned = BucketSpec.of(bucket, flat), BucketSpec.planned(plan[k], flat)
-                    if got != planned:  # a bug: the engines were told the plan
-                        error = f"stage {stream.stage} bucket {k} holds {got.names[:3]}..., planned {planned.names[:3]}..."
-                    elif not gate.wait(stream.stage, k):
+                    if got != planned:  # a bug: the engines would be told the plan
+                        fail(f"bucket {k} holds {got.names[:3]}..., planned {planned.names[:3]}...")
+                        continue
+                    gate.ready(stream.stage, k)
+                    declared = k + 1
+                    if not gate.wait(stream.stage, k):
                         stopped = True  # the coordinator reports why
-                    else:
-                        nbytes += cast(WeightSync, self._sync).send(bucket)
-                        tensors += len(bucket)
+                        continue
+                    nbytes += cast(WeightSync, self._sync).send(bucket)
+                    tensors += len(bucket)
                 except Exception as err:  # a broadcast failed (an engine died) or the store is gone
-                    error = f"{type(err).__name__}: {err}"
+                    fail(f"{type(err).__name__}: {err}")
         except Exception as err:  # a gather failed: the stream cannot be drained
-            error = error or f"{type(err).__name__}: {err}"
-        if error is not None and rank == stream.sender:
-            try:
-                gate.abort(f"trainer rank {rank} (stage {stream.stage}): {error}")
-            except Exception as err:  # the store is gone with rank 0: the final all-gather fails too
-                error += f"; raising the abort flag failed: {err}"
+            if error is None:
+                fail(f"{type(err).__name__}: {err}")
         return nbytes, tensors, error
 
     def save(self, directory: str) -> None:

@@ -67,8 +67,13 @@ class FakeStream:
         return [[[TensorSpec(n, shape, torch.float32) for n, shape in zip(_names(s, k), bucket, strict=True)]
                  for k, bucket in enumerate(stage)] for s, stage in enumerate(SHAPES)]  # fmt: skip
 
+    broken: tuple[int, int] | None = None
+    """``(stage, bucket)`` whose gather fails (as an out-of-memory would), on every call while set."""
+
     def buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         for k, bucket in enumerate(SHAPES[self.stage]):
+            if (self.stage, k) == FakeStream.broken:
+                raise RuntimeError(f"gather of stage {self.stage} bucket {k}: CUDA out of memory")
             yield [
                 (n, weight_value(n, shape)) for n, shape in zip(_names(self.stage, k), bucket, strict=True)
             ]
@@ -87,10 +92,12 @@ def _worker() -> Any:
     return actor.ActorWorker(cfg)  # type: ignore[arg-type]
 
 
-def _trainer(rank: int, world_size: int, urls: list[str], versions: list[int]) -> list[dict[str, Any]]:
-    """One trainer rank: ``sync_weights`` once per version. Per call: its result (or rank 0's
-    error), its seconds, and the ``[group, first tensor]`` of each bucket this rank broadcast.
-    At the end each sender destroys its group, as a finished run leaves the engines."""
+def _trainer(rank: int, world_size: int, urls: list[str], versions: list[int],
+             broken: tuple[int, int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """One trainer rank: ``sync_weights`` once per version (``broken``: the first call's failing
+    gather, :attr:`FakeStream.broken`). Per call: its result (or rank 0's error), its seconds, and
+    the ``[group, first tensor]`` of each bucket this rank broadcast. At the end each sender
+    destroys its group, as a finished run leaves the engines."""
     import sao_megatron.models.hf_weights as hf_weights
     from sao_megatron.weight_sync import WeightSync
 
@@ -105,7 +112,8 @@ def _trainer(rank: int, world_size: int, urls: list[str], versions: list[int]) -
     WeightSync.send = recording_send  # type: ignore[method-assign]
     w = _worker()
     outcomes = []
-    for version in versions:
+    for call, version in enumerate(versions):
+        FakeStream.broken = broken if call == 0 else None
         before, t0 = len(sent), time.perf_counter()
         result: dict[str, float] | None = None
         error = None
@@ -134,11 +142,14 @@ def engines() -> Iterator[list[EngineProcess]]:
             p.stop()
 
 
-def _run(engines: list[EngineProcess], faults: list[Faults], versions: list[int]) -> tuple[list, list]:
+def _run(engines: list[EngineProcess], faults: list[Faults], versions: list[int],
+         broken: tuple[int, int] | None = None) -> tuple[list, list]:  # fmt: skip
     """The trainer world's per-rank outcomes and each engine's call log."""
     for engine, f in zip(engines, faults, strict=True):
         engine.reset(f)
-    ranks = run_distributed(_trainer, 2, [e.url for e in engines], versions, timeout_s=WORLD_TIMEOUT_S)
+    ranks = run_distributed(
+        _trainer, 2, [e.url for e in engines], versions, broken, timeout_s=WORLD_TIMEOUT_S
+    )
     return ranks, [e.log() for e in engines]
 
 
@@ -304,3 +315,31 @@ def test_a_refused_begin_ends_the_sessions_that_opened_so_the_next_sync_succeeds
     for log in logs:
         assert [_brief(x) for x in log[-2 - len(second) : -2]] == second  # then the groups' destroys
         assert all(x["success"] for x in log[-2 - len(second) :]), log
+
+
+def test_a_sender_whose_gather_fails_stops_the_sync_before_its_bucket_is_posted(
+    engines: list[EngineProcess],
+) -> None:
+    """Stage 1's sender fails to gather its bucket 1 (out of memory): it tells rank 0 at once, so
+    rank 0 never posts that bucket (the engines would wait in a broadcast nobody sends), stops
+    stage 0 at its next bucket, and ends and resumes the engines. Every rank is back within
+    seconds; rank 0 raises naming the sender and its error; the next call succeeds."""
+    ranks, logs = _run(engines, [Faults(), Faults()], [1, 2], broken=(1, 1))
+    zero, one = ranks[0][0], ranks[1][0]
+    assert zero["result"] is None and zero["error"] is not None
+    assert "trainer rank 1 (stage 1)" in zero["error"] and "CUDA out of memory" in zero["error"]
+    assert one["result"] == {} and one["error"] is None
+    assert zero["seconds"] < 30 and one["seconds"] < 30
+    posted = ORDER[: ORDER.index((1, 1))]  # everything before the bucket that was never gathered
+    assert zero["sent"] == _sent("sao_weight_sync", 0, posted)
+    assert one["sent"] == _sent("sao_weight_sync", 1, posted)
+    _assert_synced([ranks[0][1], ranks[1][1]], "sao_weight_sync_2")
+    for log in logs:
+        brief = [_brief(x) for x in log]
+        first = [
+            *_groups("/init_weights_update_group", "sao_weight_sync"),
+            *_session("sao_weight_sync", 1, posted),
+        ]
+        assert brief[: len(first)] == first
+        assert all(x["success"] for x in log), log
+        _assert_clean_updates(log)
