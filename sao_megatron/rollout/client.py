@@ -29,12 +29,14 @@ if TYPE_CHECKING:
 
 
 class EngineError(RuntimeError):
-    """An engine call failed: transport error, timeout, HTTP status != 200 or a refused update."""
+    """An engine call failed: transport error, timeout, HTTP status != 200 or a refused update.
+    The message starts with the engine's URL when known (``url``), so one engine of many is named."""
 
-    def __init__(self, endpoint: str, message: str, status: int | None = None):
-        super().__init__(f"{endpoint}: {message}" + (f" (HTTP {status})" if status is not None else ""))
+    def __init__(self, endpoint: str, message: str, status: int | None = None, url: str = ""):
+        super().__init__(f"{url}{endpoint}: {message}" + (f" (HTTP {status})" if status is not None else ""))
         self.endpoint = endpoint
         self.status = status
+        self.url = url
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,9 @@ class EngineClient:
     ) -> Any:
         """The parsed JSON answer: ``{}`` when empty, ``{"text": ...}`` when not JSON."""
         if self._session is None:
-            raise EngineError(endpoint, "client is not open; use 'async with EngineClient(url)'")
+            raise EngineError(
+                endpoint, "client is not open; use 'async with EngineClient(url)'", url=self.url
+            )
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             async with self._session.request(
@@ -199,11 +203,11 @@ class EngineClient:
             ) as resp:
                 text = await resp.text()
                 if resp.status != 200:
-                    raise EngineError(endpoint, text[:500], resp.status)
+                    raise EngineError(endpoint, text[:500], resp.status, url=self.url)
         except TimeoutError as err:
-            raise EngineError(endpoint, f"timed out after {timeout.total:.0f} s") from err
+            raise EngineError(endpoint, f"timed out after {timeout.total:.0f} s", url=self.url) from err
         except aiohttp.ClientError as err:
-            raise EngineError(endpoint, f"{type(err).__name__}: {err}") from err
+            raise EngineError(endpoint, f"{type(err).__name__}: {err}", url=self.url) from err
         if not text:
             return {}
         try:
@@ -277,7 +281,7 @@ class EngineClient:
     async def _update(self, endpoint: str, payload: dict, timeout_s: float | None = None) -> dict:
         body = await self._call("POST", endpoint, payload, timeout_s)
         if isinstance(body, dict) and body.get("success") is False:
-            raise EngineError(endpoint, str(body.get("message", "refused")))
+            raise EngineError(endpoint, str(body.get("message", "refused")), url=self.url)
         return body
 
     async def _load_update(self, endpoint: str, payload: dict, timeout_s: float | None = None) -> dict:

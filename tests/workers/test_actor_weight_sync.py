@@ -238,6 +238,7 @@ def test_a_failed_bucket_ends_the_session_fast_and_the_next_sync_reforms(
     zero, one = ranks[0][0], ranks[1][0]
     assert zero["result"] is None and zero["error"] is not None
     assert "weight sync to version 1 failed" in zero["error"] and "cannot load" in zero["error"]
+    assert f"{engines[1].url}/update_weights_from_distributed: " in zero["error"]  # names the engine
     assert one["result"] == {} and one["error"] is None
     assert zero["seconds"] < 30 and one["seconds"] < 30
     released = ORDER[: ORDER.index((1, 0)) + 1]  # the buckets released up to the failed one
