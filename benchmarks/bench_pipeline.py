@@ -21,7 +21,10 @@ batch over wall time), the mean buffer wait (finish -> taken by the learner) and
 
 Writes ``--out`` (JSON) and prints a markdown table. On this 2-core CPU machine the learner and
 the engine share the cores, so the capacity (measured alone) is not reachable by any arm that
-also trains; the ratios between arms are what carries over.
+also trains; the ratios between arms are what carries over. ``--pin ENGINE:REST`` (e.g. ``0:1``)
+gives the roles disjoint cores, as GPUs give them disjoint devices: every thread of every engine
+process on the ENGINE cores, everything else (driver and agent loop, Ray, actor, critic, this
+process) on the REST cores, in the capacity run and in every arm alike.
 
     .venv/bin/python benchmarks/bench_pipeline.py --out-dir DIR           # ~55 min on 2 cores
     .venv/bin/python benchmarks/bench_pipeline.py --quick               # smoke size (~5 min)
@@ -31,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -83,6 +88,93 @@ def overrides(args, sigma: float, arm: str, run_dir: Path) -> list[str]:
         "train.sample_trajectories=0", f"run.seed={args.seed}", f"run.run_dir={run_dir}",
         *ARM_OVERRIDES[arm],
     ]  # fmt: skip
+
+
+class CorePinner:
+    """Keeps every thread of every SGLang engine process below this one on ``engine`` cores, and
+    this process with everything else below it on ``rest`` (checked every ``period_s``: engines
+    that start or restart, and threads they start later, are moved within a period).
+
+    Affinity is per thread on Linux and a new thread inherits its creator's, so each engine
+    process's threads are pinned one by one. Only processes this benchmark started (its
+    descendants) are touched."""
+
+    ENGINE_MARK = "sglang.launch_server"
+
+    def __init__(self, engine: set[int], rest: set[int], period_s: float = 0.5):
+        self.engine, self.rest, self.period_s = engine, rest, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="core-pinner", daemon=True)
+        self.engine_threads: set[int] = set()
+
+    @classmethod
+    def parse(cls, spec: str) -> CorePinner:
+        """``"0:1"`` or ``"0,1:2-3"``: engine cores, then the rest's."""
+        try:
+            engine, rest = (_cores(part) for part in spec.split(":"))
+        except ValueError as e:
+            raise ValueError(f"--pin {spec!r}: want ENGINE:REST core lists, e.g. 0:1 or 0-1:2,3 ({e})") from e
+        available = os.sched_getaffinity(0)
+        if engine & rest or not engine <= available or not rest <= available:
+            raise ValueError(f"--pin {spec!r}: the two core sets must be disjoint and within this "
+                             f"process's cores {sorted(available)}")  # fmt: skip
+        return cls(engine, rest)
+
+    def __enter__(self) -> CorePinner:
+        import psutil
+
+        for t in psutil.Process().threads():  # inherited by every process and thread started later
+            os.sched_setaffinity(t.id, self.rest)
+        self.pin_once()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.pin_once()
+
+    def pin_once(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        engine_roots = []
+        for proc in me.children(recursive=True):
+            try:
+                if any(self.ENGINE_MARK in part for part in proc.cmdline()):
+                    engine_roots.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        for root in engine_roots:
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for proc in tree:
+                try:
+                    tids = [t.id for t in proc.threads()]
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+                for tid in tids:
+                    try:
+                        if os.sched_getaffinity(tid) != self.engine:
+                            os.sched_setaffinity(tid, self.engine)
+                        self.engine_threads.add(tid)
+                    except (ProcessLookupError, PermissionError):
+                        continue  # the thread ended between the listing and the call
+
+
+def _cores(text: str) -> set[int]:
+    cores: set[int] = set()
+    for item in text.split(","):
+        lo, _, hi = item.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    if not cores:
+        raise ValueError("empty core list")
+    return cores
 
 
 def run_arm(args, sigma: float, arm: str, out_dir: Path) -> dict:
@@ -151,7 +243,9 @@ async def _capacity(args, sigma: float, model_dir: Path, out_dir: Path, window_s
     run_dir = out_dir / f"sigma{sigma:g}" / "capacity"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     cfg = load_config(overrides(args, sigma, "sao", run_dir)[0], overrides(args, sigma, "sao", run_dir)[1:])
-    engines = await start_engines(cfg, model_dir, run_dir)
+    # Random weights from the first arm's engine directory (config and tokenizer): the workload
+    # fixes every action's length (min = max new tokens), so the weights do not change the load.
+    engines = await start_engines(cfg, model_dir, run_dir, load_format="dummy")
     try:
         clients = [await EngineClient(e.url).__aenter__() for e in engines]
         tokenizer = load_tokenizer()
@@ -368,6 +462,32 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def measure(args, arms: list[str], sigmas: list[float], windows: dict[float, float], out_dir: Path, out: Path,
+            results: dict[str, dict]) -> None:  # fmt: skip
+    """Every arm and the capacity of every tail weight (cached per arm under ``out_dir``) into
+    ``results``, written to ``out`` after each tail weight."""
+    for sigma in sigmas:
+        res: dict[str, dict] = {}
+        for arm in arms:
+            print(f"sigma {sigma:g}: {arm} ...", flush=True)
+            res[arm] = cached(
+                out_dir / f"sigma{sigma:g}" / f"{arm}.json", partial(run_arm, args, sigma, arm, out_dir)
+            )
+            print(
+                f"  {json.dumps({k: round(v, 3) for k, v in res[arm].items() if isinstance(v, float)})}",
+                flush=True,
+            )
+            if len(res) == 1:  # the engines alone, from the first arm's engine directory
+                print(f"sigma {sigma:g}: capacity ...", flush=True)
+                model_dir = Path(res[arm]["run_dir"]) / "hf" / "engine"
+                res["capacity"] = cached(out_dir / f"sigma{sigma:g}" / "capacity.json",
+                                         partial(capacity_arm, args, sigma, model_dir, out_dir, windows[sigma]))  # fmt: skip
+                print(f"  {json.dumps(res['capacity'])}", flush=True)
+        res["workload"], res["args"] = workload(args, sigma), vars(args)
+        results[f"{sigma:g}"] = res
+        out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -393,6 +513,8 @@ def main() -> None:
     p.add_argument(
         "--probe-hogs", type=int, default=2, help="busy processes the engine speed is probed under"
     )
+    p.add_argument("--pin", default="", metavar="ENGINE:REST",
+                   help="disjoint cores for the engines and for everything else, e.g. 0:1 (see above)")  # fmt: skip
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--arm-timeout-s", type=float, default=1800.0)
     p.add_argument("--out-dir", default="/tmp/sao-bench-pipeline")
@@ -415,26 +537,12 @@ def main() -> None:
             f"--capacity-s: give one window or one per tail weight ({len(sigmas)}), got {args.capacity_s!r}"
         )
     windows = dict(zip(sigmas, given * len(sigmas) if len(given) == 1 else given, strict=True))
-    for sigma in sigmas:
-        res: dict[str, dict] = {}
-        for arm in arms:
-            print(f"sigma {sigma:g}: {arm} ...", flush=True)
-            res[arm] = cached(
-                out_dir / f"sigma{sigma:g}" / f"{arm}.json", partial(run_arm, args, sigma, arm, out_dir)
-            )
-            print(
-                f"  {json.dumps({k: round(v, 3) for k, v in res[arm].items() if isinstance(v, float)})}",
-                flush=True,
-            )
-            if len(res) == 1:  # the engines alone, on the first arm's exported initial weights
-                print(f"sigma {sigma:g}: capacity ...", flush=True)
-                model_dir = Path(res[arm]["run_dir"]) / "hf" / "policy"
-                res["capacity"] = cached(out_dir / f"sigma{sigma:g}" / "capacity.json",
-                                         partial(capacity_arm, args, sigma, model_dir, out_dir, windows[sigma]))  # fmt: skip
-                print(f"  {json.dumps(res['capacity'])}", flush=True)
-        res["workload"], res["args"] = workload(args, sigma), vars(args)
-        results[f"{sigma:g}"] = res
-        out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    try:
+        pinner = CorePinner.parse(args.pin) if args.pin else None
+    except ValueError as e:
+        p.error(str(e))
+    with pinner or contextlib.nullcontext():
+        measure(args, arms, sigmas, windows, out_dir, out, results)
     if set(ARMS) <= set(arms):
         for sigma, pred in predict_all(results).items():
             results[sigma]["predicted"] = pred
