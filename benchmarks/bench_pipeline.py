@@ -19,12 +19,12 @@ trajectories and their action tokens over the steps' wall time), the engines' ge
 and its fraction of the capacity (``gen_util``), the learner's idle fraction (time waiting for a
 batch over wall time), the mean buffer wait (finish -> taken by the learner) and group wait.
 
-Writes ``--out`` (JSON) and prints a markdown table. On this 2-core CPU machine the learner and
-the engine share the cores, so the capacity (measured alone) is not reachable by any arm that
-also trains; the ratios between arms are what carries over. ``--pin ENGINE:REST`` (e.g. ``0:1``)
-gives the roles disjoint cores, as GPUs give them disjoint devices: every thread of every engine
-process on the ENGINE cores, everything else (driver and agent loop, Ray, actor, critic, this
-process) on the REST cores, in the capacity run and in every arm alike.
+Writes ``--out`` (JSON) and prints a markdown table. By default, on this 2-core CPU machine, the
+learner and the engine share the cores, so the capacity (measured alone) is not reachable by any
+arm that also trains; the ratios between arms are what carries over. ``--pin ENGINE:REST`` (e.g.
+``0:1``) gives the roles disjoint cores, as GPUs give them disjoint devices: every thread of
+every engine process on the ENGINE cores, everything else (driver and agent loop, Ray, actor,
+critic, this process) on the REST cores, in the capacity run and in every arm alike.
 
     .venv/bin/python benchmarks/bench_pipeline.py --out-dir DIR           # ~55 min on 2 cores
     .venv/bin/python benchmarks/bench_pipeline.py --quick               # smoke size (~5 min)
