@@ -103,6 +103,20 @@ def test_sao_simulate_prints_the_schemes_and_the_best_split_of_the_30b_plan(caps
     assert "32 (configured)" in out and "best within the bound: actor" in out
     tokens = {s: float(rows[s].split("|")[3].replace(",", "")) for s in ("sync", "sao")}
     assert tokens["sao"] > tokens["sync"] > 0, tokens
+    # the policy-lag distribution: shares at lag 0, 1, 2, 3+ summing to 1; sync trains on-policy
+    shares = {s: [float(v) for v in rows[s].split("|")[7].split("/")] for s in ("sync", "async_grpo", "sao")}
+    assert all(len(v) == 4 and sum(v) == pytest.approx(1, abs=0.02) for v in shares.values()), shares
+    assert shares["sync"][0] == 1.0 and shares["sao"][0] < 1.0, shares
+
+
+def test_lag_shares_and_quantiles_of_a_histogram():
+    from sao_megatron.plan.simulate import SimResult
+
+    r = SimResult("sao", 10, 1.0, 1.0, 1.0, 1.0, 0.0, {0: 0.5, 1: 0.3, 3: 0.15, 6: 0.05}, 0, 1.0)
+    assert r.lag_shares() == pytest.approx([0.5, 0.3, 0.0, 0.2])
+    assert r.lag_shares(top=1) == pytest.approx([0.5, 0.5])
+    assert [r.lag_quantile(q) for q in (0.5, 0.8, 0.9, 0.95, 1.0)] == [0, 1, 3, 3, 6]
+    assert r.lag_mean == pytest.approx(0.3 + 0.45 + 0.3)
 
 
 def test_the_per_turn_engine_time_is_fitted_to_a_measured_capacity():

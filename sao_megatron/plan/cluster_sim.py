@@ -149,15 +149,20 @@ def report(cfg: SAOConfig, args) -> int:
     print(f"# sao simulate: {cfg.run.name}, {configured.gpus} GPUs (assumed GPU: {gpu}); workload: lognormal "
           f"sigma {args.sigma:g}, median {args.turns:g} turns x {args.tokens:g} tokens, tools {args.tool_latency_s:g} s; "
           f"mean {mean_tokens:,.0f} action tokens per episode; {per_engine} episodes in flight per engine")  # fmt: skip
-    print("| scheme | traj/s | tokens/s | engines generating | learner idle | lag mean | stale dropped |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| scheme | traj/s | tokens/s | engines generating | learner idle | lag mean | lag 0 / 1 / 2 / 3+ | stale dropped |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for scheme, r in schemes_at(cfg, gpu, shape, configured, mean_tokens, mean_context, args.steps,
                                    args.warmup, per_engine).items():  # fmt: skip
         print(f"| {scheme} | {r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.engine_generating:.2f} | "
-              f"{r.learner_idle:.2f} | {r.lag_mean:.2f} | {r.dropped_stale} |")  # fmt: skip
+              f"{r.learner_idle:.2f} | {r.lag_mean:.2f} | {' / '.join(f'{v:.2f}' for v in r.lag_shares())} | "
+              f"{r.dropped_stale} |")  # fmt: skip
     print(f"\nSAO at other splits of the same {configured.gpus} GPUs (mean lag bound {args.lag_bound:g}):")
-    print("| actor GPUs | critic GPUs | engines x GPUs | traj/s | tokens/s | lag mean | within bound |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| actor GPUs | critic GPUs | engines x GPUs | traj/s | tokens/s | lag mean | lag p90 | within bound |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     best = None
     for split in candidate_splits(cfg, critic=True):
         r = simulate_cluster(cfg, gpu, shape, split, mean_tokens, mean_context, "sao", args.steps, args.warmup,
@@ -165,7 +170,8 @@ def report(cfg: SAOConfig, args) -> int:
         ok = r.lag_mean <= args.lag_bound
         mark = " (configured)" if split == configured else ""
         print(f"| {split.actor_gpus}{mark} | {split.critic_gpus} | {split.engines} x {split.gpus_per_engine} | "
-              f"{r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.lag_mean:.2f} | {'yes' if ok else 'no'} |")  # fmt: skip
+              f"{r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.lag_mean:.2f} | {r.lag_quantile(0.9)} | "
+              f"{'yes' if ok else 'no'} |")  # fmt: skip
         if ok and (best is None or r.tokens_per_s > best[1].tokens_per_s):
             best = (split, r)
     if best is None:

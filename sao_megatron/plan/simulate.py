@@ -101,6 +101,20 @@ class SimResult:
     def lag_mean(self) -> float:
         return sum(k * v for k, v in self.lag_hist.items())
 
+    def lag_shares(self, top: int = 3) -> list[float]:
+        """Shares of the trained trajectories at lag 0, 1, ..., ``top`` - 1 and at ``top`` or more."""
+        shares = [self.lag_hist.get(k, 0.0) for k in range(top)]
+        return [*shares, sum(v for k, v in self.lag_hist.items() if k >= top)]
+
+    def lag_quantile(self, q: float) -> int:
+        """The smallest lag at or below which at least ``q`` of the trained trajectories are."""
+        total = 0.0
+        for k in sorted(self.lag_hist):
+            total += self.lag_hist[k]
+            if total >= q - 1e-9:
+                return k
+        return max(self.lag_hist, default=0)
+
 
 @dataclass
 class _Episode:
