@@ -201,9 +201,9 @@ class HFWeightStream:
         self.senders = [min(r for r, s in enumerate(stages) if s == k) if per_stage else dst
                         for k in range(max(stages) + 1)]  # fmt: skip
         self.items = self._plan(everyone)
-        self.specs = [TensorSpec(hf, bridge.hf_shape(hf, m), dtype or item.dtype)
-                      for item in self.items for hf in bridge.hf_names(item.name, m)]  # fmt: skip
         self.dtype = dtype
+        self.specs = self._specs(self.items)
+        self._bucket_plans: dict[int, list[list[list[TensorSpec]]]] = {}
 
     @property
     def sender(self) -> int:
@@ -247,12 +247,17 @@ class HFWeightStream:
     def bucket_plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[list[TensorSpec]]]:
         """Per stage, its buckets' HF tensors (name, shape, dtype) in the order :meth:`buckets`
         yields them on that stage's sender; the same on every rank."""
-        plan: list[list[list[TensorSpec]]] = []
-        for stage in range(len(self.senders)):
-            plan.append([[TensorSpec(hf, bridge.hf_shape(hf, self.m), self.dtype or item.dtype)
-                          for item in group for hf in bridge.hf_names(item.name, self.m)]
-                         for group in self._groups(stage, bucket_bytes)])  # fmt: skip
-        return plan
+        if bucket_bytes not in self._bucket_plans:  # the coordinator and its own sending both ask
+            self._bucket_plans[bucket_bytes] = [
+                [self._specs(group) for group in self._groups(stage, bucket_bytes)]
+                for stage in range(len(self.senders))
+            ]
+        return self._bucket_plans[bucket_bytes]
+
+    def _specs(self, items: list[_Item]) -> list[TensorSpec]:
+        """The HF tensors (name, shape, dtype) of ``items``, in order."""
+        return [TensorSpec(hf, bridge.hf_shape(hf, self.m), self.dtype or item.dtype)
+                for item in items for hf in bridge.hf_names(item.name, self.m)]  # fmt: skip
 
     def _groups(self, stage: int | None, bucket_bytes: int) -> Iterator[list[_Item]]:
         group: list[_Item] = []
