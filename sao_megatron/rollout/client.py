@@ -147,6 +147,12 @@ class EngineClient:
     FLUSH_RETRY_S = 10.0
     """How long a disk/tensor weight load is repeated while the engine refuses its cache flush."""
 
+    KEEPALIVE_S = 2.0
+    """An idle connection is reused only this long. SGLang's server closes idle ones after 5 s
+    (``SGLANG_TIMEOUT_KEEP_ALIVE``); aiohttp's default of 15 s let a request go out on a
+    connection the server was closing that instant, which failed as ``ServerDisconnectedError``
+    (and marked a healthy engine down)."""
+
     def __init__(self, url: str, timeout_s: float = 600.0, max_connections: int = 1024):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
@@ -176,7 +182,7 @@ class EngineClient:
         return self._generating_s
 
     async def __aenter__(self) -> EngineClient:
-        connector = aiohttp.TCPConnector(limit=self.max_connections)
+        connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=self.KEEPALIVE_S)
         self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
         return self
 
