@@ -36,10 +36,19 @@ def build_checkpoint(directory: Path, layers: int, hidden: int, experts: int, wi
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * width, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, num_experts=experts,
-        num_experts_per_tok=4, moe_intermediate_size=width, norm_topk_prob=True, max_position_embeddings=4096,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=hidden // 8,
+        num_experts=experts,
+        num_experts_per_tok=4,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).float()
     model.save_pretrained(directory, max_shard_size="100MB")
@@ -51,9 +60,7 @@ def _mm(values: list[float], fmt: str, best=min) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="~40 MB model")
     parser.add_argument("--worlds", default="1,2", help="conversion worlds; 2 means EP=2")
     parser.add_argument("--repeat", type=int, default=3, help="runs per row (median and best shown)")
@@ -64,8 +71,10 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         nbytes = build_checkpoint(work / "hf", *shape)
-        print(f"model: layers, hidden, experts, expert width, vocab = {shape}; {nbytes / 1e6:.1f} MB float32 "
-              f"(built and saved in {time.perf_counter() - t0:.1f} s)")  # fmt: skip
+        print(
+            f"model: layers, hidden, experts, expert width, vocab = {shape}; {nbytes / 1e6:.1f} MB float32 "
+            f"(built and saved in {time.perf_counter() - t0:.1f} s)"
+        )
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
         print(f"median (min) of {args.repeat} runs\n")
         print("| direction | world | phase | s | GB/s | copy GB/s | wall s |")
@@ -84,9 +93,11 @@ def main() -> None:
                 wall = [x.wall_s for x in summaries]
                 for phase in summaries[0].phases:
                     sec = [x.phases[phase] for x in summaries]
-                    print(f"| {direction} | {world} (EP={world}) | {phase} | {_mm(sec, '.2f')} | "
-                          f"{_mm([summaries[0].bytes / t / 1e9 for t in sec], '.2f', best=max)} | "
-                          f"{_mm(copy, '.2f', best=max)} | {_mm(wall, '.1f')} |")  # fmt: skip
+                    print(
+                        f"| {direction} | {world} (EP={world}) | {phase} | {_mm(sec, '.2f')} | "
+                        f"{_mm([summaries[0].bytes / t / 1e9 for t in sec], '.2f', best=max)} | "
+                        f"{_mm(copy, '.2f', best=max)} | {_mm(wall, '.1f')} |"
+                    )
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

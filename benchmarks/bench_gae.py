@@ -67,9 +67,7 @@ def make_batch(b: int, t: int, turns: int, seed: int) -> tuple[torch.Tensor, tor
     return rewards, values, mask
 
 
-def time_interleaved(
-    fns: dict[str, Callable[[], Any]], repeat: int
-) -> tuple[dict[str, float], dict[str, Any]]:
+def time_interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> tuple[dict[str, float], dict[str, Any]]:
     """Best-of-``repeat`` wall time per callable; the callables run round-robin (same machine state)."""
     best = dict.fromkeys(fns, float("inf"))
     out: dict[str, Any] = {}
@@ -154,18 +152,14 @@ def main() -> None:
         adv_v, ret_v = out["verl"]
         white = masked_whiten(adv, mask)
         d_v = max((adv_v - white)[mask].abs().max().item(), (ret_v - ret)[mask].abs().max().item())
-        rows.append(
-            ("verl 0.9.1 compute_gae_advantage_return", sec["verl"], f"{d_v:.1e} (whitened adv, returns)")
-        )
+        rows.append(("verl 0.9.1 compute_gae_advantage_return", sec["verl"], f"{d_v:.1e} (whitened adv, returns)"))
 
     print("\n| impl | seconds (full batch) | tokens/s | speedup vs reference | max abs diff vs ours |")
     print("|---|---|---|---|---|")
     for name, s, diff in rows:
         print(f"| {name} | {s:.3f} | {b * t / s:.3g} | {t_ref / s:.1f}x | {diff} |")
     if not args.no_peer:
-        print(
-            f"\nours (lam_critic = lam) is {sec['verl'] / sec['same']:.1f}x faster than verl at equal results"
-        )
+        print(f"\nours (lam_critic = lam) is {sec['verl'] / sec['same']:.1f}x faster than verl at equal results")
 
 
 if __name__ == "__main__":

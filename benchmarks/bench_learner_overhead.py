@@ -29,10 +29,22 @@ if str(ROOT) not in sys.path:
 
 SIZES = {  # name: (model overrides, trajectories, turns per trajectory, tokens per action)
     "tiny (1.9M)": ({}, 16, 6, 24),
-    "~100M MoE": ({"model.hidden_size": 512, "model.num_layers": 8, "model.num_attention_heads": 8,
-                   "model.num_query_groups": 4, "model.head_dim": 64, "model.ffn_hidden_size": 1024,
-                   "model.num_experts": 8, "model.moe_ffn_hidden_size": 1024}, 8, 6, 48),
-}  # fmt: skip
+    "~100M MoE": (
+        {
+            "model.hidden_size": 512,
+            "model.num_layers": 8,
+            "model.num_attention_heads": 8,
+            "model.num_query_groups": 4,
+            "model.head_dim": 64,
+            "model.ffn_hidden_size": 1024,
+            "model.num_experts": 8,
+            "model.moe_ffn_hidden_size": 1024,
+        },
+        8,
+        6,
+        48,
+    ),
+}
 
 
 def _trajectories(n: int, turns: int, action: int, seed: int):
@@ -50,10 +62,19 @@ def _trajectories(n: int, turns: int, action: int, seed: int):
             spans.append(Turn(len(resp), len(resp) + a))
             resp += torch.randint(6, 500, (a + 16,), generator=g).tolist()
             mask += [1] * a + [0] * 16
-        out.append(Trajectory(prompt_id=f"p{i}", prompt_ids=prompt, response_ids=resp, action_mask=mask,
-                              behavior_logprobs=[-2.0 if m else 0.0 for m in mask],
-                              policy_versions=[0 if m else -1 for m in mask], turns=spans,
-                              reward=float(i % 2), status="finished"))  # fmt: skip
+        out.append(
+            Trajectory(
+                prompt_id=f"p{i}",
+                prompt_ids=prompt,
+                response_ids=resp,
+                action_mask=mask,
+                behavior_logprobs=[-2.0 if m else 0.0 for m in mask],
+                policy_versions=[0 if m else -1 for m in mask],
+                turns=spans,
+                reward=float(i % 2),
+                status="finished",
+            )
+        )
     return out
 
 
@@ -73,8 +94,11 @@ def case(rank, world, overrides: dict, n: int, turns: int, action: int, reps: in
     from sao_megatron.workers.common import reduce_metrics
     from sao_megatron.workers.critic import CriticWorker
 
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()] + ["actor.parallel.micro_batch_size=4",
-                             "critic.parallel.micro_batch_size=4"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [f"{k}={v}" for k, v in overrides.items()]
+        + ["actor.parallel.micro_batch_size=4", "critic.parallel.micro_batch_size=4"],
+    )
     actor, critic = ActorWorker(cfg), CriticWorker(cfg, "")
     trajectories = _trajectories(n, turns, action, seed=0)
     rows = []
@@ -92,9 +116,18 @@ def case(rank, world, overrides: dict, n: int, turns: int, action: int, reps: in
         per_micro = []
         for s in range(0, batch.size, 4):  # the actor's micro-batches
             sl = slice(s, s + 4)
-            loss, m = algo.policy_loss("dis", logprobs[sl], batch.behavior_logprobs[sl], adv[sl], mask[sl],
-                                       agg="token_mean", eps_low=0.3, eps_high=5.0, detach_ratio=False,
-                                       num_tokens_global=float(mask.sum()))  # fmt: skip
+            loss, m = algo.policy_loss(
+                "dis",
+                logprobs[sl],
+                batch.behavior_logprobs[sl],
+                adv[sl],
+                mask[sl],
+                agg="token_mean",
+                eps_low=0.3,
+                eps_high=5.0,
+                detach_ratio=False,
+                num_tokens_global=float(mask.sum()),
+            )
             loss.backward()
             kept = algo.dis_band(logprobs[sl].detach(), batch.behavior_logprobs[sl], 0.3, 5.0)
             m.update(kept_by_lag(kept, torch.zeros_like(batch.policy_versions[sl]), adv[sl], mask[sl]))
@@ -107,8 +140,17 @@ def case(rank, world, overrides: dict, n: int, turns: int, action: int, reps: in
         for _ in range(cfg.critic.updates_per_step):
             _, t = _timed(critic.update, shard, ret, values)
             t_critic += t
-        rows.append({"build": t_build, "gae": t_gae, "loss_metrics": t_loss, "actor": t_actor, "critic": t_critic,
-                     "tokens": int(batch.lengths.sum()), "action_tokens": int(mask.sum())})  # fmt: skip
+        rows.append(
+            {
+                "build": t_build,
+                "gae": t_gae,
+                "loss_metrics": t_loss,
+                "actor": t_actor,
+                "critic": t_critic,
+                "tokens": int(batch.lengths.sum()),
+                "action_tokens": int(mask.sum()),
+            }
+        )
     params = sum(p.numel() for p in actor.role.module.parameters())
     return {"params": params, "rows": rows[1:]}
 
@@ -127,18 +169,22 @@ def main() -> None:
         reps = 2 if args.quick else args.reps
         (result,) = run_world(case, 1, overrides, n, turns, action, reps, backend="gloo", timeout_s=1800)
         rows = result["rows"]
-        med = {
-            k: statistics.median(r[k] for r in rows)
-            for k in ("build", "gae", "loss_metrics", "actor", "critic")
-        }
+        med = {k: statistics.median(r[k] for r in rows) for k in ("build", "gae", "loss_metrics", "actor", "critic")}
         overhead = med["build"] + med["gae"] + med["loss_metrics"]
         model = med["actor"] + med["critic"]
-        summary[name] = {**med, "params": result["params"], "tokens": rows[0]["tokens"],
-                         "overhead_fraction": overhead / model}  # fmt: skip
-        print(f"{name}: {result['params'] / 1e6:.1f}M params, {rows[0]['tokens']} tokens/step; median of "
-              f"{len(rows)}: build {med['build'] * 1e3:.1f} ms, GAE {med['gae'] * 1e3:.1f} ms, DIS loss + "
-              f"metrics {med['loss_metrics'] * 1e3:.1f} ms | actor update {med['actor']:.2f} s, critic K=2 "
-              f"{med['critic']:.2f} s -> overhead {overhead / model:.2%} of model work", flush=True)  # fmt: skip
+        summary[name] = {
+            **med,
+            "params": result["params"],
+            "tokens": rows[0]["tokens"],
+            "overhead_fraction": overhead / model,
+        }
+        print(
+            f"{name}: {result['params'] / 1e6:.1f}M params, {rows[0]['tokens']} tokens/step; median of "
+            f"{len(rows)}: build {med['build'] * 1e3:.1f} ms, GAE {med['gae'] * 1e3:.1f} ms, DIS loss + "
+            f"metrics {med['loss_metrics'] * 1e3:.1f} ms | actor update {med['actor']:.2f} s, critic K=2 "
+            f"{med['critic']:.2f} s -> overhead {overhead / model:.2%} of model work",
+            flush=True,
+        )
     print(json.dumps(summary))
 
 

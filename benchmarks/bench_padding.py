@@ -41,16 +41,15 @@ def main() -> None:
     args = ap.parse_args()
     tp_cp, cp2 = 8, 4
     arms = {
-        "rows padded to the batch's longest, DP by stride": (
-            "stride", MicroBatching(rows=args.batch, multiple=tp_cp)),
-        "old path: 4 rows per micro-batch, DP by stride (before)": (
-            "stride", MicroBatching(rows=4, multiple=tp_cp)),
+        "rows padded to the batch's longest, DP by stride": ("stride", MicroBatching(rows=args.batch, multiple=tp_cp)),
+        "old path: 4 rows per micro-batch, DP by stride (before)": ("stride", MicroBatching(rows=4, multiple=tp_cp)),
         "old path: 1 row per micro-batch, DP by stride": ("stride", MicroBatching(rows=1, multiple=tp_cp)),
-        "padded, token budget, DP by tokens": (
-            "tokens", MicroBatching(max_tokens=args.budget, multiple=tp_cp)),
+        "padded, token budget, DP by tokens": ("tokens", MicroBatching(max_tokens=args.budget, multiple=tp_cp)),
         "packed, token budget, DP by tokens (after)": (
-            "tokens", MicroBatching(max_tokens=args.budget, multiple=tp_cp, segment_multiple=cp2, pack=True)),
-    }  # fmt: skip
+            "tokens",
+            MicroBatching(max_tokens=args.budget, multiple=tp_cp, segment_multiple=cp2, pack=True),
+        ),
+    }
     results: dict[str, list[tuple[float, int, int]]] = {name: [] for name in arms}
     for seed in range(args.seeds):
         lengths = lognormal_lengths(args.batch, seed)
@@ -61,20 +60,21 @@ def main() -> None:
                 groups = balanced_split(lengths, args.dp)
             results[name].append(worst(lengths, groups, how))
     base = sum(c for _, c, _ in results[next(iter(arms))]) / args.seeds
-    print(
-        f"{args.batch} lognormal lengths (1..8192), DP {args.dp}, TP2+SP x CP2, {args.seeds} seeds; worst replica"
-    )
+    print(f"{args.batch} lognormal lengths (1..8192), DP {args.dp}, TP2+SP x CP2, {args.seeds} seeds; worst replica")
     print(f"{'layout':58s} {'padding':>8s} {'tokens computed':>22s} {'micro-batches':>14s}")
     summary = {}
     for name, rs in results.items():
         pad = sum(p for p, _, _ in rs) / len(rs)
         cost = sum(c for _, c, _ in rs) / len(rs)
         micro = sum(m for _, _, m in rs) / len(rs)
-        summary[name] = {"padding_fraction": pad, "tokens_computed": cost, "vs_longest": cost / base,
-                         "micro_batches": micro}  # fmt: skip
+        summary[name] = {
+            "padding_fraction": pad,
+            "tokens_computed": cost,
+            "vs_longest": cost / base,
+            "micro_batches": micro,
+        }
         print(f"{name:58s} {pad:8.1%} {cost:12.0f} ({cost / base:.2f}x) {micro:14.1f}")
-    print(json.dumps({"batch": args.batch, "seeds": args.seeds, "budget": args.budget, "dp": args.dp,
-                      "arms": summary}))  # fmt: skip
+    print(json.dumps({"batch": args.batch, "seeds": args.seeds, "budget": args.budget, "dp": args.dp, "arms": summary}))
 
 
 if __name__ == "__main__":

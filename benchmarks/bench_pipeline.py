@@ -57,37 +57,63 @@ from sao_megatron.plan.simulate import Scheme  # noqa: E402
 ARMS = ("sync_grpo", "async_grpo", "sao")
 
 ARM_OVERRIDES: dict[str, list[str]] = {
-    "sync_grpo": ["algo.advantage=grpo", "algo.policy_loss=ppo_clip", "algo.eps_low=0.2", "algo.eps_high=0.28",
-                  "algo.synchronous=true"],
+    "sync_grpo": [
+        "algo.advantage=grpo",
+        "algo.policy_loss=ppo_clip",
+        "algo.eps_low=0.2",
+        "algo.eps_high=0.28",
+        "algo.synchronous=true",
+    ],
     "async_grpo": ["algo.advantage=grpo", "algo.policy_loss=ppo_clip", "algo.eps_low=0.2", "algo.eps_high=0.28"],
     "sao": [],
-}  # fmt: skip
+}
 
 
 def workload(args, sigma: float) -> dict:
     """The ``longtail`` task kwargs of one tail weight."""
-    return {"turns_median": args.turns, "turns_sigma": sigma, "max_turns": args.max_turns,
-            "tokens_median": args.tokens, "tokens_sigma": sigma, "max_tokens": args.max_tokens,
-            "tool_latency_s": args.tool_latency_s, "tool_sigma": sigma,
-            "max_tool_latency_s": args.max_tool_latency_s, "seed": args.seed}  # fmt: skip
+    return {
+        "turns_median": args.turns,
+        "turns_sigma": sigma,
+        "max_turns": args.max_turns,
+        "tokens_median": args.tokens,
+        "tokens_sigma": sigma,
+        "max_tokens": args.max_tokens,
+        "tool_latency_s": args.tool_latency_s,
+        "tool_sigma": sigma,
+        "max_tool_latency_s": args.max_tool_latency_s,
+        "seed": args.seed,
+    }
 
 
 def overrides(args, sigma: float, arm: str, run_dir: Path) -> list[str]:
     kw = json.dumps(workload(args, sigma)).replace('"', "")
     group = args.group if arm != "sao" else 1
     return [
-        "configs/tiny_cpu.yaml", "rollout.env=longtail", f"rollout.task_kwargs={kw}", "rollout.env_kwargs={seed: 0}",
-        f"rollout.max_concurrent={args.concurrency}", f"rollout.loop.max_turns={args.max_turns}",
+        "configs/tiny_cpu.yaml",
+        "rollout.env=longtail",
+        f"rollout.task_kwargs={kw}",
+        "rollout.env_kwargs={seed: 0}",
+        f"rollout.max_concurrent={args.concurrency}",
+        f"rollout.loop.max_turns={args.max_turns}",
         f"rollout.loop.max_new_tokens={args.max_tokens}",
         f"rollout.loop.max_response_tokens={args.max_turns * (args.max_tokens + 16)}",
         f"rollout.loop.max_context_tokens={args.max_turns * (args.max_tokens + 16) + 64}",
         f"rollout.max_total_tokens={max(16384, 2 * args.concurrency * (args.max_turns * (args.max_tokens + 16) + 64))}",
-        f"algo.batch_size={args.batch}", f"algo.group_size={group}", "algo.critic_warmup_steps=0",
-        f"algo.max_policy_lag={args.max_lag}", f"train.steps={args.steps}", "train.sft_steps=0",
-        "train.value_pretrain_steps=0", "train.eval_every=0", "train.eval_prompts=4", "train.save_every=0",
-        "train.sample_trajectories=0", f"run.seed={args.seed}", f"run.run_dir={run_dir}",
+        f"algo.batch_size={args.batch}",
+        f"algo.group_size={group}",
+        "algo.critic_warmup_steps=0",
+        f"algo.max_policy_lag={args.max_lag}",
+        f"train.steps={args.steps}",
+        "train.sft_steps=0",
+        "train.value_pretrain_steps=0",
+        "train.eval_every=0",
+        "train.eval_prompts=4",
+        "train.save_every=0",
+        "train.sample_trajectories=0",
+        f"run.seed={args.seed}",
+        f"run.run_dir={run_dir}",
         *ARM_OVERRIDES[arm],
-    ]  # fmt: skip
+    ]
 
 
 class CorePinner:
@@ -116,8 +142,10 @@ class CorePinner:
             raise ValueError(f"--pin {spec!r}: want ENGINE:REST core lists, e.g. 0:1 or 0-1:2,3 ({e})") from e
         available = os.sched_getaffinity(0)
         if engine & rest or not engine <= available or not rest <= available:
-            raise ValueError(f"--pin {spec!r}: the two core sets must be disjoint and within this "
-                             f"process's cores {sorted(available)}")  # fmt: skip
+            raise ValueError(
+                f"--pin {spec!r}: the two core sets must be disjoint and within this "
+                f"process's cores {sorted(available)}"
+            )
         return cls(engine, rest)
 
     def __enter__(self) -> CorePinner:
@@ -199,9 +227,7 @@ def steady_state(rows: list[dict], warmup: int) -> dict:
     """Learner-side rates over the steps after ``warmup`` (>= 1): the window starts when step
     ``warmup`` was logged (after its weight sync), as in :mod:`sao_megatron.plan.simulate`."""
     if warmup < 1 or len(rows) < warmup + 2:
-        raise ValueError(
-            f"need warmup >= 1 and more than {warmup + 1} logged RL steps, got {warmup}, {len(rows)}"
-        )
+        raise ValueError(f"need warmup >= 1 and more than {warmup + 1} logged RL steps, got {warmup}, {len(rows)}")
     start, window = rows[warmup - 1], rows[warmup:]
     wall = window[-1]["time"] - start["time"]
     trajectories = sum(r["rollout/batch_size"] for r in window)
@@ -249,16 +275,16 @@ async def _capacity(args, sigma: float, model_dir: Path, out_dir: Path, window_s
     try:
         clients = [await EngineClient(e.url).__aenter__() for e in engines]
         tokenizer = load_tokenizer()
-        loops = [
-            AgentLoop(c, tokenizer, cfg.rollout.loop, engine_name=f"engine{i}") for i, c in enumerate(clients)
-        ]
+        loops = [AgentLoop(c, tokenizer, cfg.rollout.loop, engine_name=f"engine{i}") for i, c in enumerate(clients)]
         task = make_task("longtail", **cfg.rollout.task_kwargs)
         levels = sorted({args.concurrency, args.batch}, reverse=True)  # async arms' load, the sync arm's
         rates = {}
         for level in levels:
             rates[str(level)] = await _window(loops, task, cfg, level, window_s)
-        loaded = {str(h): await _window(loops, task, cfg, args.concurrency, window_s / 2, hogs=h)
-                  for h in range(1, args.probe_hogs + 1)}  # fmt: skip
+        loaded = {
+            str(h): await _window(loops, task, cfg, args.concurrency, window_s / 2, hogs=h)
+            for h in range(1, args.probe_hogs + 1)
+        }
         probe = await _probe(clients[0], args.concurrency)
         probe["engine_speed_with_busy_procs"] = {
             h: w["generated_tokens_per_s"] / rates[str(args.concurrency)]["generated_tokens_per_s"]
@@ -285,8 +311,15 @@ async def _window(loops, task, cfg, concurrency: int, seconds: float, hogs: int 
     def finished(traj) -> None:
         marks.append((time.monotonic(), traj.num_action_tokens))
 
-    manager = RolloutManager(loops, task, "longtail", finished, max_concurrent=concurrency,
-                             env_kwargs=dict(cfg.rollout.env_kwargs), cursor=PromptCursor())  # fmt: skip
+    manager = RolloutManager(
+        loops,
+        task,
+        "longtail",
+        finished,
+        max_concurrent=concurrency,
+        env_kwargs=dict(cfg.rollout.env_kwargs),
+        cursor=PromptCursor(),
+    )
     stop = asyncio.Event()
     running = asyncio.create_task(manager.run(stop))
     while len(marks) < concurrency:  # warm-up: the first wave of episodes
@@ -304,8 +337,12 @@ async def _window(loops, task, cfg, concurrency: int, seconds: float, hogs: int 
     await running
     await manager.drain(cancel=True)
     window = [n for t, n in marks if start < t <= end]
-    return {"episodes": len(window), "window_s": end - start, "trajectories_per_s": len(window) / (end - start),
-            "generated_tokens_per_s": sum(window) / (end - start)}  # fmt: skip
+    return {
+        "episodes": len(window),
+        "window_s": end - start,
+        "trajectories_per_s": len(window) / (end - start),
+        "generated_tokens_per_s": sum(window) / (end - start),
+    }
 
 
 HOG = "import torch\ntorch.set_num_threads(1)\nx = torch.randn(384, 384)\nwhile True:\n    x = torch.tanh(x @ x)"
@@ -335,8 +372,7 @@ async def _probe(client, concurrency: int, tokens: int = 32) -> dict:
         return max(1e-6, (seconds - request_s) / tokens)
 
     many = per_iter(statistics.median([await wall(concurrency, tokens) for _ in range(3)]))
-    return {"request_s": request_s, "n1": 1, "rate1": 1 / per_iter_1, "n2": concurrency,
-            "rate2": concurrency / many}  # fmt: skip
+    return {"request_s": request_s, "n1": 1, "rate1": 1 / per_iter_1, "n2": concurrency, "rate2": concurrency / many}
 
 
 SCHEME: dict[str, Scheme] = {"sync_grpo": "sync", "async_grpo": "async_grpo", "sao": "sao"}
@@ -352,9 +388,7 @@ def _calibrated(record: dict):
     args, probe = record["args"], record["capacity"]["probe"]
     shape = LongTailTask(**record["workload"]).shape
 
-    probed = EngineModel.from_probe(
-        probe["n1"], probe["rate1"], probe["n2"], probe["rate2"], probe["request_s"]
-    )
+    probed = EngineModel.from_probe(probe["n1"], probe["rate1"], probe["n2"], probe["rate2"], probe["request_s"])
     c = args["concurrency"]
     measured = record["capacity"]["at_concurrency"][str(c)]["generated_tokens_per_s"]
     return fit_prefill_s(probed, shape, measured, max_concurrent=c), shape
@@ -365,9 +399,18 @@ def _simulate_arm(record: dict, engine, shape, arm: str, speed: float):
 
     args, m = record["args"], record[arm]
     learner = LearnerModel(step_s=m["step_s"], sync_pause_s=m["sync_pause_s"], engine_speed=speed)
-    return simulate(SCHEME[arm], engine, learner, shape, batch_size=args["batch"],
-                    group_size=1 if arm == "sao" else args["group"], max_concurrent=args["concurrency"],
-                    max_lag=args["max_lag"], steps=args["steps"], warmup=args["warmup"])  # fmt: skip
+    return simulate(
+        SCHEME[arm],
+        engine,
+        learner,
+        shape,
+        batch_size=args["batch"],
+        group_size=1 if arm == "sao" else args["group"],
+        max_concurrent=args["concurrency"],
+        max_lag=args["max_lag"],
+        steps=args["steps"],
+        warmup=args["warmup"],
+    )
 
 
 def _fit_speed(record: dict, engine, shape, arm: str) -> float:
@@ -379,9 +422,7 @@ def _fit_speed(record: dict, engine, shape, arm: str) -> float:
         return hi
     for _ in range(14):
         mid = (lo + hi) / 2
-        lo, hi = (
-            (mid, hi) if _simulate_arm(record, engine, shape, arm, mid).tokens_per_s < measured else (lo, mid)
-        )
+        lo, hi = (mid, hi) if _simulate_arm(record, engine, shape, arm, mid).tokens_per_s < measured else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -398,17 +439,27 @@ def predict_all(results: dict[str, dict]) -> dict[str, dict]:
     from sao_megatron.plan.simulate import capacity
 
     calibrated = {sigma: _calibrated(record) for sigma, record in results.items()}
-    fitted = {(sigma, arm): _fit_speed(record, *calibrated[sigma], arm)
-              for sigma, record in results.items() for arm in ("async_grpo", "sao") if arm in record}  # fmt: skip
+    fitted = {
+        (sigma, arm): _fit_speed(record, *calibrated[sigma], arm)
+        for sigma, record in results.items()
+        for arm in ("async_grpo", "sao")
+        if arm in record
+    }
     out: dict[str, dict] = {}
     for sigma, record in results.items():
         engine, shape = calibrated[sigma]
         pred: dict[str, dict] = {
-            "engine": {"step_s": engine.step_s, "per_seq_s": engine.per_seq_s, "request_s": engine.request_s,
-                       "prefill_s": engine.prefill_s},
-            "capacity": {c: capacity(engine, shape, max_concurrent=int(c)) for c in record["capacity"]["at_concurrency"]},
+            "engine": {
+                "step_s": engine.step_s,
+                "per_seq_s": engine.per_seq_s,
+                "request_s": engine.request_s,
+                "prefill_s": engine.prefill_s,
+            },
+            "capacity": {
+                c: capacity(engine, shape, max_concurrent=int(c)) for c in record["capacity"]["at_concurrency"]
+            },
             "engine_speed_while_learning": {},
-        }  # fmt: skip
+        }
         for arm in SCHEME:
             if arm not in record:
                 continue
@@ -416,9 +467,13 @@ def predict_all(results: dict[str, dict]) -> dict[str, dict]:
             speed = statistics.fmean(others) if others else 1.0
             pred["engine_speed_while_learning"][arm] = speed
             r = _simulate_arm(record, engine, shape, arm, speed)
-            pred[arm] = {"trajectories_per_s": r.trajectories_per_s, "tokens_per_s": r.tokens_per_s,
-                         "generated_tokens_per_s": r.generated_tokens_per_s, "learner_idle": r.learner_idle,
-                         "lag_mean": r.lag_mean}  # fmt: skip
+            pred[arm] = {
+                "trajectories_per_s": r.trajectories_per_s,
+                "tokens_per_s": r.tokens_per_s,
+                "generated_tokens_per_s": r.generated_tokens_per_s,
+                "learner_idle": r.learner_idle,
+                "lag_mean": r.lag_mean,
+            }
         out[sigma] = pred
     return out
 
@@ -438,16 +493,20 @@ def cached(path: Path, measure) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| tail sigma | arm | learner traj/s | learner tokens/s | vs capacity | gen. util | learner idle "
-             "| buffer wait s | group wait s | lag | vs sync | simulated tokens/s (error) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| tail sigma | arm | learner traj/s | learner tokens/s | vs capacity | gen. util | learner idle "
+        "| buffer wait s | group wait s | lag | vs sync | simulated tokens/s (error) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for sigma, arms in results.items():
         cap, pred = arms["capacity"], arms["predicted"]
         c = str(arms["args"]["concurrency"])
         err = pred["capacity"][c] / cap["generated_tokens_per_s"] - 1
-        lines.append(f"| {sigma} | capacity (engines alone, {cap['window_s']:.0f} s) | {cap['trajectories_per_s']:.2f} | "
-                     f"{cap['generated_tokens_per_s']:.0f} | 1.00 | 1.00 | - | - | - | - | - | "
-                     f"{pred['capacity'][c]:.0f} ({100 * err:+.0f}%) |")  # fmt: skip
+        lines.append(
+            f"| {sigma} | capacity (engines alone, {cap['window_s']:.0f} s) | {cap['trajectories_per_s']:.2f} | "
+            f"{cap['generated_tokens_per_s']:.0f} | 1.00 | 1.00 | - | - | - | - | - | "
+            f"{pred['capacity'][c]:.0f} ({100 * err:+.0f}%) |"
+        )
         sync = arms["sync_grpo"]["tokens_per_s"]
         for arm in ARMS:
             a = arms[arm]
@@ -462,17 +521,22 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def measure(args, arms: list[str], sigmas: list[float], windows: dict[float, float], out_dir: Path, out: Path,
-            results: dict[str, dict]) -> None:  # fmt: skip
+def measure(
+    args,
+    arms: list[str],
+    sigmas: list[float],
+    windows: dict[float, float],
+    out_dir: Path,
+    out: Path,
+    results: dict[str, dict],
+) -> None:
     """Every arm and the capacity of every tail weight (cached per arm under ``out_dir``) into
     ``results``, written to ``out`` after each tail weight."""
     for sigma in sigmas:
         res: dict[str, dict] = {}
         for arm in arms:
             print(f"sigma {sigma:g}: {arm} ...", flush=True)
-            res[arm] = cached(
-                out_dir / f"sigma{sigma:g}" / f"{arm}.json", partial(run_arm, args, sigma, arm, out_dir)
-            )
+            res[arm] = cached(out_dir / f"sigma{sigma:g}" / f"{arm}.json", partial(run_arm, args, sigma, arm, out_dir))
             print(
                 f"  {json.dumps({k: round(v, 3) for k, v in res[arm].items() if isinstance(v, float)})}",
                 flush=True,
@@ -480,8 +544,10 @@ def measure(args, arms: list[str], sigmas: list[float], windows: dict[float, flo
             if len(res) == 1:  # the engines alone, from the first arm's engine directory
                 print(f"sigma {sigma:g}: capacity ...", flush=True)
                 model_dir = Path(res[arm]["run_dir"]) / "hf" / "engine"
-                res["capacity"] = cached(out_dir / f"sigma{sigma:g}" / "capacity.json",
-                                         partial(capacity_arm, args, sigma, model_dir, out_dir, windows[sigma]))  # fmt: skip
+                res["capacity"] = cached(
+                    out_dir / f"sigma{sigma:g}" / "capacity.json",
+                    partial(capacity_arm, args, sigma, model_dir, out_dir, windows[sigma]),
+                )
                 print(f"  {json.dumps(res['capacity'])}", flush=True)
         res["workload"], res["args"] = workload(args, sigma), vars(args)
         results[f"{sigma:g}"] = res
@@ -508,13 +574,18 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--tool-latency-s", type=float, default=0.3, help="median tool latency")
     p.add_argument("--max-tool-latency-s", type=float, default=5.0)
-    p.add_argument("--capacity-s", default="60,60,150",
-                   help="capacity window (s) per tail weight, or one for all: a heavier tail needs a longer one")  # fmt: skip
     p.add_argument(
-        "--probe-hogs", type=int, default=2, help="busy processes the engine speed is probed under"
+        "--capacity-s",
+        default="60,60,150",
+        help="capacity window (s) per tail weight, or one for all: a heavier tail needs a longer one",
     )
-    p.add_argument("--pin", default="", metavar="ENGINE:REST",
-                   help="disjoint cores for the engines and for everything else, e.g. 0:1 (see above)")  # fmt: skip
+    p.add_argument("--probe-hogs", type=int, default=2, help="busy processes the engine speed is probed under")
+    p.add_argument(
+        "--pin",
+        default="",
+        metavar="ENGINE:REST",
+        help="disjoint cores for the engines and for everything else, e.g. 0:1 (see above)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--arm-timeout-s", type=float, default=1800.0)
     p.add_argument("--out-dir", default="/tmp/sao-bench-pipeline")
@@ -533,9 +604,7 @@ def main() -> None:
     sigmas = [float(x) for x in args.tails.split(",")]
     given = [float(x) for x in str(args.capacity_s).split(",")]
     if len(given) not in (1, len(sigmas)):
-        p.error(
-            f"--capacity-s: give one window or one per tail weight ({len(sigmas)}), got {args.capacity_s!r}"
-        )
+        p.error(f"--capacity-s: give one window or one per tail weight ({len(sigmas)}), got {args.capacity_s!r}")
     windows = dict(zip(sigmas, given * len(sigmas) if len(given) == 1 else given, strict=True))
     try:
         pinner = CorePinner.parse(args.pin) if args.pin else None
@@ -546,8 +615,12 @@ def main() -> None:
     if set(ARMS) <= set(arms):
         for sigma, pred in predict_all(results).items():
             results[sigma]["predicted"] = pred
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "wall_s": time.perf_counter() - t0, "args": vars(args)}  # fmt: skip
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "wall_s": time.perf_counter() - t0,
+        "args": vars(args),
+    }
     out.write_text(json.dumps({**meta, "results": results}, indent=1))
     print(table(results) if set(ARMS) <= set(arms) else json.dumps(results, indent=1))
     print(f"wrote {out}")

@@ -109,8 +109,7 @@ async def raw_generate(session: aiohttp.ClientSession, url: str, ids: list[int],
     return len(body["meta_info"]["output_token_logprobs"])
 
 
-async def run_arm(arm: str, url: str, prompts: list[list[int]], sampling: SamplingParams,
-                  concurrency: int) -> dict:  # fmt: skip
+async def run_arm(arm: str, url: str, prompts: list[list[int]], sampling: SamplingParams, concurrency: int) -> dict:
     """One arm: all prompts at ``concurrency``; wall time and this process's CPU time."""
     sem = asyncio.Semaphore(concurrency)
     sampling_json = sampling.to_json()
@@ -143,8 +142,11 @@ async def sequential(url: str, args, prompts, sampling) -> list[dict]:
         row = {arm: {k: sum(x[k] for x in res[arm]) for k in ("wall_s", "cpu_s", "calls")} for arm in res}
         row["overhead"] = row["client"]["wall_s"] / row["raw"]["wall_s"] - 1
         rounds.append(row)
-        print(f"  round {r} ({'-'.join(order)}): raw {row['raw']['wall_s']:.3f} s, "
-              f"client {row['client']['wall_s']:.3f} s, overhead {100 * row['overhead']:+.2f}%", flush=True)  # fmt: skip
+        print(
+            f"  round {r} ({'-'.join(order)}): raw {row['raw']['wall_s']:.3f} s, "
+            f"client {row['client']['wall_s']:.3f} s, overhead {100 * row['overhead']:+.2f}%",
+            flush=True,
+        )
     return rounds
 
 
@@ -183,9 +185,7 @@ async def paired(url: str, args, prompts, sampling) -> list[float]:
 
 async def overhead(url: str, args) -> tuple[list[dict], list[float]]:
     prompts = workload(args.requests, args.prompt_len)
-    sampling = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed, ignore_eos=True
-    )
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed, ignore_eos=True)
     await run_arm("raw", url, prompts[: args.concurrency], sampling, args.concurrency)  # warm-up
     await run_arm("client", url, prompts[: args.concurrency], sampling, args.concurrency)
     print("client overhead, sequential interleaved rounds:", flush=True)
@@ -212,8 +212,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--quick", action="store_true", help="smoke size")
     ap.add_argument("--log", default=None, help="engine log path (default: in the temp dir)")
-    ap.add_argument("--engine-threads", type=int, default=1,
-                    help="OMP_NUM_THREADS of the engine (0: torch's default, one per core)")  # fmt: skip
+    ap.add_argument(
+        "--engine-threads", type=int, default=1, help="OMP_NUM_THREADS of the engine (0: torch's default, one per core)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.episodes, args.loop_rounds, args.requests, args.rounds = 4, 1, 8, 2
@@ -224,26 +225,36 @@ def main() -> None:
     tokenizer = load_tokenizer()
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         model = make_tiny_hf(Path(tmp) / "tiny", seed=0)
-        spec = EngineSpec(model_path=str(model), port=free_port(), dtype="float32", max_total_tokens=32768,
-                          log_path=args.log or str(Path(tmp) / "engine.log"),
-                          env={"OMP_NUM_THREADS": str(args.engine_threads)} if args.engine_threads else {})  # fmt: skip
+        spec = EngineSpec(
+            model_path=str(model),
+            port=free_port(),
+            dtype="float32",
+            max_total_tokens=32768,
+            log_path=args.log or str(Path(tmp) / "engine.log"),
+            env={"OMP_NUM_THREADS": str(args.engine_threads)} if args.engine_threads else {},
+        )
         t0 = time.perf_counter()
         with EngineProcess(spec) as engine:
             print(
                 f"engine up in {time.perf_counter() - t0:.1f} s at {engine.url} (cpu={engine.cpu})",
                 flush=True,
             )
-            cfg = AgentLoopConfig(max_turns=args.max_turns, max_new_tokens=args.action_tokens,
-                                  max_response_tokens=512, max_context_tokens=1024)  # fmt: skip
+            cfg = AgentLoopConfig(
+                max_turns=args.max_turns,
+                max_new_tokens=args.action_tokens,
+                max_response_tokens=512,
+                max_context_tokens=1024,
+            )
             asyncio.run(agent_loop_round(engine.url, tokenizer, 2, cfg, offset=10_000))  # warm-up
             loop_rounds = []
             for r in range(args.loop_rounds):
-                res = asyncio.run(
-                    agent_loop_round(engine.url, tokenizer, args.episodes, cfg, offset=r * args.episodes)
-                )
+                res = asyncio.run(agent_loop_round(engine.url, tokenizer, args.episodes, cfg, offset=r * args.episodes))
                 loop_rounds.append(res)
-                print(f"  agent loop round {r}: {res['episodes']} episodes in {res['wall_s']:.2f} s, "
-                      f"{res['action_tokens']} action tokens, {res['turns']} turns, {res['statuses']}", flush=True)  # fmt: skip
+                print(
+                    f"  agent loop round {r}: {res['episodes']} episodes in {res['wall_s']:.2f} s, "
+                    f"{res['action_tokens']} action tokens, {res['turns']} turns, {res['statuses']}",
+                    flush=True,
+                )
             rounds, pairs = asyncio.run(overhead(engine.url, args))
 
     # ---- report ----
@@ -267,25 +278,33 @@ def main() -> None:
 
     print()
     print(f"command: {command}")
-    print(f"(a) agent loop, arith_tool, {args.episodes} concurrent episodes x {args.loop_rounds} rounds, "
-          f"max_turns={args.max_turns}, {args.action_tokens} tokens/action")  # fmt: skip
+    print(
+        f"(a) agent loop, arith_tool, {args.episodes} concurrent episodes x {args.loop_rounds} rounds, "
+        f"max_turns={args.max_turns}, {args.action_tokens} tokens/action"
+    )
     print("| episodes/s | action tokens/s | statuses |")
     print("|---|---|---|")
     status_text = ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))
     print(f"| {loop_eps:.2f} | {loop_tps:.0f} | {status_text} |")
     print()
-    print(f"(b) /generate, {args.requests} calls x {args.max_new_tokens} tokens (ignore_eos) per arm run, "
-          f"concurrency {args.concurrency}, {len(rounds)} interleaved rounds (ABBA), medians")  # fmt: skip
+    print(
+        f"(b) /generate, {args.requests} calls x {args.max_new_tokens} tokens (ignore_eos) per arm run, "
+        f"concurrency {args.concurrency}, {len(rounds)} interleaved rounds (ABBA), medians"
+    )
     print("| arm | wall s / round (2 runs) | tokens/s | client CPU ms / call |")
     print("|---|---|---|---|")
     print(f"| raw aiohttp | {raw_wall:.3f} | {tokens / raw_wall:.0f} | {raw_cpu:.2f} |")
     print(f"| EngineClient.generate | {cli_wall:.3f} | {tokens / cli_wall:.0f} | {cli_cpu:.2f} |")
-    print(f"| overhead, sequential rounds: median of per-round (client/raw - 1) | {100 * med:+.2f}% "
-          f"(rounds: min {100 * min(rel):+.2f}%, max {100 * max(rel):+.2f}%) | | {cli_cpu - raw_cpu:+.2f} |")  # fmt: skip
+    print(
+        f"| overhead, sequential rounds: median of per-round (client/raw - 1) | {100 * med:+.2f}% "
+        f"(rounds: min {100 * min(rel):+.2f}%, max {100 * max(rel):+.2f}%) | | {cli_cpu - raw_cpu:+.2f} |"
+    )
     if pairs:
         q = statistics.quantiles(pairs, n=4)
-        print(f"| overhead, same-batch pairs: median of per-call (client/raw - 1), {len(pairs)} pairs "
-              f"| {100 * statistics.median(pairs):+.2f}% (IQR {100 * q[0]:+.2f}% .. {100 * q[2]:+.2f}%) | | |")  # fmt: skip
+        print(
+            f"| overhead, same-batch pairs: median of per-call (client/raw - 1), {len(pairs)} pairs "
+            f"| {100 * statistics.median(pairs):+.2f}% (IQR {100 * q[0]:+.2f}% .. {100 * q[2]:+.2f}%) | | |"
+        )
     print(f"target < 5% (sequential median): {'met' if med < 0.05 else 'NOT met'}")
 
 

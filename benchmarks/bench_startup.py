@@ -23,19 +23,35 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
-    "configs/tiny_cpu.yaml", "model.num_layers=2", "algo.batch_size=4", "rollout.max_concurrent=8",
-    "rollout.loop.max_turns=2", "rollout.env_kwargs={max_turns: 2}", "rollout.loop.max_new_tokens=16",
-    "rollout.loop.max_response_tokens=64", "train.eval_prompts=4", "train.sample_trajectories=1",
-    "train.sft_steps=0", "train.value_pretrain_steps=0", "cluster.cpus_per_rank=0.5", "train.steps=0",
-]  # fmt: skip
+    "configs/tiny_cpu.yaml",
+    "model.num_layers=2",
+    "algo.batch_size=4",
+    "rollout.max_concurrent=8",
+    "rollout.loop.max_turns=2",
+    "rollout.env_kwargs={max_turns: 2}",
+    "rollout.loop.max_new_tokens=16",
+    "rollout.loop.max_response_tokens=64",
+    "train.eval_prompts=4",
+    "train.sample_trajectories=1",
+    "train.sft_steps=0",
+    "train.value_pretrain_steps=0",
+    "cluster.cpus_per_rank=0.5",
+    "train.steps=0",
+]
 
 
 def _run(tree: Path, run_dir: Path) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
     env["PYTHONPATH"] = str(tree)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "sao_megatron.cli", "train", *RUN, f"run.run_dir={run_dir}"],
-                            cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sao_megatron.cli", "train", *RUN, f"run.run_dir={run_dir}"],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     first_eval, tail = float("nan"), []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -64,9 +80,7 @@ def main() -> None:
             for name in order:
                 got[name].append(_run(sides[name], Path(tmp) / f"run-{r}-{len(got[name])}-{name[:4]}"))
                 print(f"round {r} {name}: {json.dumps(got[name][-1])}", flush=True)
-    summary = {
-        name: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for name, runs in got.items()
-    }
+    summary = {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for name, runs in got.items()}
     this, baseline = summary.values()
     summary["ratio"] = {k: this[k] / baseline[k] for k in this}
     print("| side | to the initial evaluation (s) | to exit (s) |\n|---|---|---|")

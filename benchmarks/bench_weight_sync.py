@@ -49,9 +49,7 @@ from sao_megatron.tokenizer import load_tokenizer  # noqa: E402
 from sao_megatron.weight_sync import EngineControl, WeightSync, new_group  # noqa: E402
 
 
-def _receiver(
-    port: int, shapes: list[list[tuple[list[int], torch.dtype]]], sizes: list[int], rounds: int
-) -> None:
+def _receiver(port: int, shapes: list[list[tuple[list[int], torch.dtype]]], sizes: list[int], rounds: int) -> None:
     """Per round: the buckets tensor by tensor, then flat."""
     store = join_store("127.0.0.1", port, 2)
     group = new_group("gloo", store, 2, 1, "raw")
@@ -110,8 +108,13 @@ def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, r
     raw = None
     if rank == stream.sender:
         if rank == 0:  # per stage, bucket, broadcast: its byte count, or its shape and dtype
-            shapes = [[[[sum(t.nbytes for t in b)]] if flat else [[list(t.shape), str(t.dtype)[6:]] for t in b]
-                       for b in stage] for stage in plan]  # fmt: skip
+            shapes = [
+                [
+                    [[sum(t.nbytes for t in b)]] if flat else [[list(t.shape), str(t.dtype)[6:]] for t in b]
+                    for b in stage
+                ]
+                for stage in plan
+            ]
             store.set("plan", json.dumps({"flat": flat, "shapes": shapes}))
         raw = new_group("gloo", store, 2, 0, f"raw{len(plan)}_{stream.stage}")
     total = sum(t.nbytes for stage in plan for b in stage for t in b)
@@ -126,11 +129,21 @@ def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, r
         raw_s = time.perf_counter() - t0
         report = worker.sync_weights([engine_url], r + 1, "127.0.0.1")
         if rank == 0:
-            out.append({"raw_gb_per_s": total / raw_s / 1e9, "sync_gb_per_s": report["sync_gb_per_s"],
-                        "pause_s": report["sync_pause_s"], "senders": report["sync_senders"],
-                        "buckets": [len(stage) for stage in plan], "bytes": total})  # fmt: skip
-            print(f"round {r}: raw {out[-1]['raw_gb_per_s']:.3f} GB/s, sync {report['sync_gb_per_s']:.3f} GB/s, "
-                  f"pause {report['sync_pause_s']:.3f} s", flush=True)  # fmt: skip
+            out.append(
+                {
+                    "raw_gb_per_s": total / raw_s / 1e9,
+                    "sync_gb_per_s": report["sync_gb_per_s"],
+                    "pause_s": report["sync_pause_s"],
+                    "senders": report["sync_senders"],
+                    "buckets": [len(stage) for stage in plan],
+                    "bytes": total,
+                }
+            )
+            print(
+                f"round {r}: raw {out[-1]['raw_gb_per_s']:.3f} GB/s, sync {report['sync_gb_per_s']:.3f} GB/s, "
+                f"pause {report['sync_pause_s']:.3f} s",
+                flush=True,
+            )
     return out
 
 
@@ -144,8 +157,11 @@ def _raw_receiver(store, rounds: int) -> None:
     for _ in range(rounds):
         for s, k in sync_order([len(stage) for stage in shapes]):
             for piece in shapes[s][k]:
-                buf = torch.empty(piece[0], dtype=torch.uint8) if plan["flat"] else \
-                    torch.empty(piece[0], dtype=getattr(torch, piece[1]))  # fmt: skip
+                buf = (
+                    torch.empty(piece[0], dtype=torch.uint8)
+                    if plan["flat"]
+                    else torch.empty(piece[0], dtype=getattr(torch, piece[1]))
+                )
                 dist.broadcast(buf, src=0, group=groups[s])
 
 
@@ -158,26 +174,39 @@ def actor_main(args, model: Path, engine_url: str, rounds: int) -> dict:
 
     results = {}
     for pp in args.actor_pp:
-        cfg = load_config(None, ["actor.parallel.world_size=2", f"actor.parallel.pipeline_parallel={pp}",
-                                 f"rollout.weight_sync_bucket_mb={args.bucket_mb}", "rollout.dtype=float32",
-                                 f"rollout.weight_sync_flat={str(args.flat).lower()}"])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                "actor.parallel.world_size=2",
+                f"actor.parallel.pipeline_parallel={pp}",
+                f"rollout.weight_sync_bucket_mb={args.bucket_mb}",
+                "rollout.dtype=float32",
+                f"rollout.weight_sync_flat={str(args.flat).lower()}",
+            ],
+        )
         cfg.model = model_config_from_hf(read_hf_config(model))
         store = open_store("127.0.0.1", 1 + pp)
         receiver = threading.Thread(target=_raw_receiver, args=(store, rounds), daemon=True)
         receiver.start()
-        rows = run_world(
-            _actor_ranks, 2, cfg, engine_url, store.port, rounds, backend="gloo", timeout_s=1800
-        )[0]
+        rows = run_world(_actor_ranks, 2, cfg, engine_url, store.port, rounds, backend="gloo", timeout_s=1800)[0]
         receiver.join(timeout=60)
         ratio = statistics.median(x["sync_gb_per_s"] / x["raw_gb_per_s"] for x in rows)
-        results[f"pp{pp}"] = {"senders": rows[0]["senders"], "buckets": rows[0]["buckets"], "rounds": rounds,
-                              "bytes": rows[0]["bytes"],
-                              "raw_gb_per_s": statistics.median(x["raw_gb_per_s"] for x in rows),
-                              "sync_gb_per_s": statistics.median(x["sync_gb_per_s"] for x in rows),
-                              "sync_over_raw": ratio, "pause_s": statistics.median(x["pause_s"] for x in rows)}  # fmt: skip
+        results[f"pp{pp}"] = {
+            "senders": rows[0]["senders"],
+            "buckets": rows[0]["buckets"],
+            "rounds": rounds,
+            "bytes": rows[0]["bytes"],
+            "raw_gb_per_s": statistics.median(x["raw_gb_per_s"] for x in rows),
+            "sync_gb_per_s": statistics.median(x["sync_gb_per_s"] for x in rows),
+            "sync_over_raw": ratio,
+            "pause_s": statistics.median(x["pause_s"] for x in rows),
+        }
         x = results[f"pp{pp}"]
-        print(f"PP={pp} ({x['senders']:.0f} sender(s), buckets {x['buckets']}): median sync / raw = {ratio:.2f} "
-              f"({x['sync_gb_per_s']:.3f} / {x['raw_gb_per_s']:.3f} GB/s), pause {x['pause_s']:.3f} s", flush=True)  # fmt: skip
+        print(
+            f"PP={pp} ({x['senders']:.0f} sender(s), buckets {x['buckets']}): median sync / raw = {ratio:.2f} "
+            f"({x['sync_gb_per_s']:.3f} / {x['raw_gb_per_s']:.3f} GB/s), pause {x['pause_s']:.3f} s",
+            flush=True,
+        )
     return results
 
 
@@ -187,8 +216,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--flat", action="store_true", help="with --actor-pp: rollout.weight_sync_flat=true")
-    ap.add_argument("--actor-pp", type=int, nargs="*", default=[],
-                    help="measure through the real actor (2 ranks) at these pipeline sizes (1 and/or 2)")  # fmt: skip
+    ap.add_argument(
+        "--actor-pp",
+        type=int,
+        nargs="*",
+        default=[],
+        help="measure through the real actor (2 ranks) at these pipeline sizes (1 and/or 2)",
+    )
     args = ap.parse_args()
     shape = (2, 256, 8, 512) if args.quick else (4, 512, 16, 640)
     rounds = 2 if args.quick else args.rounds
@@ -199,10 +233,18 @@ def main() -> None:
         tokenizer.save_pretrained(model)
         buckets = _buckets(model, args.bucket_mb << 20)
         total = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
-        print(f"model: layers, hidden, experts, expert width = {shape}; {nbytes / 1e6:.1f} MB float32, "
-              f"{len(buckets)} buckets of <= {args.bucket_mb} MB")  # fmt: skip
-        spec = EngineSpec(model_path=str(model), port=free_port(), dtype="float32", max_total_tokens=4096,
-                          log_path=str(Path(tmp) / "engine.log"), env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+        print(
+            f"model: layers, hidden, experts, expert width = {shape}; {nbytes / 1e6:.1f} MB float32, "
+            f"{len(buckets)} buckets of <= {args.bucket_mb} MB"
+        )
+        spec = EngineSpec(
+            model_path=str(model),
+            port=free_port(),
+            dtype="float32",
+            max_total_tokens=4096,
+            log_path=str(Path(tmp) / "engine.log"),
+            env={"OMP_NUM_THREADS": "1"},
+        )
         with EngineProcess(spec) as engine:
             if args.actor_pp:
                 summary = actor_main(args, model, engine.url, rounds)
@@ -211,12 +253,15 @@ def main() -> None:
             store = open_store("127.0.0.1", 2)
             flat = [_flat(b) for b in buckets]
             shapes = [[(list(t.shape), t.dtype) for _, t in b] for b in buckets]
-            receiver = mp.get_context("spawn").Process(target=_receiver,
-                                                       args=(store.port, shapes, [f.numel() for f in flat], rounds))  # fmt: skip
+            receiver = mp.get_context("spawn").Process(
+                target=_receiver, args=(store.port, shapes, [f.numel() for f in flat], rounds)
+            )
             receiver.start()
             raw_group = new_group("gloo", store, 2, 0, "raw")
-            syncs = {"per_tensor": WeightSync([engine.url], backend="gloo", group_name="bench_per_tensor"),
-                     "flat": WeightSync([engine.url], backend="gloo", group_name="bench_flat", flat=True)}  # fmt: skip
+            syncs = {
+                "per_tensor": WeightSync([engine.url], backend="gloo", group_name="bench_per_tensor"),
+                "flat": WeightSync([engine.url], backend="gloo", group_name="bench_flat", flat=True),
+            }
             for sync in syncs.values():
                 asyncio.run(sync.connect())
             rows: dict[str, list[dict]] = {mode: [] for mode in syncs}
@@ -228,23 +273,40 @@ def main() -> None:
                     raw_s = time.perf_counter() - t0
                     report = asyncio.run(sync.update(buckets, version=r + 1))
                     control = asyncio.run(_control_only(engine.url))
-                    rows[mode].append({"raw": total / raw_s / 1e9, "sync": report.gb_per_s, "pause": report.paused_s,
-                                       "control": control,
-                                       "extra": (report.seconds - raw_s - control) / len(buckets)})  # fmt: skip
+                    rows[mode].append(
+                        {
+                            "raw": total / raw_s / 1e9,
+                            "sync": report.gb_per_s,
+                            "pause": report.paused_s,
+                            "control": control,
+                            "extra": (report.seconds - raw_s - control) / len(buckets),
+                        }
+                    )
                     x = rows[mode][-1]
-                    print(f"round {r} {mode}: raw {x['raw']:.3f} GB/s, sync {x['sync']:.3f} GB/s, pause "
-                          f"{x['pause']:.3f} s; pause+begin+end+resume alone {control:.3f} s", flush=True)  # fmt: skip
+                    print(
+                        f"round {r} {mode}: raw {x['raw']:.3f} GB/s, sync {x['sync']:.3f} GB/s, pause "
+                        f"{x['pause']:.3f} s; pause+begin+end+resume alone {control:.3f} s",
+                        flush=True,
+                    )
             receiver.join(timeout=60)
     summary = {"model_mb": nbytes / 1e6, "buckets": len(buckets), "rounds": rounds}
     for mode, xs in rows.items():
         m = {k: statistics.median(x[k] for x in xs) for k in xs[0]}
         ratio = statistics.median(x["sync"] / x["raw"] for x in xs)
-        summary[mode] = {"raw_gb_per_s": m["raw"], "sync_gb_per_s": m["sync"], "sync_over_raw": ratio,
-                         "pause_s": m["pause"], "control_only_s": m["control"], "per_bucket_extra_s": m["extra"]}  # fmt: skip
-        print(f"{mode}: median sync / raw = {ratio:.2f} ({m['sync']:.3f} / {m['raw']:.3f} GB/s), engine pause "
-              f"{m['pause']:.3f} s per sync of {total / 1e6:.1f} MB; of the sync's time beyond the raw broadcast, "
-              f"{m['control']:.3f} s is pause+begin+end+resume and {m['extra']:.3f} s per bucket the engine's "
-              "request and load")  # fmt: skip
+        summary[mode] = {
+            "raw_gb_per_s": m["raw"],
+            "sync_gb_per_s": m["sync"],
+            "sync_over_raw": ratio,
+            "pause_s": m["pause"],
+            "control_only_s": m["control"],
+            "per_bucket_extra_s": m["extra"],
+        }
+        print(
+            f"{mode}: median sync / raw = {ratio:.2f} ({m['sync']:.3f} / {m['raw']:.3f} GB/s), engine pause "
+            f"{m['pause']:.3f} s per sync of {total / 1e6:.1f} MB; of the sync's time beyond the raw broadcast, "
+            f"{m['control']:.3f} s is pause+begin+end+resume and {m['extra']:.3f} s per bucket the engine's "
+            "request and load"
+        )
     print(json.dumps(summary))
 
 

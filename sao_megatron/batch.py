@@ -48,8 +48,10 @@ class TrainBatch:
     def shard(self, dp_size: int) -> list[BatchShard]:
         """One shard per data-parallel replica, balanced by tokens (:func:`balanced_split`)."""
         if not 1 <= dp_size <= self.size:
-            raise ValueError(f"cannot split a batch of {self.size} trajectories over {dp_size} DP replicas; "
-                             f"make algo.batch_size a multiple of the data-parallel size")  # fmt: skip
+            raise ValueError(
+                f"cannot split a batch of {self.size} trajectories over {dp_size} DP replicas; "
+                f"make algo.batch_size a multiple of the data-parallel size"
+            )
         tokens, seqs = float(self.action_mask.sum()), float((self.action_mask.sum(-1) > 0).sum())
         groups = balanced_split(self.lengths.tolist(), dp_size)
         return [BatchShard(self.select(rows), rows, tokens, seqs) for rows in groups]
@@ -72,14 +74,14 @@ class TrainBatch:
             return self._packed(rows, how, fields)
         if not rows:
             t = how.multiple
-            mb = {k: torch.full((1, t) if v.dim() == 2 else (1,), _PAD.get(k, 0), dtype=v.dtype)
-                  for k, v in fields.items()}  # fmt: skip
+            mb = {
+                k: torch.full((1, t) if v.dim() == 2 else (1,), _PAD.get(k, 0), dtype=v.dtype)
+                for k, v in fields.items()
+            }
             mb["positions"] = torch.arange(t).unsqueeze(0)
             return {**mb, "rows": []}
         t = padded_length(int(self.lengths[rows].max()), how.multiple)
-        mb = {
-            k: pad_columns(v[rows], t, _PAD.get(k, 0)) if v.dim() == 2 else v[rows] for k, v in fields.items()
-        }
+        mb = {k: pad_columns(v[rows], t, _PAD.get(k, 0)) if v.dim() == 2 else v[rows] for k, v in fields.items()}
         mb["positions"] = torch.arange(t).expand(len(rows), t).contiguous()
         return {**mb, "rows": list(rows)}
 
@@ -222,9 +224,16 @@ def build_batch(trajectories: list[Trajectory]) -> TrainBatch:
         behavior[i, p : p + r] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
         versions[i, p : p + r] = torch.tensor(t.policy_versions, dtype=torch.long)
     positions = torch.arange(width).unsqueeze(0).expand(b, width).contiguous()
-    return TrainBatch(tokens, positions, labels, mask, behavior, versions,
-                      torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-                      torch.tensor(lengths, dtype=torch.long))  # fmt: skip
+    return TrainBatch(
+        tokens,
+        positions,
+        labels,
+        mask,
+        behavior,
+        versions,
+        torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        torch.tensor(lengths, dtype=torch.long),
+    )
 
 
 @dataclass
@@ -263,7 +272,5 @@ def assemble_rows(parts: Sequence[RowOutputs | None], size: int, width: int) -> 
         out[part.rows, : part.values.shape[1]] = part.values.float()
         seen.update(part.rows)
     if len(seen) != size:
-        raise RuntimeError(
-            f"row outputs cover {len(seen)} of {size} rows; a data-parallel replica reported nothing"
-        )
+        raise RuntimeError(f"row outputs cover {len(seen)} of {size} rows; a data-parallel replica reported nothing")
     return out

@@ -53,9 +53,7 @@ class ReadyBuffer:
     def __init__(self, batch_size: int, group_size: int = 1, max_policy_lag: int | None = None):
         """``max_policy_lag`` None: no staleness bound."""
         if batch_size < 1 or group_size < 1 or batch_size % group_size:
-            raise ValueError(
-                f"batch_size={batch_size} must be a positive multiple of group_size={group_size}"
-            )
+            raise ValueError(f"batch_size={batch_size} must be a positive multiple of group_size={group_size}")
         if max_policy_lag is not None and max_policy_lag < 0:
             raise ValueError(f"max_policy_lag={max_policy_lag} must be >= 0 or None (unbounded)")
         self.batch_size = batch_size
@@ -209,14 +207,17 @@ class ReadyBuffer:
             "waiting": [t.to_dict() for t in self.waiting()],
             "first_finish": dict(self._group_first_finish),
             "handed": sorted(list(k) for k in self._handed),
-            "stats": {"admitted": self.stats.admitted, "handed_out": self.stats.handed_out,
-                      "dropped_stale": self.stats.dropped_stale,
-                      "dropped_failed": dict(self.stats.dropped_failed),
-                      "group_waits_s": list(self.stats.group_waits_s),
-                      "dropped_no_actions": self.stats.dropped_no_actions,
-                      "dropped_group": self.stats.dropped_group},
+            "stats": {
+                "admitted": self.stats.admitted,
+                "handed_out": self.stats.handed_out,
+                "dropped_stale": self.stats.dropped_stale,
+                "dropped_failed": dict(self.stats.dropped_failed),
+                "group_waits_s": list(self.stats.group_waits_s),
+                "dropped_no_actions": self.stats.dropped_no_actions,
+                "dropped_group": self.stats.dropped_group,
+            },
             "broken": dict(self._broken),
-        }  # fmt: skip
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._groups.clear()
@@ -226,7 +227,13 @@ class ReadyBuffer:
         self._group_first_finish = dict(state["first_finish"])
         self._handed = {tuple(k) for k in state["handed"]}
         s = state["stats"]
-        self.stats = BufferStats(s["admitted"], s["handed_out"], s["dropped_stale"],
-                                 Counter(s["dropped_failed"]), list(s["group_waits_s"]),
-                                 s.get("dropped_no_actions", 0), s.get("dropped_group", 0))  # fmt: skip
+        self.stats = BufferStats(
+            s["admitted"],
+            s["handed_out"],
+            s["dropped_stale"],
+            Counter(s["dropped_failed"]),
+            list(s["group_waits_s"]),
+            s.get("dropped_no_actions", 0),
+            s.get("dropped_group", 0),
+        )
         self._broken = dict(state.get("broken", {}))

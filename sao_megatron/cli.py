@@ -87,8 +87,10 @@ def resume_if_present(cfg: SAOConfig) -> Path | None:
     from sao_megatron.driver.run_state import RunState
 
     if not cfg.run.run_dir:
-        raise ConfigError("sao train --resume-if-present needs run.run_dir=DIR (where to look for a "
-                          "checkpoint and where a fresh run writes); sao submit sets it")  # fmt: skip
+        raise ConfigError(
+            "sao train --resume-if-present needs run.run_dir=DIR (where to look for a "
+            "checkpoint and where a fresh run writes); sao submit sets it"
+        )
     run_dir = Path(cfg.run.run_dir)
     checkpoint = RunState.complete_checkpoint(run_dir)
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
@@ -132,21 +134,28 @@ def cmd_train(args) -> int:
     try:
         result = asyncio.run(train(cfg, run_dir, resume=bool(args.resume)))
     except (asyncio.CancelledError, KeyboardInterrupt):
-        print(f"stopped by a signal; checkpoint in {run_dir / 'checkpoint'}; continue with "
-              f"'sao train --resume {run_dir}'", file=sys.stderr)  # fmt: skip
+        print(
+            f"stopped by a signal; checkpoint in {run_dir / 'checkpoint'}; continue with "
+            f"'sao train --resume {run_dir}'",
+            file=sys.stderr,
+        )
         return 143
     wall = time.perf_counter() - t0
     initial, final = result["initial"] or {}, result["final"] or {}
     if "eval/accuracy" in initial or "eval/accuracy" in final:
-        accuracy = (f"held-out accuracy {initial.get('eval/accuracy', float('nan')):.3f} (start of RL) -> "
-                    f"{final.get('eval/accuracy', float('nan')):.3f} (end)")  # fmt: skip
+        accuracy = (
+            f"held-out accuracy {initial.get('eval/accuracy', float('nan')):.3f} (start of RL) -> "
+            f"{final.get('eval/accuracy', float('nan')):.3f} (end)"
+        )
     else:
         accuracy = "no held-out evaluation (train.eval_prompts=0)"
     print(f"done in {wall / 60:.1f} min: {accuracy}; report: sao report {run_dir}")
     sampled = ("eval/mean_accuracy@", "eval/pass@")
     for key in sorted(k for k in {*initial, *final} if k.startswith(sampled) and not k.endswith("_se")):
-        print(f"  held-out {key.removeprefix('eval/')} at temperature {cfg.train.eval_sample_temperature:g}: "
-              f"{initial.get(key, float('nan')):.3f} (start of RL) -> {final.get(key, float('nan')):.3f} (end)")  # fmt: skip
+        print(
+            f"  held-out {key.removeprefix('eval/')} at temperature {cfg.train.eval_sample_temperature:g}: "
+            f"{initial.get(key, float('nan')):.3f} (start of RL) -> {final.get(key, float('nan')):.3f} (end)"
+        )
     if args.report:
         from sao_megatron.report import write_report
 
@@ -167,13 +176,17 @@ def cmd_check(args) -> int:
     report["wall_s"] = time.perf_counter() - t0
     (run_dir / "foundation_check.json").write_text(json.dumps(report, indent=2))
     a, c = report["actor"], report["critic"]
-    print(f"actor  ({cfg.actor.parallel.world_size} ranks): next-token NLL {a['nll_before']:.4f} -> "
-          f"{a['nll_after']:.4f} after 1 step, grad norm {a['grad_norm']:.3f}, "
-          f"params on rank 0 {a['params_on_rank']['total']:,}")  # fmt: skip
-    print(f"critic ({cfg.critic.parallel.world_size} ranks): value loss {c['value_loss_before']:.4f} -> "
-          f"{c['value_loss_after']:.4f} after {cfg.critic.updates_per_step} steps, trainable "
-          f"{c['params_on_rank']['trainable']:,} of {c['params_on_rank']['total']:,} on rank 0 "
-          "(attention frozen)")  # fmt: skip
+    print(
+        f"actor  ({cfg.actor.parallel.world_size} ranks): next-token NLL {a['nll_before']:.4f} -> "
+        f"{a['nll_after']:.4f} after 1 step, grad norm {a['grad_norm']:.3f}, "
+        f"params on rank 0 {a['params_on_rank']['total']:,}"
+    )
+    print(
+        f"critic ({cfg.critic.parallel.world_size} ranks): value loss {c['value_loss_before']:.4f} -> "
+        f"{c['value_loss_after']:.4f} after {cfg.critic.updates_per_step} steps, trainable "
+        f"{c['params_on_rank']['trainable']:,} of {c['params_on_rank']['total']:,} on rank 0 "
+        "(attention frozen)"
+    )
     print(f"done in {report['wall_s']:.1f} s; report: {run_dir / 'foundation_check.json'}")
     return 0
 
@@ -231,9 +244,7 @@ def cmd_sweep(args) -> int:
     failed = [r for r in results if r["exit"] != 0]
     runs = finished_runs(sweep)
     print(
-        compare(
-            runs, sweep.metrics, sweep.out_dir / f"compare_{sweep.name}", sweep.windows, sweep.paired_with
-        )
+        compare(runs, sweep.metrics, sweep.out_dir / f"compare_{sweep.name}", sweep.windows, sweep.paired_with)
         if runs
         else "no run finished"
     )
@@ -286,8 +297,10 @@ def cmd_submit(args) -> int:
     except RuntimeError as err:
         print(f"submit error: {err}", file=sys.stderr)
         return 1
-    print(f"submitted job {job_id}: {job.num_nodes} node(s); logs in {job.log_dir}/job-{job_id}/ "
-          f"(train.log, ray-*.log); run directory {job.run_dir}")  # fmt: skip
+    print(
+        f"submitted job {job_id}: {job.num_nodes} node(s); logs in {job.log_dir}/job-{job_id}/ "
+        f"(train.log, ray-*.log); run directory {job.run_dir}"
+    )
     return 0
 
 
@@ -295,9 +308,20 @@ class ExportError(ValueError):
     """A run directory that cannot be exported, stated in one line with the fix."""
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, world: int | None = None,
-               tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None, max_shard_bytes: int = 5 << 30,
-               overwrite: bool = False, progress: bool = False):  # fmt: skip
+def export_run(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    *,
+    world: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+    progress: bool = False,
+):
     """The run's actor (``RUN_DIR/checkpoint/actor``) as an HF checkpoint in ``out_dir``.
 
     Reuses ``sao convert mcore-to-hf``'s rank body: a spawned gloo world of ``world`` ranks at
@@ -317,24 +341,24 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     t0 = time.perf_counter()
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise ExportError(
-            f"{run_dir} is not a run directory (no config.yaml); pass the directory sao train wrote"
-        )
+        raise ExportError(f"{run_dir} is not a run directory (no config.yaml); pass the directory sao train wrote")
     actor_dir = run_dir / "checkpoint" / "actor"
     if not (actor_dir / "metadata.json").is_file():
-        raise ExportError(f"{run_dir} has no actor checkpoint ({actor_dir} is missing); runs write it every "
-                          "train.save_every steps and at the end: resume with 'sao train --resume RUN_DIR'")  # fmt: skip
+        raise ExportError(
+            f"{run_dir} has no actor checkpoint ({actor_dir} is missing); runs write it every "
+            "train.save_every steps and at the end: resume with 'sao train --resume RUN_DIR'"
+        )
     state_file = run_dir / "checkpoint" / "state.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
     saved = state.get("step")
     if step is not None and saved is None:
-        raise ExportError(
-            f"{state_file} is missing, so the checkpoint's step is unknown; export without --step"
-        )
+        raise ExportError(f"{state_file} is missing, so the checkpoint's step is unknown; export without --step")
     if step is not None and step != saved:
-        raise ExportError(f"{run_dir} keeps only its latest checkpoint (stage {state.get('stage', '?')}, step "
-                          f"{saved}; {state_file}); step {step} is not stored: export without --step, or set "
-                          "train.save_every and copy checkpoint/ aside to keep earlier steps")  # fmt: skip
+        raise ExportError(
+            f"{run_dir} keeps only its latest checkpoint (stage {state.get('stage', '?')}, step "
+            f"{saved}; {state_file}); step {step} is not stored: export without --step, or set "
+            "train.save_every and copy checkpoint/ aside to keep earlier steps"
+        )
     cfg = load_config(run_dir / "config.yaml", ["cluster.ray_address="])
     m = cfg.model
     template = run_dir / "hf" / "policy"
@@ -345,18 +369,29 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
 
         diff = hf_config.same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
         if diff:
-            raise ExportError(f"{template}/config.json disagrees with {run_dir / 'config.yaml'} on {diff}; "
-                              "remove the stale hf/policy directory")  # fmt: skip
+            raise ExportError(
+                f"{template}/config.json disagrees with {run_dir / 'config.yaml'} on {diff}; "
+                "remove the stale hf/policy directory"
+            )
     if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
-        raise FileExistsError(
-            f"{out_dir} exists and is not empty; choose another directory or pass --overwrite"
-        )
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose another directory or pass --overwrite")
     p = hf_convert.parallel_config(world, tp, pp, ep)
     validate_parallel(p, m, "export")
-    results = run_world(hf_convert._mcore_to_hf_rank, p.world_size, str(actor_dir.resolve()), str(out_dir.resolve()),
-                        dataclasses.asdict(m), dataclasses.asdict(p), cfg.actor.bf16,
-                        str(template) if template else None, dtype, max_shard_bytes, overwrite, progress,
-                        backend="gloo")  # fmt: skip
+    results = run_world(
+        hf_convert._mcore_to_hf_rank,
+        p.world_size,
+        str(actor_dir.resolve()),
+        str(out_dir.resolve()),
+        dataclasses.asdict(m),
+        dataclasses.asdict(p),
+        cfg.actor.bf16,
+        str(template) if template else None,
+        dtype,
+        max_shard_bytes,
+        overwrite,
+        progress,
+        backend="gloo",
+    )
     if template is None:  # no policy export yet (stopped during SFT): the run's tokenizer source
         from sao_megatron.tokenizer import copy_tokenizer_files
 
@@ -366,8 +401,14 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
         "load_torch_dist": max(r["load_s"] for r in results),
         "export_hf": max(r["export_s"] for r in results),
     }
-    return hf_convert.ConvertSummary("run actor -> HF", r0["tensors"], r0["bytes"], time.perf_counter() - t0,
-                                     max(r["copy_s"] for r in results), phases)  # fmt: skip
+    return hf_convert.ConvertSummary(
+        "run actor -> HF",
+        r0["tensors"],
+        r0["bytes"],
+        time.perf_counter() - t0,
+        max(r["copy_s"] for r in results),
+        phases,
+    )
 
 
 def cmd_export(args) -> int:
@@ -376,9 +417,19 @@ def cmd_export(args) -> int:
     from sao_megatron.spawn import WorldFailed
 
     try:
-        summary = export_run(args.run_dir, args.out_dir, args.step, world=args.world, tp=args.tp, pp=args.pp,
-                             ep=args.ep, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
-                             overwrite=args.overwrite, progress=True)  # fmt: skip
+        summary = export_run(
+            args.run_dir,
+            args.out_dir,
+            args.step,
+            world=args.world,
+            tp=args.tp,
+            pp=args.pp,
+            ep=args.ep,
+            dtype=args.dtype,
+            max_shard_bytes=int(args.max_shard_gb * 2**30),
+            overwrite=args.overwrite,
+            progress=True,
+        )
     except (ExportError, CheckpointError, FileExistsError, FileNotFoundError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 1
@@ -391,19 +442,31 @@ def cmd_export(args) -> int:
 
 def _add_export_parser(sub) -> None:
     text = "write a run's actor as an HF checkpoint (safetensors, config, tokenizer, chat template)"
-    p = sub.add_parser("export", help=text, description=text + ". Runs keep only their latest checkpoint.",
-                       epilog="example:\n  sao export runs/tiny_cpu-20260101-120000 hf_out\nsee docs/training.md",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = sub.add_parser(
+        "export",
+        help=text,
+        description=text + ". Runs keep only their latest checkpoint.",
+        epilog="example:\n  sao export runs/tiny_cpu-20260101-120000 hf_out\nsee docs/training.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--step", type=int, default=None,
-                   help="expected step of the checkpoint (runs keep only the latest; a mismatch is an error)")  # fmt: skip
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="expected step of the checkpoint (runs keep only the latest; a mismatch is an error)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks of the export world")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--ep", type=int, default=1, help="expert parallel ranks")
     p.add_argument("--world", type=int, default=None, help="processes (default: PP * lcm(TP, EP))")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="HF weight dtype (default: that of the run's policy export, else the weights')")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="HF weight dtype (default: that of the run's policy export, else the weights')",
+    )
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     p.set_defaults(fn=cmd_export)
@@ -426,8 +489,14 @@ def _print_summary(summary, command: str = "sao convert") -> None:
         table.add_column(column, justify="right")
     mb = summary.bytes / 1e6
     phases = ", ".join(f"{k} {v:.2f}" for k, v in summary.phases.items())
-    table.add_row(f"{summary.tensors:,}", f"{mb:,.3f}" if mb < 10 else f"{mb:,.1f}", f"{summary.wall_s:.1f}",
-                  f"{summary.transfer_s:.2f}", f"{summary.gb_per_s:.3f}", phases)  # fmt: skip
+    table.add_row(
+        f"{summary.tensors:,}",
+        f"{mb:,.3f}" if mb < 10 else f"{mb:,.1f}",
+        f"{summary.wall_s:.1f}",
+        f"{summary.transfer_s:.2f}",
+        f"{summary.gb_per_s:.3f}",
+        phases,
+    )
     Console(width=max(100, Console().width)).print(table)
 
 
@@ -451,12 +520,18 @@ def cmd_convert(args) -> int:
         p = hf_convert.parallel_config(args.world, args.tp, args.pp, args.ep)
         if args.convert == "hf-to-mcore":
             bf16 = {"auto": None, "bfloat16": True, "float32": False}[args.dtype]
-            summary = hf_convert.hf_to_mcore(args.src, args.dst, p, bf16=bf16, overwrite=args.overwrite,
-                                             progress=True)  # fmt: skip
+            summary = hf_convert.hf_to_mcore(args.src, args.dst, p, bf16=bf16, overwrite=args.overwrite, progress=True)
         else:
-            summary = hf_convert.mcore_to_hf(args.src, args.dst, p, template=args.hf_template, dtype=args.dtype,
-                                             max_shard_bytes=int(args.max_shard_gb * 2**30),
-                                             overwrite=args.overwrite, progress=True)  # fmt: skip
+            summary = hf_convert.mcore_to_hf(
+                args.src,
+                args.dst,
+                p,
+                template=args.hf_template,
+                dtype=args.dtype,
+                max_shard_bytes=int(args.max_shard_gb * 2**30),
+                overwrite=args.overwrite,
+                progress=True,
+            )
     except (hf_convert.CheckpointError, FileExistsError, FileNotFoundError) as err:
         print(f"convert error: {err}", file=sys.stderr)
         return 1
@@ -468,9 +543,13 @@ def cmd_convert(args) -> int:
 
 def _add_convert_parser(sub) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("convert", help="convert checkpoints between HF and Megatron formats",
-                       description="HF safetensors <-> Megatron torch_dist checkpoints (Qwen3, Qwen3-MoE)",
-                       epilog=CONVERT_EPILOG, formatter_class=fmt)  # fmt: skip
+    p = sub.add_parser(
+        "convert",
+        help="convert checkpoints between HF and Megatron formats",
+        description="HF safetensors <-> Megatron torch_dist checkpoints (Qwen3, Qwen3-MoE)",
+        epilog=CONVERT_EPILOG,
+        formatter_class=fmt,
+    )
     p.set_defaults(fn=cmd_convert)
     conv = p.add_subparsers(dest="convert", metavar="DIRECTION", required=True)
     c = conv.add_parser("hf-config", help="emit a model YAML from an HF config.json", formatter_class=fmt)
@@ -490,20 +569,30 @@ def _add_convert_parser(sub) -> None:
         c.add_argument("--world", type=int, default=None, help="processes (default: PP * lcm(TP, EP))")
         c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
         if name == "hf-to-mcore":
-            c.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                           help="Megatron weight dtype (auto: the HF config's dtype)")  # fmt: skip
+            c.add_argument(
+                "--dtype",
+                choices=("auto", "bfloat16", "float32"),
+                default="auto",
+                help="Megatron weight dtype (auto: the HF config's dtype)",
+            )
         else:
             c.add_argument("--hf-template", help="HF dir for config/tokenizer files (default: MCORE_DIR/hf)")
-            c.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                           help="HF weight dtype (default: the template's)")  # fmt: skip
+            c.add_argument(
+                "--dtype",
+                choices=("bfloat16", "float32"),
+                default=None,
+                help="HF weight dtype (default: the template's)",
+            )
             c.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sao", description="Asynchronous single-rollout agentic RL (SAO) for MoE models on Megatron-Core.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        prog="sao",
+        description="Asynchronous single-rollout agentic RL (SAO) for MoE models on Megatron-Core.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, fn, text in (
         ("train", cmd_train, "SFT -> value pretraining -> asynchronous SAO (default: the tiny MoE on CPU)"),
@@ -513,8 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("submit", cmd_submit, "submit a multi-node run to Slurm (launch/slurm/sao.sbatch)"),
         ("simulate", cmd_simulate, "predict throughput and policy lag at cluster scale; the best GPU split"),
     ):
-        p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        p = sub.add_parser(
+            name, help=text, description=text, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         _add_config_args(p)
         p.set_defaults(fn=fn)
         if name == "train":
@@ -524,34 +614,49 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar="RUN_DIR",
                 help="continue the run in RUN_DIR from its checkpoint ('auto': as --resume-if-present)",
             )
-            resume.add_argument("--resume-if-present", action="store_true",
-                                help="continue from run.run_dir's complete checkpoint when it has one, else start "
-                                     "a fresh run there (what sao submit's jobs do, so a requeued job resumes)")  # fmt: skip
+            resume.add_argument(
+                "--resume-if-present",
+                action="store_true",
+                help="continue from run.run_dir's complete checkpoint when it has one, else start "
+                "a fresh run there (what sao submit's jobs do, so a requeued job resumes)",
+            )
             p.add_argument("--report", action="store_true", help="write plots and the summary at the end")
         if name == "plan":
-            p.add_argument("--analytic", action="store_true",
-                           help="count per-rank parameters in closed form instead of a meta-device build")  # fmt: skip
+            p.add_argument(
+                "--analytic",
+                action="store_true",
+                help="count per-rank parameters in closed form instead of a meta-device build",
+            )
             p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
         if name == "simulate":
             for flag, default, text in (
-                ("--turns", 8.0, "median turns per episode"), ("--tokens", 512.0, "median action tokens per turn"),
-                ("--tool-latency-s", 2.0, "median tool latency"), ("--sigma", 1.0, "lognormal sigma (tail weight)"),
+                ("--turns", 8.0, "median turns per episode"),
+                ("--tokens", 512.0, "median action tokens per turn"),
+                ("--tool-latency-s", 2.0, "median tool latency"),
+                ("--sigma", 1.0, "lognormal sigma (tail weight)"),
                 ("--hbm-gb-per-s", 3350.0, "GPU memory bandwidth (assumed H100)"),
-                ("--peak-tflops", 989.0, "GPU bf16 peak (assumed H100)"), ("--mfu", 0.35, "training MFU"),
+                ("--peak-tflops", 989.0, "GPU bf16 peak (assumed H100)"),
+                ("--mfu", 0.35, "training MFU"),
                 ("--lag-bound", 2.0, "largest mean policy lag a split may have"),
-            ):  # fmt: skip
+            ):
                 p.add_argument(flag, type=float, default=default, help=f"{text} (default {default:g})")
             p.add_argument("--steps", type=int, default=40, help="learner steps simulated")
             p.add_argument("--warmup", type=int, default=5, help="steps left out of the rates")
         if name == "submit":
             p.add_argument("--dry-run", action="store_true", help="print sbatch and the per-node commands")
             p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (its checkpoint)")
-            p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
-                           help="let Slurm restart the job (preemption, node failure, scontrol requeue); a "
-                                "restarted job resumes from its latest complete checkpoint (default: on)")  # fmt: skip
-            p.add_argument("--sbatch-args", default=None,
-                           help="extra sbatch options, e.g. '--partition=gpu --time=48:00:00' "
-                                "(default: $SAO_SBATCH_ARGS)")  # fmt: skip
+            p.add_argument(
+                "--requeue",
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help="let Slurm restart the job (preemption, node failure, scontrol requeue); a "
+                "restarted job resumes from its latest complete checkpoint (default: on)",
+            )
+            p.add_argument(
+                "--sbatch-args",
+                default=None,
+                help="extra sbatch options, e.g. '--partition=gpu --time=48:00:00' (default: $SAO_SBATCH_ARGS)",
+            )
     p = sub.add_parser("sweep", help="run a grid of arms x seeds (resumable), then compare them")
     p.add_argument("sweep", help="a sweep file (configs/experiments/*.yaml)")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
@@ -561,10 +666,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="curves and a table (mean +- s.e., 95%% CI over seeds) of runs by arm")
     p.add_argument("runs", nargs="+", help="a sweep's out_dir, or run directories (<arm>/seed<s>)")
     p.add_argument("--metric", action="append", help="metric to compare (repeatable; default eval/accuracy)")
-    p.add_argument("--window", action="append", metavar="FIRST-LAST",
-                   help="also each metric's mean over these RL steps, e.g. 11-15 (repeatable)")  # fmt: skip
-    p.add_argument("--paired-with", metavar="ARM",
-                   help="also each arm's final value minus this arm's, seed by seed (mean +- s.e. of the differences)")  # fmt: skip
+    p.add_argument(
+        "--window",
+        action="append",
+        metavar="FIRST-LAST",
+        help="also each metric's mean over these RL steps, e.g. 11-15 (repeatable)",
+    )
+    p.add_argument(
+        "--paired-with",
+        metavar="ARM",
+        help="also each arm's final value minus this arm's, seed by seed (mean +- s.e. of the differences)",
+    )
     p.add_argument("--out", help="directory for compare.md and one PNG per metric")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("report", help="plots and a summary table of a run directory")

@@ -65,8 +65,10 @@ def cp_split(x: torch.Tensor, lengths: Lengths, cp_size: int, cp_rank: int, dim:
     entries along ``dim``. Differentiable (gradients scatter back to the held positions)."""
     total = int(_lengths(lengths, cp_size).sum())
     if x.shape[dim] != total:
-        raise ValueError(f"cp_split: x has {x.shape[dim]} entries along dim {dim} but the lengths sum "
-                         f"to {total}; pass the lengths of the sequences laid out along that dim")  # fmt: skip
+        raise ValueError(
+            f"cp_split: x has {x.shape[dim]} entries along dim {dim} but the lengths sum "
+            f"to {total}; pass the lengths of the sequences laid out along that dim"
+        )
     return x.index_select(dim, cp_indices(lengths, cp_size, cp_rank).to(x.device))
 
 
@@ -79,8 +81,10 @@ def cp_merge(parts: Sequence[torch.Tensor], lengths: Lengths, dim: int = 1) -> t
     total = int(_lengths(lengths, cp_size).sum())
     sizes = [p.shape[dim] for p in parts]
     if any(n * cp_size != total for n in sizes):
-        raise ValueError(f"cp_merge: parts have {sizes} entries along dim {dim}; with lengths summing "
-                         f"to {total} and {cp_size} ranks each needs {total // cp_size}")  # fmt: skip
+        raise ValueError(
+            f"cp_merge: parts have {sizes} entries along dim {dim}; with lengths summing "
+            f"to {total} and {cp_size} ranks each needs {total // cp_size}"
+        )
     held = torch.cat([cp_indices(lengths, cp_size, r) for r in range(cp_size)])  # [total]
     return torch.cat(list(parts), dim).index_select(dim, torch.argsort(held).to(parts[0].device))
 
@@ -95,9 +99,11 @@ def _lengths(lengths: Lengths, cp_size: int) -> torch.Tensor:
     multiple = cp_multiple(cp_size)
     bad = [int(n) for n in out if n < 0 or n % multiple]
     if bad:
-        raise ValueError(f"sequence length {bad[0]} cannot be split over cp_size={cp_size}: each length "
-                         f"must be a multiple of 2*cp_size={multiple}; pad it to "
-                         f"{cp_padded_length(max(bad[0], 0), cp_size)} (cp_padded_length)")  # fmt: skip
+        raise ValueError(
+            f"sequence length {bad[0]} cannot be split over cp_size={cp_size}: each length "
+            f"must be a multiple of 2*cp_size={multiple}; pad it to "
+            f"{cp_padded_length(max(bad[0], 0), cp_size)} (cp_padded_length)"
+        )
     return out
 
 

@@ -194,9 +194,23 @@ class _CpuTorch(types.ModuleType):
     """``torch`` for one Megatron module: factory functions map ``device="cuda"`` to CPU."""
 
     _FACTORIES = frozenset(
-        {"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
-         "empty_like", "full_like", "randn", "rand", "randint", "as_tensor"}
-    )  # fmt: skip
+        {
+            "zeros",
+            "ones",
+            "empty",
+            "full",
+            "tensor",
+            "arange",
+            "zeros_like",
+            "ones_like",
+            "empty_like",
+            "full_like",
+            "randn",
+            "rand",
+            "randint",
+            "as_tensor",
+        }
+    )
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -305,9 +319,7 @@ def _patch_recompute_rng() -> None:
     rng: Any = importlib.import_module("megatron.core.tensor_parallel.random")  # Any: globals reassigned
     for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
         if not callable(getattr(rng, name, None)):
-            raise RuntimeError(
-                f"megatron_cpu: megatron.core.tensor_parallel.random.{name} is gone; re-measure"
-            )
+            raise RuntimeError(f"megatron_cpu: megatron.core.tensor_parallel.random.{name} is gone; re-measure")
 
     def no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)

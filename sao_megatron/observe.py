@@ -33,16 +33,24 @@ def render_trajectory(t: Trajectory, tokenizer) -> str:
         i = turn.end
     if i < len(t.response_ids):
         parts.append(tokenizer.decode(t.response_ids[i:]))
-    header = (f"# prompt {t.prompt_id} status={t.status} reward={t.reward:.3f} correct={t.correct} "
-              f"turns={t.num_turns} action_tokens={t.num_action_tokens} {t.status_reason}")  # fmt: skip
+    header = (
+        f"# prompt {t.prompt_id} status={t.status} reward={t.reward:.3f} correct={t.correct} "
+        f"turns={t.num_turns} action_tokens={t.num_action_tokens} {t.status_reason}"
+    )
     return header + "\n" + "".join(parts) + "\n"
 
 
 class RunLog:
     """Writes one run directory; safe to reopen for a resumed run (files are appended)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, console: bool = True,
-                 wandb_project: str = "", config: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        console: bool = True,
+        wandb_project: str = "",
+        config: dict | None = None,
+    ):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
@@ -61,10 +69,18 @@ class RunLog:
             try:
                 import wandb  # pyright: ignore[reportMissingImports]  # optional, not in the pinned env
             except ImportError as err:
-                raise RuntimeError(f"run.wandb_project={wandb_project!r} but wandb is not installed; "
-                                   "pip install wandb or leave run.wandb_project empty") from err  # fmt: skip
-            self.wandb = wandb.init(project=wandb_project, dir=str(self.dir), config=config or {},
-                                    name=self.dir.name, resume="allow", id=self.dir.name)  # fmt: skip
+                raise RuntimeError(
+                    f"run.wandb_project={wandb_project!r} but wandb is not installed; "
+                    "pip install wandb or leave run.wandb_project empty"
+                ) from err
+            self.wandb = wandb.init(
+                project=wandb_project,
+                dir=str(self.dir),
+                config=config or {},
+                name=self.dir.name,
+                resume="allow",
+                id=self.dir.name,
+            )
         self.console = console
         self._progress = None
         self._tasks: dict[str, TaskID] = {}
@@ -76,8 +92,13 @@ class RunLog:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         if self._progress is None:
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), transient=False)  # fmt: skip
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=False,
+            )
             self._progress.start()
         self._tasks[stage] = self._progress.add_task(stage, total=total)
 
@@ -100,9 +121,17 @@ class RunLog:
 
     @staticmethod
     def line(step: int, stage: str, m: dict[str, float]) -> str:
-        keys = [("rollout/reward", "reward"), ("rollout/accuracy", "acc"), ("eval/accuracy", "eval_acc"),
-                ("sft/nll", "nll"), ("critic/explained_var", "ev"), ("critic/value_loss", "vloss"),
-                ("actor/kept_frac", "kept"), ("lag/mean", "lag"), ("time/step_s", "s/step")]  # fmt: skip
+        keys = [
+            ("rollout/reward", "reward"),
+            ("rollout/accuracy", "acc"),
+            ("eval/accuracy", "eval_acc"),
+            ("sft/nll", "nll"),
+            ("critic/explained_var", "ev"),
+            ("critic/value_loss", "vloss"),
+            ("actor/kept_frac", "kept"),
+            ("lag/mean", "lag"),
+            ("time/step_s", "s/step"),
+        ]
         shown = " ".join(f"{short}={m[k]:.3f}" for k, short in keys if k in m)
         return f"[{stage} {step:4d}] {shown}"
 

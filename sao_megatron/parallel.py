@@ -33,8 +33,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     backend: str = "auto", timeout_s: float = 600.0, store: Store | None = None) -> None:  # fmt: skip
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str = "auto",
+    timeout_s: float = 600.0,
+    store: Store | None = None,
+) -> None:
     """Join the role's world (idempotent). CUDA device = local rank when CUDA exists.
 
     ``store``: a rendezvous store already open (see :func:`open_store`); otherwise the world
@@ -45,8 +52,14 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     init_method = None if store is not None else f"tcp://{master_addr}:{master_port}"
-    dist.init_process_group(backend=backend, init_method=init_method, store=store, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:
@@ -81,14 +94,24 @@ def open_store(host: str, world_size: int, port: int = 0, timeout_s: float = 600
     except OSError as err:
         raise RendezvousError(
             f"cannot open the rendezvous store at {host}:{port} ({err.strerror or err}): "
-            + ("another process holds the port; use port 0 (any free one)" if port else
-               f"{host} is not an address of this node")
-        ) from None  # fmt: skip
+            + (
+                "another process holds the port; use port 0 (any free one)"
+                if port
+                else f"{host} is not an address of this node"
+            )
+        ) from None
     bound = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the descriptor from here on
     try:
-        return TCPStore(host, bound, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                        wait_for_workers=False, master_listen_fd=fd)  # fmt: skip
+        return TCPStore(
+            host,
+            bound,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
     except BaseException:
         os.close(fd)
         raise

@@ -46,8 +46,9 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> d
         if ahead is not None and not stage.synchronous:
             manager.allow((step - first + ahead) * s.cfg.algo.batch_size)
 
-    async def train_on(trajectories: list[Trajectory], waited: float, in_flight: int,
-                       taken_at: float) -> dict[str, float]:  # fmt: skip
+    async def train_on(
+        trajectories: list[Trajectory], waited: float, in_flight: int, taken_at: float
+    ) -> dict[str, float]:
         """Step ``step + 1`` and its bookkeeping (logs, eval, checkpoint), run whole once started."""
         outcome = await learner_step(s, estimator, trajectories, state.version, stage.trains_actor(step))
         state.version, done = outcome.version, step + 1
@@ -55,8 +56,9 @@ async def run_stage(s: Session, state: RunState, log: RunLog, stage: Stage) -> d
         metrics = observer.step(outcome, waited, in_flight, taken_at)
         if stage.resumable:
             state.step = done
-            state.trained_prompts += [[done, t.split, t.sample_index, t.reward_details.get("group_index", 0)]
-                                      for t in trajectories]  # fmt: skip
+            state.trained_prompts += [
+                [done, t.split, t.sample_index, t.reward_details.get("group_index", 0)] for t in trajectories
+            ]
         if stage.eval_every and done % stage.eval_every == 0:
             metrics |= await evaluate_paused(s, manager, state.version)
         log.log(done, stage.name, metrics)

@@ -62,8 +62,10 @@ class Trajectory:
         n = len(self.response_ids)
         for name in ("action_mask", "behavior_logprobs", "policy_versions"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"Trajectory {self.prompt_id}: {name} has {len(getattr(self, name))} "
-                                 f"entries for {n} response tokens")  # fmt: skip
+                raise ValueError(
+                    f"Trajectory {self.prompt_id}: {name} has {len(getattr(self, name))} "
+                    f"entries for {n} response tokens"
+                )
 
     @property
     def num_action_tokens(self) -> int:

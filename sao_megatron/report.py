@@ -18,28 +18,51 @@ PANELS = [
     ("response length (tokens) and turns", ["rollout/response_tokens", "rollout/action_tokens", "rollout/turns"]),
     ("policy lag (versions)", ["lag/mean", "lag/max", "lag/token_mean"]),
     ("lag histogram (fraction of batch)", ["lag/hist0", "lag/hist1", "lag/hist2", "lag/hist3+"]),
-    ("DIS kept fraction by token lag", ["dis/kept_frac/lag0", "dis/kept_frac/lag1", "dis/kept_frac/lag2",
-                                        "dis/kept_frac/lag3+"]),
-    ("DIS kept fraction by advantage sign", ["actor/kept_frac/adv_pos", "actor/kept_frac/adv_neg",
-                                             "actor/kept_frac"]),
+    (
+        "DIS kept fraction by token lag",
+        ["dis/kept_frac/lag0", "dis/kept_frac/lag1", "dis/kept_frac/lag2", "dis/kept_frac/lag3+"],
+    ),
+    ("DIS kept fraction by advantage sign", ["actor/kept_frac/adv_pos", "actor/kept_frac/adv_neg", "actor/kept_frac"]),
     ("ratio quantiles", ["actor/ratio/p1", "actor/ratio/p50", "actor/ratio/p99", "actor/ratio/max"]),
     ("critic", ["critic/value_loss", "critic/explained_var"]),
     ("gradient norms", ["actor/grad_norm", "critic/grad_norm"]),
-    ("actor gradient RMS per module group", ["actor/grad_rms/attention", "actor/grad_rms/experts",
-                                             "actor/grad_rms/router", "actor/grad_rms/head",
-                                             "actor/grad_rms/embedding"]),
-    ("critic gradient RMS per module group", ["critic/grad_rms/experts", "critic/grad_rms/router",
-                                              "critic/grad_rms/head", "critic/grad_rms/embedding",
-                                              "critic/grad_rms/other"]),
+    (
+        "actor gradient RMS per module group",
+        [
+            "actor/grad_rms/attention",
+            "actor/grad_rms/experts",
+            "actor/grad_rms/router",
+            "actor/grad_rms/head",
+            "actor/grad_rms/embedding",
+        ],
+    ),
+    (
+        "critic gradient RMS per module group",
+        [
+            "critic/grad_rms/experts",
+            "critic/grad_rms/router",
+            "critic/grad_rms/head",
+            "critic/grad_rms/embedding",
+            "critic/grad_rms/other",
+        ],
+    ),
     ("throughput", ["rollout/trajectories_per_s", "rollout/tokens_per_s"]),
     ("engines: generating / occupied", ["rollout/engine_generating", "rollout/engine_occupancy"]),
     ("engine faults (cumulative)", ["rollout/engine_restarts", "rollout/engine_dropped", "rollout/episode_retries"]),
-    ("waits and sync (s)", ["time/learner_wait_s", "buffer/wait_s", "buffer/group_wait_s", "time/sync_s",
-                            "time/sync_pause_s",
-                            "time/step_s"]),
+    (
+        "waits and sync (s)",
+        [
+            "time/learner_wait_s",
+            "buffer/wait_s",
+            "buffer/group_wait_s",
+            "time/sync_s",
+            "time/sync_pause_s",
+            "time/step_s",
+        ],
+    ),
     ("SFT", ["sft/nll"]),
     ("value pretraining", ["critic/explained_var", "critic/value_loss"]),
-]  # fmt: skip
+]
 
 
 def _series(records: list[dict], stage: str, key: str) -> tuple[list[float], list[float]]:
@@ -106,9 +129,22 @@ def plot(run_dir: Path, records: list[dict]) -> list[Path]:
 def summary(records: list[dict]) -> str:
     rl = [r for r in records if r.get("stage") == "rl"]
     evals = [r for r in records if "eval/accuracy" in r]
-    keys = ["rollout/reward", "rollout/accuracy", "rollout/response_tokens", "rollout/turns", "lag/mean", "lag/max",
-            "critic/explained_var", "critic/value_loss", "actor/grad_norm", "time/step_s", "time/sync_s",
-            "time/learner_wait_s", "buffer/wait_s", "rollout/in_flight_at_take"]  # fmt: skip
+    keys = [
+        "rollout/reward",
+        "rollout/accuracy",
+        "rollout/response_tokens",
+        "rollout/turns",
+        "lag/mean",
+        "lag/max",
+        "critic/explained_var",
+        "critic/value_loss",
+        "actor/grad_norm",
+        "time/step_s",
+        "time/sync_s",
+        "time/learner_wait_s",
+        "buffer/wait_s",
+        "rollout/in_flight_at_take",
+    ]
     all_keys = {k for r in rl for k in r}
     keys += sorted(k for k in all_keys if k.startswith("dis/kept_frac/lag") and "adv" not in k)
     kept = _find(all_keys, "kept_frac")
@@ -123,21 +159,28 @@ def summary(records: list[dict]) -> str:
             lines.append(f"| {key} | {fmt(first)} | {fmt(last)} |")
     head = [f"RL steps: {len(rl)}"]
     if evals:
-        head.append(f"held-out accuracy: {evals[0]['eval/accuracy']:.3f} (start of RL, step {evals[0]['step']}) -> "
-                    f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})")  # fmt: skip
-        for prefix, what in (("eval/mean_accuracy@", "mean accuracy over {k} samples"),
-                             ("eval/pass@", "pass@{k}")):  # fmt: skip
+        head.append(
+            f"held-out accuracy: {evals[0]['eval/accuracy']:.3f} (start of RL, step {evals[0]['step']}) -> "
+            f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"
+        )
+        for prefix, what in (("eval/mean_accuracy@", "mean accuracy over {k} samples"), ("eval/pass@", "pass@{k}")):
             key = _find({k for r in evals for k in r}, prefix)
             if key is None:
                 continue
             with_key = [r for r in evals if key in r]
-            head.append(f"held-out {what.format(k=key.split('@')[1])}: {with_key[0][key]:.3f} (step "
-                        f"{with_key[0]['step']}) -> {with_key[-1][key]:.3f} (step {with_key[-1]['step']})")  # fmt: skip
-    faults = [k for k in ("rollout/engine_restarts", "rollout/engine_dropped", "rollout/episode_retries")
-              if rl and k in rl[-1]]  # fmt: skip
+            head.append(
+                f"held-out {what.format(k=key.split('@')[1])}: {with_key[0][key]:.3f} (step "
+                f"{with_key[0]['step']}) -> {with_key[-1][key]:.3f} (step {with_key[-1]['step']})"
+            )
+    faults = [
+        k
+        for k in ("rollout/engine_restarts", "rollout/engine_dropped", "rollout/episode_retries")
+        if rl and k in rl[-1]
+    ]
     if faults:  # cumulative counts: the last step's are the run's
-        head.append("engine faults: " + ", ".join(f"{k.split('/')[1].replace('_', ' ')} {rl[-1][k]:.0f}"
-                                                  for k in faults))  # fmt: skip
+        head.append(
+            "engine faults: " + ", ".join(f"{k.split('/')[1].replace('_', ' ')} {rl[-1][k]:.0f}" for k in faults)
+        )
     if rl:
         head.append(f"wall time of RL: {rl[-1]['time'] - rl[0]['time'] + rl[0].get('time/step_s', 0):.0f} s")
     return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"

@@ -62,8 +62,7 @@ def _entry(rank, payload, world_size, port, backend, out_dir, log_to):
             store = parallel.open_store("127.0.0.1", world_size, port, timeout_s=300)
         else:
             store = parallel.join_store("127.0.0.1", port, world_size, timeout_s=300)
-        parallel.init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=300,
-                                  store=store)  # fmt: skip
+        parallel.init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=300, store=store)
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except Exception:
         result = {"ok": False, "error": traceback.format_exc()}
@@ -74,8 +73,9 @@ def _entry(rank, payload, world_size, port, backend, out_dir, log_to):
         pass
 
 
-def run_world(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = 900.0,
-              log_to: str | os.PathLike | None = None) -> list:  # fmt: skip
+def run_world(
+    fn, world_size: int, *args, backend: str = "auto", timeout_s: float = 900.0, log_to: str | os.PathLike | None = None
+) -> list:
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their return values in rank order.
 
     ``log_to``: a path containing ``{rank}``; each rank appends its stdout and stderr there
@@ -89,9 +89,12 @@ def run_world(fn, world_size: int, *args, backend: str = "auto", timeout_s: floa
     payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="sao-world-") as out_dir:
         ctx = start_processes(
-            _entry, args=(payload, world_size, free_port(), backend, out_dir, log), nprocs=world_size,
-            join=False, start_method="spawn",
-        )  # fmt: skip
+            _entry,
+            args=(payload, world_size, free_port(), backend, out_dir, log),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         assert ctx is not None  # join=False returns the process context
         deadline = time.monotonic() + timeout_s
         try:

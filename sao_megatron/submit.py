@@ -116,8 +116,13 @@ class Job:
         return f"{assigns} {shlex.join(self.sbatch + [str(SBATCH_SCRIPT)] + self.train_args)}"
 
 
-def render(config: str | None, overrides: list[str], sbatch_args: Sequence[str] = (),
-           resume: str | None = None, requeue: bool = True) -> Job:  # fmt: skip
+def render(
+    config: str | None,
+    overrides: list[str],
+    sbatch_args: Sequence[str] = (),
+    resume: str | None = None,
+    requeue: bool = True,
+) -> Job:
     """Resolve the config (validating it) and build the ``sbatch`` command line.
 
     The run directory is fixed here (``run.run_dir``, the ``--resume`` directory, or
@@ -146,8 +151,14 @@ def render(config: str | None, overrides: list[str], sbatch_args: Sequence[str] 
         **{name: str(value) for name, value in cfg.cluster.env.items()},
     }
     grace = signal_grace_s(cfg, nodes)
-    sbatch = ["sbatch", "--parsable", f"--job-name=sao-{cfg.run.name}", f"--nodes={max(1, sum(nodes.values()))}",
-              f"--output={log_dir}/%x-%j.out", f"--signal=B:USR1@{grace}"]  # fmt: skip
+    sbatch = [
+        "sbatch",
+        "--parsable",
+        f"--job-name=sao-{cfg.run.name}",
+        f"--nodes={max(1, sum(nodes.values()))}",
+        f"--output={log_dir}/%x-%j.out",
+        f"--signal=B:USR1@{grace}",
+    ]
     sbatch += ["--requeue", "--open-mode=append"] if requeue else ["--no-requeue"]
     if cfg.cluster.gpus_per_node:
         sbatch.append(f"--gpus-per-node={cfg.cluster.gpus_per_node}")
@@ -167,24 +178,29 @@ def render(config: str | None, overrides: list[str], sbatch_args: Sequence[str] 
 def describe(job: Job) -> list[str]:
     """Comment lines on what the submission sets up besides the node groups."""
     c = job.cfg.cluster
-    sizes = ", ".join(f"{role} {b / GiB:,.1f} GiB" if b >= GiB else f"{role} {b / 2**20:,.1f} MiB"
-                      for role, b in checkpoint_bytes(job.cfg).items())  # fmt: skip
+    sizes = ", ".join(
+        f"{role} {b / GiB:,.1f} GiB" if b >= GiB else f"{role} {b / 2**20:,.1f} MiB"
+        for role, b in checkpoint_bytes(job.cfg).items()
+    )
     lines = [
-        f"# requeue: {'on: a restarted job resumes from the latest complete checkpoint (sao train '
-                      '--resume-if-present)' if job.requeue else 'off (--no-requeue)'}",
+        f"# requeue: {
+            'on: a restarted job resumes from the latest complete checkpoint (sao train --resume-if-present)'
+            if job.requeue
+            else 'off (--no-requeue)'
+        }",
         f"# signal: SIGUSR1 {job.grace_s} s before the time limit = {GRACE_FLOOR_S} s + checkpoint ({sizes}) at "
         f"cluster.checkpoint_gb_per_s={c.checkpoint_gb_per_s:g} GiB/s per node",
-    ]  # fmt: skip
+    ]
     k = c.container
     if k.runtime == "none":
         lines.append("# container: none (commands run on the host)")
     else:
-        lines.append(f"# container: {k.runtime} image {k.image}, mounts {job.env['SAO_CONTAINER_MOUNTS']}, "
-                     f"workdir {job.env['SAO_CONTAINER_WORKDIR']}")  # fmt: skip
-    if c.env:
         lines.append(
-            "# cluster.env, exported on every node before Ray starts (sbatch -> job -> every srun step):"
+            f"# container: {k.runtime} image {k.image}, mounts {job.env['SAO_CONTAINER_MOUNTS']}, "
+            f"workdir {job.env['SAO_CONTAINER_WORKDIR']}"
         )
+    if c.env:
+        lines.append("# cluster.env, exported on every node before Ray starts (sbatch -> job -> every srun step):")
         lines += [f"export {name}={shlex.quote(str(value))}" for name, value in c.env.items()]
     return lines
 
@@ -193,20 +209,21 @@ def dry_run(job: Job) -> str:
     """The submission and, per node group, the commands the batch script runs (placeholder nodes)."""
     names = [f"node{i + 1:02d}" for i in range(job.num_nodes)]
     env = dict(os.environ, **job.env, SAO_DRY_RUN="1", SAO_NODES=" ".join(names))
-    proc = subprocess.run(["bash", str(SBATCH_SCRIPT), *job.train_args], env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(SBATCH_SCRIPT), *job.train_args], env=env, capture_output=True, text=True, timeout=60
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{SBATCH_SCRIPT} --dry-run failed: {proc.stderr.strip()}")
-    groups = (
-        ", ".join(f"{k} {v}" for k, v in job.nodes.items()) if sum(job.nodes.values()) else "one shared node"
+    groups = ", ".join(f"{k} {v}" for k, v in job.nodes.items()) if sum(job.nodes.values()) else "one shared node"
+    return "\n".join(
+        [
+            f"# node groups: {groups} ({job.num_nodes} node(s)); run directory {job.run_dir}",
+            *describe(job),
+            job.command(),
+            f"# the batch script then runs (nodes named {names[0]}..{names[-1]} here):",
+            proc.stdout.rstrip(),
+        ]
     )
-    return "\n".join([
-        f"# node groups: {groups} ({job.num_nodes} node(s)); run directory {job.run_dir}",
-        *describe(job),
-        job.command(),
-        f"# the batch script then runs (nodes named {names[0]}..{names[-1]} here):",
-        proc.stdout.rstrip(),
-    ])  # fmt: skip
 
 
 def submit(job: Job) -> str:
@@ -214,8 +231,13 @@ def submit(job: Job) -> str:
     if shutil.which("sbatch") is None:
         raise RuntimeError("sbatch not found: run sao submit on a Slurm login node (or use --dry-run)")
     job.log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create --output directories
-    proc = subprocess.run([*job.sbatch, str(SBATCH_SCRIPT), *job.train_args], env=dict(os.environ, **job.env),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [*job.sbatch, str(SBATCH_SCRIPT), *job.train_args],
+        env=dict(os.environ, **job.env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout.strip().split(";")[0]

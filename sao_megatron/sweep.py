@@ -99,11 +99,13 @@ class Sweep:
 
     def command(self, arm: str, seed: int, run_dir: Path) -> list[str]:
         """``sao train --resume-if-present`` of one run (``SAO_TRAIN`` replaces ``sao train``)."""
-        train = shlex.split(
-            os.environ.get("SAO_TRAIN") or f"{shlex.quote(sys.executable)} -m sao_megatron.cli train"
-        )
-        return [*train, "--resume-if-present", *([self.config] if self.config else []),
-                *self.overrides_of(arm, seed, run_dir)]  # fmt: skip
+        train = shlex.split(os.environ.get("SAO_TRAIN") or f"{shlex.quote(sys.executable)} -m sao_megatron.cli train")
+        return [
+            *train,
+            "--resume-if-present",
+            *([self.config] if self.config else []),
+            *self.overrides_of(arm, seed, run_dir),
+        ]
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -129,8 +131,10 @@ def load_sweep(path: str | Path) -> Sweep:
         "paired_with",
     }
     if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; use name, config, overrides, seeds, out_dir, "
-                          "metric, windows, paired_with, shared_start, arms")  # fmt: skip
+        raise ConfigError(
+            f"{path}: unknown keys {sorted(unknown)}; use name, config, overrides, seeds, out_dir, "
+            "metric, windows, paired_with, shared_start, arms"
+        )
     windows = data.get("windows") or []
     if not isinstance(windows, list):
         raise ConfigError(f'{path}: windows is a list of RL-step ranges like "11-15", got {windows!r}')
@@ -140,9 +144,7 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ConfigError(f"{path}: windows: {err}") from err
     arms = data.get("arms")
     if not isinstance(arms, dict) or not arms:
-        raise ConfigError(
-            f"{path}: arms must map each arm's name to its list of overrides, e.g. arms: {{sao: []}}"
-        )
+        raise ConfigError(f"{path}: arms must map each arm's name to its list of overrides, e.g. arms: {{sao: []}}")
     if Sweep.START in arms:
         raise ConfigError(f"{path}: {Sweep.START!r} names the shared starts; rename that arm")
     own_start, arm_overrides = set(), {}
@@ -150,8 +152,10 @@ def load_sweep(path: str | Path) -> Sweep:
         if isinstance(spec, dict):
             extra = set(spec) - {"overrides", "shared_start"}
             if extra or not isinstance(spec.get("shared_start", True), bool):
-                raise ConfigError(f"{path}: arm {arm!r}: a mapping holds overrides (a list) and shared_start "
-                                  f"(true/false), got {spec!r}")  # fmt: skip
+                raise ConfigError(
+                    f"{path}: arm {arm!r}: a mapping holds overrides (a list) and shared_start "
+                    f"(true/false), got {spec!r}"
+                )
             if not spec.get("shared_start", True):
                 own_start.add(str(arm))
             spec = spec.get("overrides")
@@ -170,18 +174,20 @@ def load_sweep(path: str | Path) -> Sweep:
     if config and not Path(config).is_absolute() and not Path(config).exists():
         config = str(REPO_ROOT / config)  # relative to the repository, as the runs' working directory
     sweep = Sweep(
-        name=name, config=config, seeds=seeds,
+        name=name,
+        config=config,
+        seeds=seeds,
         arms=arm_overrides,
         out_dir=REPO_ROOT / Path(data.get("out_dir") or Path("runs") / "sweeps" / name),  # absolute stays
-        overrides=[str(o) for o in data.get("overrides") or []], metrics=[str(m) for m in metric] if isinstance(metric, list) else [str(metric)],
+        overrides=[str(o) for o in data.get("overrides") or []],
+        metrics=[str(m) for m in metric] if isinstance(metric, list) else [str(metric)],
         windows=windows,
         paired_with=None if data.get("paired_with") is None else str(data["paired_with"]),
-        shared_start=None if shared is None else [str(o) for o in shared], own_start=own_start,
-    )  # fmt: skip
+        shared_start=None if shared is None else [str(o) for o in shared],
+        own_start=own_start,
+    )
     if sweep.paired_with is not None and sweep.paired_with not in sweep.arms:
-        raise ConfigError(
-            f"{path}: paired_with {sweep.paired_with!r} is not an arm; the arms are {sorted(sweep.arms)}"
-        )
+        raise ConfigError(f"{path}: paired_with {sweep.paired_with!r} is not an arm; the arms are {sorted(sweep.arms)}")
     for arm, seed, run_dir in [*sweep.starts(), *sweep.runs()]:
         given = sweep.shared_start if arm == Sweep.START else sweep.arms[arm]
         if any(not isinstance(o, str) or "=" not in o for o in given or []):
@@ -194,9 +200,7 @@ def load_sweep(path: str | Path) -> Sweep:
 
 
 def _train_command() -> list[str]:
-    return shlex.split(
-        os.environ.get("SAO_TRAIN") or f"{shlex.quote(sys.executable)} -m sao_megatron.cli train"
-    )
+    return shlex.split(os.environ.get("SAO_TRAIN") or f"{shlex.quote(sys.executable)} -m sao_megatron.cli train")
 
 
 def run_one(sweep: Sweep, arm: str, seed: int, run_dir: Path, log=print) -> dict:
@@ -216,8 +220,10 @@ def run_one(sweep: Sweep, arm: str, seed: int, run_dir: Path, log=print) -> dict
     result = {"arm": arm, "seed": seed, "exit": rc, "wall_s": time.time() - t0}
     if rc == 0:
         done.write_text(json.dumps(result))
-    log(f"[sweep {sweep.name}] {arm} seed {seed}: exit {rc} in {result['wall_s']:.0f} s"
-        + ("" if rc == 0 else f"; see {run_dir / 'sweep.log'} (a rerun resumes it)"))  # fmt: skip
+    log(
+        f"[sweep {sweep.name}] {arm} seed {seed}: exit {rc} in {result['wall_s']:.0f} s"
+        + ("" if rc == 0 else f"; see {run_dir / 'sweep.log'} (a rerun resumes it)")
+    )
     return result
 
 
@@ -303,17 +309,13 @@ def group_runs(paths: list[Path]) -> dict[str, list[Path]]:
     it is ``seed<s>``, else their own name)."""
     out: dict[str, list[Path]] = {}
     for path in paths:
-        found = sorted(
-            p.parent for p in path.glob("*/seed*/metrics.jsonl") if not p.parent.parent.name.startswith("_")
-        )
+        found = sorted(p.parent for p in path.glob("*/seed*/metrics.jsonl") if not p.parent.parent.name.startswith("_"))
         if not found:
             found = sorted(p.parent for p in path.glob("seed*/metrics.jsonl"))
         if not found and (path / "metrics.jsonl").exists():
             found = [path]
         if not found:
-            raise ValueError(
-                f"{path}: no metrics.jsonl in it, in its seed<s>/ or in its <arm>/seed<s>/ directories"
-            )
+            raise ValueError(f"{path}: no metrics.jsonl in it, in its seed<s>/ or in its <arm>/seed<s>/ directories")
         for run in found:
             arm = run.parent.name if run.name.startswith("seed") else run.name
             out.setdefault(arm, []).append(run)
@@ -352,8 +354,11 @@ def parse_window(text: object) -> tuple[int, int]:
 
 def window_mean(records: list[dict], metric: str, window: tuple[int, int]) -> float | None:
     """The metric's mean over the RL steps ``window`` (first, last), both included."""
-    values = [float(r[metric]) for r in records if r.get("stage") == "rl"
-              and window[0] <= r.get("step", 0) <= window[1] and _number(r.get(metric))]  # fmt: skip
+    values = [
+        float(r[metric])
+        for r in records
+        if r.get("stage") == "rl" and window[0] <= r.get("step", 0) <= window[1] and _number(r.get(metric))
+    ]
     return statistics.fmean(values) if values else None
 
 
@@ -384,9 +389,7 @@ def compare(
     rows = [(m, m, final_value) for m in metrics]
     rows += [(f"{m} gain", m, gain) for m in metrics if m.startswith("eval/")]
     rows += [
-        (f"{m} steps {a}-{b}", m, lambda r, m, w=(a, b): window_mean(r, m, w))
-        for m in metrics
-        for a, b in windows
+        (f"{m} steps {a}-{b}", m, lambda r, m, w=(a, b): window_mean(r, m, w)) for m in metrics for a, b in windows
     ]
     for label, metric, reduce in rows:
         for arm, runs in records.items():
@@ -394,13 +397,11 @@ def compare(
         if paired_with is None:
             continue
         base = {
-            run.name: reduce(recs, metric)
-            for run, recs in zip(groups[paired_with], records[paired_with], strict=True)
+            run.name: reduce(recs, metric) for run, recs in zip(groups[paired_with], records[paired_with], strict=True)
         }
         for arm in (a for a in groups if a != paired_with):
             pairs = [
-                (reduce(recs, metric), base.get(run.name))
-                for run, recs in zip(groups[arm], records[arm], strict=True)
+                (reduce(recs, metric), base.get(run.name)) for run, recs in zip(groups[arm], records[arm], strict=True)
             ]
             row(
                 f"{label} minus {paired_with}, paired",
@@ -442,8 +443,12 @@ def _plot(records: dict[str, list[list[dict]]], metric: str, out_dir: Path) -> P
             continue
         drawn = True
         ax.plot(steps, means, marker="." if len(steps) < 40 else None, label=f"{arm} (n={len(runs)})")
-        ax.fill_between(steps, [m - e for m, e in zip(means, errs, strict=True)],
-                        [m + e for m, e in zip(means, errs, strict=True)], alpha=0.2)  # fmt: skip
+        ax.fill_between(
+            steps,
+            [m - e for m, e in zip(means, errs, strict=True)],
+            [m + e for m, e in zip(means, errs, strict=True)],
+            alpha=0.2,
+        )
     if not drawn:
         plt.close(fig)
         return None

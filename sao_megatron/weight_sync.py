@@ -70,8 +70,9 @@ class SyncReport:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
-def new_group(backend: str, store: Store, world_size: int, rank: int, group_name: str,
-              timeout_s: float = 300.0) -> dist.ProcessGroup:  # fmt: skip
+def new_group(
+    backend: str, store: Store, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+) -> dist.ProcessGroup:
     """A process group outside the default world (SGLang engines join it from their side).
 
     torch has no public API for a second, independent world in one process; this builds it
@@ -80,8 +81,15 @@ def new_group(backend: str, store: Store, world_size: int, rank: int, group_name
     from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
 
     prefixed = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), prefixed,
-                                         group_name=GroupName(group_name), timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        prefixed,
+        group_name=GroupName(group_name),
+        timeout=timedelta(seconds=timeout_s),
+    )
     # No global ranks given: the default-group path, which never returns the non-member sentinel.
     group = cast(dist.ProcessGroup, group)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
@@ -113,9 +121,7 @@ class BucketSpec:
     @classmethod
     def _make(cls, rows: list, flat: bool) -> BucketSpec:
         dtypes = [_DTYPE_NAMES[d] for _, _, d in rows]
-        return cls(
-            [n for n, _, _ in rows], dtypes, [list(s) for _, s, _ in rows], flat and len(set(dtypes)) == 1
-        )
+        return cls([n for n, _, _ in rows], dtypes, [list(s) for _, s, _ in rows], flat and len(set(dtypes)) == 1)
 
 
 def sync_order(buckets_per_sender: Sequence[int]) -> list[tuple[int, int]]:
@@ -262,14 +268,10 @@ class EngineControl:
         self._t0 = time.perf_counter()
         try:
             await asyncio.gather(*(c.pause("retract") for c in self.clients))
-            begun = await asyncio.gather(
-                *(c.begin_weight_update() for c in self.clients), return_exceptions=True
-            )
+            begun = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
             refused = [r for r in begun if isinstance(r, BaseException)]
             if refused:  # the engines that began end again: each would refuse the next begin
-                opened = [
-                    c for c, r in zip(self.clients, begun, strict=True) if not isinstance(r, BaseException)
-                ]
+                opened = [c for c, r in zip(self.clients, begun, strict=True) if not isinstance(r, BaseException)]
                 await asyncio.gather(*(c.end_weight_update() for c in opened), return_exceptions=True)
                 raise refused[0]
         except BaseException:
@@ -279,9 +281,14 @@ class EngineControl:
 
     async def load(self, group_name: str, spec: BucketSpec, version: int) -> None:
         """Every engine receives one bucket over ``group_name`` (its sender broadcasts meanwhile)."""
-        await asyncio.gather(*(c.update_weights_from_distributed(spec.names, spec.dtypes, spec.shapes, group_name,
-                                                                   str(version), flat=spec.flat)
-                               for c in self.clients))  # fmt: skip
+        await asyncio.gather(
+            *(
+                c.update_weights_from_distributed(
+                    spec.names, spec.dtypes, spec.shapes, group_name, str(version), flat=spec.flat
+                )
+                for c in self.clients
+            )
+        )
         kill_point("weight_sync:bucket")  # engines hold a partly updated model
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -289,8 +296,9 @@ class EngineControl:
         effort (an engine refuses the next ``/begin_weight_update`` while one is open), and the
         engines resume with a partly updated model until the next update (which the driver retries)."""
         try:
-            ended = await asyncio.gather(*(c.end_weight_update() for c in self.clients),
-                                         return_exceptions=exc_type is not None)  # fmt: skip
+            ended = await asyncio.gather(
+                *(c.end_weight_update() for c in self.clients), return_exceptions=exc_type is not None
+            )
             for url, result in zip((c.url for c in self.clients), ended, strict=True):
                 if isinstance(result, BaseException):
                     log.info("engine %s: ending a failed weight update: %s", url, result)
@@ -308,9 +316,16 @@ class WeightSync:
     """One sender's broadcast group to every engine (it is the group's rank 0), and, for a lone
     sender, the whole update (:meth:`update`)."""
 
-    def __init__(self, engine_urls: list[str], engine_tp: int = 1, backend: str = "gloo",
-                 master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = "sao_weight_sync",
-                 flat: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        engine_urls: list[str],
+        engine_tp: int = 1,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "sao_weight_sync",
+        flat: bool = False,
+    ):
         """``master_port`` 0 (the default): any free port on ``master_address``, bound at connect().
         ``flat``: send a bucket of one dtype as one byte buffer (:class:`BucketSpec`)."""
         self.engine_urls = engine_urls
@@ -335,14 +350,18 @@ class WeightSync:
         store = open_store(self.master_address, self.world_size, self.master_port, timeout_s=300.0)
         self.master_port = store.port
         loop = asyncio.get_running_loop()
-        local = loop.run_in_executor(None, lambda: new_group(self.backend, store, self.world_size, 0,
-                                                              self.group_name))  # fmt: skip
+        local = loop.run_in_executor(None, lambda: new_group(self.backend, store, self.world_size, 0, self.group_name))
 
         async def join(i: int, url: str):
             async with EngineClient(url) as client:
-                await client.init_weights_update_group(self.master_address, self.master_port,
-                                                       1 + i * self.engine_tp, self.world_size,
-                                                       self.group_name, self.backend)  # fmt: skip
+                await client.init_weights_update_group(
+                    self.master_address,
+                    self.master_port,
+                    1 + i * self.engine_tp,
+                    self.world_size,
+                    self.group_name,
+                    self.backend,
+                )
 
         await asyncio.gather(*(join(i, u) for i, u in enumerate(self.engine_urls)))
         self.group = await local
@@ -353,9 +372,7 @@ class WeightSync:
             raise RuntimeError("WeightSync.send before connect()")
         tensors = [t.contiguous() for _, t in bucket]
         if BucketSpec.of(bucket, self.flat).flat:
-            dist.broadcast(
-                torch.cat([t.view(-1).view(torch.uint8) for t in tensors]), src=0, group=self.group
-            )
+            dist.broadcast(torch.cat([t.view(-1).view(torch.uint8) for t in tensors]), src=0, group=self.group)
         else:
             for tensor in tensors:
                 dist.broadcast(tensor, src=0, group=self.group)
@@ -370,9 +387,7 @@ class WeightSync:
         loop = asyncio.get_running_loop()
         async with EngineControl(self.engine_urls) as control:
             for bucket in buckets:
-                posted = asyncio.create_task(
-                    control.load(self.group_name, BucketSpec.of(bucket, self.flat), version)
-                )
+                posted = asyncio.create_task(control.load(self.group_name, BucketSpec.of(bucket, self.flat), version))
                 try:
                     nbytes += await loop.run_in_executor(None, self.send, bucket)
                 except BaseException:

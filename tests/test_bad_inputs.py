@@ -67,8 +67,9 @@ def _data(content: bytes, name: str = "train.jsonl", *overrides: str) -> Build:
     def build(tmp: Path) -> Call:
         (tmp / name).write_bytes(content)
         (tmp / "eval.jsonl").write_text(GOOD_ROW)
-        return _sao_train(tmp, str(DEFAULT_RUN_CONFIG), f"data.train={tmp / name}",
-                          f"data.eval={tmp / 'eval.jsonl'}", *overrides)  # fmt: skip
+        return _sao_train(
+            tmp, str(DEFAULT_RUN_CONFIG), f"data.train={tmp / name}", f"data.eval={tmp / 'eval.jsonl'}", *overrides
+        )
 
     return build
 
@@ -115,9 +116,13 @@ def _write(name: str, content: str | bytes) -> Callable[[Path], object]:
 def _sharded(ckpt: Path) -> None:
     """model.safetensors -> model-00001-of-00002.safetensors, with an index naming a second shard."""
     (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
-    index = {"metadata": {"total_size": 16}, "weight_map": {
-        "lm_head.weight": "model-00001-of-00002.safetensors",
-        "model.norm.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    index = {
+        "metadata": {"total_size": 16},
+        "weight_map": {
+            "lm_head.weight": "model-00001-of-00002.safetensors",
+            "model.norm.weight": "model-00002-of-00002.safetensors",
+        },
+    }
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
@@ -300,9 +305,7 @@ def test_the_table_is_big_enough_and_its_good_checkpoint_passes(tmp_path, capsys
     with pytest.raises(AssertionError, match="training started"):
         _sao_train(tmp_path, str(DEFAULT_RUN_CONFIG), f"actor.init_from={ckpt}")()
     _sharded(ckpt)
-    (ckpt / "model-00002-of-00002.safetensors").write_bytes(
-        _header({"model.norm.weight": ([2], 8)}) + bytes(8)
-    )
+    (ckpt / "model-00002-of-00002.safetensors").write_bytes(_header({"model.norm.weight": ([2], 8)}) + bytes(8))
     with pytest.raises(AssertionError, match="training started"):
         _sao_train(tmp_path, str(DEFAULT_RUN_CONFIG), f"actor.init_from={ckpt}")()
     with pytest.raises(AssertionError, match="training started"):

@@ -51,9 +51,7 @@ def test_spread_halves_then_adds_fillers():
     assert filler["tokens"].shape == (1, 4) and filler["rows"] == []
     assert not filler["action_mask"].any() and (filler["policy_versions"] == -1).all()
     packed = batch.micro_batch([], MicroBatching(multiple=4, pack=True), {})
-    assert (
-        packed["tokens"].shape == (1, 4) and packed["spans"] == [] and packed["cu_seqlens"].tolist() == [0, 4]
-    )
+    assert packed["tokens"].shape == (1, 4) and packed["spans"] == [] and packed["cu_seqlens"].tolist() == [0, 4]
 
 
 def test_packed_micro_batch_lays_rows_end_to_end_with_exact_segments():

@@ -82,9 +82,14 @@ def test_observer_reports_the_drops_by_cause():
     empty.action_mask = [0, 0, 0]
     buf.admit(empty, 0)
     m = buffer_metrics(buf)
-    assert m == {"buffer/waiting": 1.0, "buffer/dropped_stale": 0.0, "buffer/dropped_failed": 1.0,
-                 "buffer/dropped_failed/engine": 1.0, "buffer/dropped_no_actions": 1.0,
-                 "buffer/dropped_group": 0.0}  # fmt: skip
+    assert m == {
+        "buffer/waiting": 1.0,
+        "buffer/dropped_stale": 0.0,
+        "buffer/dropped_failed": 1.0,
+        "buffer/dropped_failed/engine": 1.0,
+        "buffer/dropped_no_actions": 1.0,
+        "buffer/dropped_group": 0.0,
+    }
 
 
 def test_group_mode_waits_for_siblings_and_measures_the_wait():

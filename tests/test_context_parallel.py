@@ -96,9 +96,7 @@ def test_matches_megatron_get_batch_on_this_cp_rank(c, monkeypatch):
     }
     for r in range(c):
         monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=r: r)
-        theirs = utils.get_batch_on_this_cp_rank(
-            {**batch, "cu_seqlens": None}, is_hybrid_cp=False, cp_group=None
-        )
+        theirs = utils.get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False, cp_group=None)
         for key, val in batch.items():
             assert torch.equal(cp_split(val, [t], c, r), theirs[key]), (c, r, key)
         assert torch.equal(cp_positions([t], c, r).expand(2, -1), theirs["position_ids"])

@@ -56,9 +56,7 @@ def run(tmp_path_factory) -> dict:
     from sao_megatron.spawn import run_world
 
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(
-        None, ["model.num_layers=2", "actor.optim.lr=1e-2", "actor.parallel.micro_batch_size=2"]
-    )
+    cfg = load_config(None, ["model.num_layers=2", "actor.optim.lr=1e-2", "actor.parallel.micro_batch_size=2"])
     save_config(cfg, run_dir)
     run_world(_make_run_rank, 1, str(run_dir), backend="gloo")
     (run_dir / "checkpoint" / "state.json").write_text(json.dumps({"stage": "rl", "step": 3, "version": 3}))
@@ -98,9 +96,7 @@ def test_export_matches_the_actor(run, tmp_path: Path, layout: list[str]) -> Non
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template and tok.apply_chat_template(
-        [{"role": "user", "content": "2+2?"}], tokenize=False
-    )
+    assert tok.chat_template and tok.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False)
 
 
 def test_export_errors(run, tmp_path: Path, capsys) -> None:

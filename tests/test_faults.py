@@ -18,8 +18,15 @@ from sao_megatron.faults import kill_point
 
 def _python(code: str, env: dict[str, str], **kwargs) -> subprocess.CompletedProcess:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SAO_")}, **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=60, start_new_session=True, **kwargs)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+        **kwargs,
+    )
 
 
 def _alive(pid: int) -> bool:

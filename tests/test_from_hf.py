@@ -46,14 +46,27 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 STEPS = 3
 QWEN3_VOCAB = 151936  # Qwen3's embedding rows (the tokenizer's 151,669 ids padded up)
 RUN = [
-    "rollout.env=math_python", "rollout.dtype=float32", "algo.batch_size=4", "algo.critic_warmup_steps=0",
-    "algo.max_policy_lag=null", "rollout.max_concurrent=8", "rollout.loop.max_turns=2",
-    "rollout.env_kwargs={max_turns: 2}", "rollout.loop.max_new_tokens=16", "rollout.loop.max_response_tokens=256",
+    "rollout.env=math_python",
+    "rollout.dtype=float32",
+    "algo.batch_size=4",
+    "algo.critic_warmup_steps=0",
+    "algo.max_policy_lag=null",
+    "rollout.max_concurrent=8",
+    "rollout.loop.max_turns=2",
+    "rollout.env_kwargs={max_turns: 2}",
+    "rollout.loop.max_new_tokens=16",
+    "rollout.loop.max_response_tokens=256",
     "rollout.loop.max_context_tokens=1024",
-    "train.eval_prompts=0", "train.eval_every=0", "train.sft_steps=0", "train.value_pretrain_steps=0",
-    "train.sample_trajectories=1", f"train.steps={STEPS}",
-    "actor.parallel.world_size=2", "actor.parallel.pipeline_parallel=2", "rollout.weight_sync_flat=true",
-]  # fmt: skip
+    "train.eval_prompts=0",
+    "train.eval_every=0",
+    "train.sft_steps=0",
+    "train.value_pretrain_steps=0",
+    "train.sample_trajectories=1",
+    f"train.steps={STEPS}",
+    "actor.parallel.world_size=2",
+    "actor.parallel.pipeline_parallel=2",
+    "rollout.weight_sync_flat=true",
+]
 
 
 def make_tiny_qwen3(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -63,12 +76,26 @@ def make_tiny_qwen3(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     tok = load_tokenizer(tokenizer_dir)
     assert len(tok) <= QWEN3_VOCAB
     cfg = Qwen3MoeConfig(
-        vocab_size=QWEN3_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-        norm_topk_prob=True, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=QWEN3_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).float()
     with torch.no_grad():
@@ -96,13 +123,12 @@ def replay_turns(t: Trajectory, session: Session, cfg) -> int:
     assert env.tools, "math_python declares its tool as a JSON schema"
     messages = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     messages.append({"role": "user", "content": escape_specials(question)})
-    expected = tok.apply_chat_template(messages, tools=env.tools, add_generation_prompt=True, tokenize=True,
-                                       return_dict=False)  # fmt: skip
+    expected = tok.apply_chat_template(
+        messages, tools=env.tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert t.prompt_ids == [int(i) for i in expected], "first prompt != apply_chat_template(messages)"
     assert "<tools>" in tok.decode(t.prompt_ids), "the tool schema is not in the prompt"
-    chat = ChatFormat(
-        tok, tools=env.tools, system=env.system_prompt, enable_thinking=cfg.rollout.loop.enable_thinking
-    )
+    chat = ChatFormat(tok, tools=env.tools, system=env.system_prompt, enable_thinking=cfg.rollout.loop.enable_thinking)
     history = list(messages)
     cursor, observations = 0, 0
     for i, turn in enumerate(t.turns):
@@ -120,9 +146,7 @@ def replay_turns(t: Trajectory, session: Session, cfg) -> int:
         history.append(chat.assistant_message(text))
         obs = chat.observation_ids(history, step.observation or "")
         end = t.turns[i + 1].start if not last else len(t.response_ids)
-        assert t.response_ids[turn.end : end] == obs, (
-            f"observation after turn {i} != the template's rendering"
-        )
+        assert t.response_ids[turn.end : end] == obs, f"observation after turn {i} != the template's rendering"
         assert t.action_mask[turn.end : end] == [0] * len(obs)
         history.append(chat.tool_message(step.observation or ""))
         observations += 1
@@ -165,8 +189,11 @@ def test_sao_from_an_hf_checkpoint_with_the_qwen3_template(tmp_path, qwen3_token
             assert tool_format_of(session.tokenizer.chat_template) == "json"
             await session.start_rollouts(state.version)
             probe = session.tokenizer.apply_chat_template(
-                [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=True,
-                return_dict=False)  # fmt: skip
+                [{"role": "user", "content": "What is 2 + 3?"}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
             before = await engine_vs_actor(session, [int(i) for i in probe])
             await run_stage(session, state, log, stages.rl(cfg, session.critic is not None))
             after = await engine_vs_actor(session, [int(i) for i in probe])
@@ -213,7 +240,9 @@ def test_sao_from_an_hf_checkpoint_with_the_qwen3_template(tmp_path, qwen3_token
         logits = model(batch.tokens[:, :n]).logits.float()
     hf_lp = torch.log_softmax(logits, -1).gather(-1, batch.labels[:, :n, None]).squeeze(-1)
     diff = (hf_lp[:, : n - 1] - actor_lp[:, : n - 1]).abs().max().item()
-    print(f"logprob diffs: probe v0 {before[0]:.2e}, first batch v0 {first_batch['diff']:.2e} "
-          f"({first_batch['tokens']} tokens), probe v{STEPS} {after[0]:.2e}, export vs actor {diff:.2e} ({n} tokens); "
-          f"{observations} tool-result turns replayed")  # fmt: skip
+    print(
+        f"logprob diffs: probe v0 {before[0]:.2e}, first batch v0 {first_batch['diff']:.2e} "
+        f"({first_batch['tokens']} tokens), probe v{STEPS} {after[0]:.2e}, export vs actor {diff:.2e} ({n} tokens); "
+        f"{observations} tool-result turns replayed"
+    )
     assert diff <= 1e-4, diff

@@ -31,13 +31,26 @@ pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
 STEPS = 3
 RUN = [
-    "configs/tiny_cpu.yaml", "model.num_layers=2", "algo.batch_size=4", "algo.critic_warmup_steps=0",
-    "rollout.max_concurrent=8", "rollout.loop.max_turns=2", "rollout.env_kwargs={max_turns: 2}",
-    "rollout.loop.max_new_tokens=16", "rollout.loop.max_response_tokens=64", "train.eval_prompts=4",
-    "train.eval_every=0", "train.sample_trajectories=1", "train.sft_steps=0", "train.value_pretrain_steps=0",
-    "cluster.cpus_per_rank=0.5", "algo.synchronous=true", "algo.max_policy_lag=0", f"train.steps={STEPS}",
+    "configs/tiny_cpu.yaml",
+    "model.num_layers=2",
+    "algo.batch_size=4",
+    "algo.critic_warmup_steps=0",
+    "rollout.max_concurrent=8",
+    "rollout.loop.max_turns=2",
+    "rollout.env_kwargs={max_turns: 2}",
+    "rollout.loop.max_new_tokens=16",
+    "rollout.loop.max_response_tokens=64",
+    "train.eval_prompts=4",
+    "train.eval_every=0",
+    "train.sample_trajectories=1",
+    "train.sft_steps=0",
+    "train.value_pretrain_steps=0",
+    "cluster.cpus_per_rank=0.5",
+    "algo.synchronous=true",
+    "algo.max_policy_lag=0",
+    f"train.steps={STEPS}",
     "train.save_every=1",
-]  # fmt: skip
+]
 
 # (SAO_KILL_AT, RL step of the complete checkpoint the next run resumes from). Counts are per
 # process: a resumed run starts counting again.
@@ -62,12 +75,20 @@ def _sao_train(run_dir: Path, out: Path, token: str, kill_at: str = "", resume: 
     env["SAO_KILL_TEST"] = token  # inherited by everything the run starts: how leftovers are found
     if kill_at:
         env["SAO_KILL_AT"] = kill_at
-    cmd = [sys.executable, "-m", "sao_megatron.cli", "train", *(["--resume-if-present"] if resume else []),
-           *RUN, f"run.run_dir={run_dir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sao_megatron.cli",
+        "train",
+        *(["--resume-if-present"] if resume else []),
+        *RUN,
+        f"run.run_dir={run_dir}",
+    ]
     t0 = time.perf_counter()
     with (out.with_suffix(".out")).open("w") as so, (out.with_suffix(".err")).open("w") as se:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=so, stderr=se, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=so, stderr=se, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -91,9 +112,7 @@ def _processes(token: str, sid: int) -> dict[int, str]:
             if fields[0] == "Z":
                 continue
             if int(fields[3]) == sid or mark in (p / "environ").read_bytes().split(b"\0"):
-                found[int(p.name)] = (
-                    (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-                )
+                found[int(p.name)] = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
         except (OSError, ValueError):
             continue
     return found
@@ -148,9 +167,7 @@ def test_sigkill_at_every_fault_point_then_resume_trains_the_same_prompts(tmp_pa
     try:
         run_dir = tmp_path / "chain"
         for i, (point, checkpoint_step) in enumerate(CHAIN):
-            rc, out, err, pid, timings[point] = _sao_train(
-                run_dir, tmp_path / f"kill{i}", token, point, resume=True
-            )
+            rc, out, err, pid, timings[point] = _sao_train(run_dir, tmp_path / f"kill{i}", token, point, resume=True)
             leftovers[point] = _leftovers(token, pid, exits, point)
             assert rc == -signal.SIGKILL, f"{point}: exit {rc}\n{out[-3000:]}\n{err[-3000:]}"
             killer, where = _kill_line(run_dir, err, point)
@@ -172,18 +189,14 @@ def test_sigkill_at_every_fault_point_then_resume_trains_the_same_prompts(tmp_pa
                 checkpoint,
                 state["step"],
             )
-            assert (checkpoint / "actor").is_dir() and (checkpoint / "critic").is_dir(), sorted(
-                checkpoint.iterdir()
-            )
+            assert (checkpoint / "actor").is_dir() and (checkpoint / "critic").is_dir(), sorted(checkpoint.iterdir())
             if point.startswith("checkpoint:renaming"):
                 assert checkpoint.name == "checkpoint.old" and not (run_dir / "checkpoint").exists()
             if point.startswith("checkpoint:"):
                 staged = json.loads((RunState.staging_dir(run_dir) / "state.json").read_text())
                 assert staged["step"] == checkpoint_step + 1  # the half-published one is not picked
 
-        rc, out, err, pid, timings["final resume"] = _sao_train(
-            run_dir, tmp_path / "final", token, resume=True
-        )
+        rc, out, err, pid, timings["final resume"] = _sao_train(run_dir, tmp_path / "final", token, resume=True)
         leftovers["final resume"] = _leftovers(token, pid, exits, "final resume")
         assert rc == 0, out[-3000:] + err[-3000:]
         assert "resuming from the complete checkpoint" in out and "done in" in out, out
@@ -194,9 +207,12 @@ def test_sigkill_at_every_fault_point_then_resume_trains_the_same_prompts(tmp_pa
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        print("\nkill/resume wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-              + f"; total {sum(timings.values()):.0f} s; processes gone after: "
-              + ", ".join(f"{k} {v:.1f} s" for k, v in exits.items()))  # fmt: skip
+        print(
+            "\nkill/resume wall times: "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+            + f"; total {sum(timings.values()):.0f} s; processes gone after: "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in exits.items())
+        )
 
     assert not any(leftovers.values()), f"processes left {GRACE_S:.0f} s after a run ended: {leftovers}"
     # An uninterrupted synchronous run trains step k on prompts 4(k-1)..4k-1 (the cursor's order;

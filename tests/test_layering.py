@@ -87,9 +87,7 @@ def test_imports_point_down_the_layers():
             if unit not in ("driver", "pipeline", "cli", "submit"):
                 bad.append(f"{path}:{line} {unit} imports {target}")
         elif target != unit and _layer(target) > _layer(unit):
-            bad.append(
-                f"{path}:{line} {unit} (layer {_layer(unit)}) imports {target} (layer {_layer(target)})"
-            )
+            bad.append(f"{path}:{line} {unit} (layer {_layer(unit)}) imports {target} (layer {_layer(target)})")
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
@@ -102,9 +100,7 @@ def test_no_import_cycles_between_units():
             graph[unit].add(target)
 
     def reaches(start, goal, seen):
-        return any(
-            n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start]
-        )
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start])
 
     cycles = sorted(u for u in list(graph) if reaches(u, u, set()))
     assert not cycles, f"import cycles through {cycles}"

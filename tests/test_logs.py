@@ -28,17 +28,13 @@ raise SystemExit(3)
 
 
 def _warn(message: str, module: str, category=UserWarning) -> None:
-    warnings.warn_explicit(
-        message, category, f"/site-packages/{module.replace('.', '/')}.py", 25, module=module
-    )
+    warnings.warn_explicit(message, category, f"/site-packages/{module.replace('.', '/')}.py", 25, module=module)
 
 
 def test_redirect_process_output_sends_everything_to_the_file_and_appends(tmp_path):
     path = tmp_path / "logs" / "actor_rank0.log"  # the parent directory does not exist yet
     for _ in range(2):
-        out = subprocess.run(
-            [sys.executable, "-c", WRITER, str(path)], capture_output=True, text=True, timeout=60
-        )
+        out = subprocess.run([sys.executable, "-c", WRITER, str(path)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 3
         assert (out.stdout, out.stderr) == ("", "")
     text = path.read_text()
@@ -81,9 +77,7 @@ def test_quiet_third_party_drops_known_log_records_only(caplog):
     quiet_third_party()
     megatron = logging.getLogger("megatron.core.models.gpt.gpt_model")
     with caplog.at_level(logging.INFO):
-        megatron.warning(
-            "GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new features."
-        )
+        megatron.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new features.")
         megatron.warning("a real Megatron problem")
         megatron.info("megatron progress at INFO")
         logging.getLogger("torch.utils.cpp_extension").warning(

@@ -30,20 +30,35 @@ from sao_megatron.rollout.client import SamplingParams
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 SMALL = [
-    "model.num_layers=2", "algo.batch_size=4", "algo.critic_warmup_steps=0", "rollout.max_concurrent=8",
-    "rollout.loop.max_turns=2", "rollout.env_kwargs={max_turns: 2}", "rollout.loop.max_new_tokens=16",
-    "rollout.loop.max_response_tokens=64", "train.eval_prompts=4", "train.value_pretrain_steps=0",
+    "model.num_layers=2",
+    "algo.batch_size=4",
+    "algo.critic_warmup_steps=0",
+    "rollout.max_concurrent=8",
+    "rollout.loop.max_turns=2",
+    "rollout.env_kwargs={max_turns: 2}",
+    "rollout.loop.max_new_tokens=16",
+    "rollout.loop.max_response_tokens=64",
+    "train.eval_prompts=4",
+    "train.value_pretrain_steps=0",
     "train.sample_trajectories=1",
-]  # fmt: skip
+]
 
 
 async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, int, set[str]]:
     """Sample from the engine, then score the same tokens with the actor: max |diff| of logprobs."""
     gen = await session.clients[0].generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
     n = len(gen.output_ids)
-    traj = Trajectory(prompt_id="probe", prompt_ids=prompt, response_ids=gen.output_ids, action_mask=[1] * n,
-                      behavior_logprobs=gen.behavior_logprobs, policy_versions=[0] * n, turns=[Turn(0, n)], reward=0.0,
-                      status="finished")  # fmt: skip
+    traj = Trajectory(
+        prompt_id="probe",
+        prompt_ids=prompt,
+        response_ids=gen.output_ids,
+        action_mask=[1] * n,
+        behavior_logprobs=gen.behavior_logprobs,
+        policy_versions=[0] * n,
+        turns=[Turn(0, n)],
+        reward=0.0,
+        status="finished",
+    )
     batch = build_batch([traj])
     actor = await session.actor.logprobs(batch)
     mask = batch.action_mask > 0
@@ -74,9 +89,7 @@ def test_async_loop_versions_sync_and_buffer(tmp_path):
     assert len(keys) == 12 and len(set(keys)) == 12, "a trajectory was trained twice"
     rl = [r for r in read_metrics(tmp_path) if r["stage"] == "rl"]
     assert [r["policy_version"] for r in rl] == [1.0, 2.0, 3.0]
-    assert any(r["rollout/multi_version"] > 0 or r["lag/max"] > 0 for r in rl[1:]), (
-        "no trajectory spanned an update"
-    )
+    assert any(r["rollout/multi_version"] > 0 or r["lag/max"] > 0 for r in rl[1:]), "no trajectory spanned an update"
     assert all("actor/kept_frac" in r and "critic/explained_var" in r for r in rl)
     assert all(any(k.startswith("dis/kept_frac/lag") for k in r) for r in rl)
 
@@ -88,8 +101,16 @@ def test_sigterm_checkpoints_mid_run_and_the_resume_trains_the_same_prompt_seque
     stopped run shows it for its steps, and resumed to the end it continues the sequence exactly
     (cursor, buffer and weights come from its checkpoint)."""
     steps, run_dir = 4, tmp_path / "cut"
-    base = [*SMALL, "algo.synchronous=true", "algo.max_policy_lag=0", "train.sft_steps=2", "train.eval_every=0",
-            "train.eval_prompts=0", f"train.steps={steps}", f"run.run_dir={run_dir}"]  # fmt: skip
+    base = [
+        *SMALL,
+        "algo.synchronous=true",
+        "algo.max_policy_lag=0",
+        "train.sft_steps=2",
+        "train.eval_every=0",
+        "train.eval_prompts=0",
+        f"train.steps={steps}",
+        f"run.run_dir={run_dir}",
+    ]
 
     def per_step():
         state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
@@ -103,8 +124,13 @@ def test_sigterm_checkpoints_mid_run_and_the_resume_trains_the_same_prompt_seque
 
     log = tmp_path / "cut.out"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sao_megatron.cli", "train", *base], cwd=REPO_ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sao_megatron.cli", "train", *base],
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 600
         metrics = run_dir / "metrics.jsonl"

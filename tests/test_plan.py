@@ -16,8 +16,19 @@ from sao_megatron.config import (
 from sao_megatron.models.counting import parameter_counts
 
 GiB = 2**30
-TINY = ModelConfig(name="t", num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
-                   ffn_hidden_size=96, vocab_size=256, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)  # fmt: skip
+TINY = ModelConfig(
+    name="t",
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    ffn_hidden_size=96,
+    vocab_size=256,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+)
 LAYOUTS = [
     ("single", TINY, ParallelConfig()),
     (
@@ -28,10 +39,8 @@ LAYOUTS = [
     (
         "cp2-ep4",
         TINY,
-        ParallelConfig(
-            world_size=16, tensor_parallel=2, pipeline_parallel=2, context_parallel=2, expert_parallel=4
-        ),
-    ),  # fmt: skip
+        ParallelConfig(world_size=16, tensor_parallel=2, pipeline_parallel=2, context_parallel=2, expert_parallel=4),
+    ),
     (
         "etp2",
         TINY,
@@ -41,22 +50,22 @@ LAYOUTS = [
         "shared-expert+dense-layer",
         dataclasses.replace(TINY, moe_shared_expert_intermediate_size=48, dense_layers=[0]),
         ParallelConfig(world_size=4, tensor_parallel=2, pipeline_parallel=2),
-    ),  # fmt: skip
+    ),
     (
         "moe-every-2nd",
         dataclasses.replace(TINY, moe_layer_freq=2),
         ParallelConfig(world_size=4, pipeline_parallel=2, expert_parallel=2),
-    ),  # fmt: skip
+    ),
     (
         "dense",
         dataclasses.replace(TINY, num_experts=0),
         ParallelConfig(world_size=4, tensor_parallel=2, pipeline_parallel=2),
-    ),  # fmt: skip
+    ),
     (
         "dense-tied",
         dataclasses.replace(TINY, num_experts=0, tie_word_embeddings=True),
         ParallelConfig(world_size=2, tensor_parallel=2),
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -109,8 +118,14 @@ def test_qwen3_counts_match_the_model_cards():
 
 def test_memory_model_by_hand():
     """Dense fp32 -> bf16 bytes: weights 2, fp32 grads 4, Adam 12 / DP with the distributed optimizer."""
-    overrides = ["model=qwen3_8b", "actor.bf16=true", "actor.parallel.world_size=4", "algo.batch_size=8",
-                 "actor.parallel.micro_batch_size=1", "rollout.loop.max_context_tokens=4096"]  # fmt: skip
+    overrides = [
+        "model=qwen3_8b",
+        "actor.bf16=true",
+        "actor.parallel.world_size=4",
+        "algo.batch_size=8",
+        "actor.parallel.micro_batch_size=1",
+        "rollout.loop.max_context_tokens=4096",
+    ]
     cfg = load_config("configs/tiny_cpu.yaml", overrides)
     stages = plan.analytic_parameters(cfg.model, cfg.actor.parallel)
     n = sum(c for c, _ in stages[0].values())
@@ -125,8 +140,9 @@ def test_memory_model_by_hand():
     recompute = 2 * seq * m.hidden_size * m.num_layers + per_layer
     assert mem.activations_alt == pytest.approx(recompute)
     assert mem.logits == plan.LOGIT_BYTES * seq * m.vocab_size
-    assert mem.total == pytest.approx(mem.weights + mem.grads + mem.optimizer + mem.activations + mem.logits
-                                      + plan.RESERVED_GIB * GiB)  # fmt: skip
+    assert mem.total == pytest.approx(
+        mem.weights + mem.grads + mem.optimizer + mem.activations + mem.logits + plan.RESERVED_GIB * GiB
+    )
 
 
 def test_engine_kv_cache_by_hand():
@@ -157,14 +173,30 @@ def test_a_role_that_does_not_fit_is_rejected_with_the_gb_it_is_short(capsys):
 
 
 def test_an_engine_that_cannot_hold_its_weights_is_rejected(capsys):
-    assert cli.main(["plan", "--analytic", "configs/moe_750b_a40b.yaml", "rollout.tensor_parallel=8",
-                     "rollout.expert_parallel=8", "cluster.engine_dp_attention=1"]) == 1  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--analytic",
+                "configs/moe_750b_a40b.yaml",
+                "rollout.tensor_parallel=8",
+                "rollout.expert_parallel=8",
+                "cluster.engine_dp_attention=1",
+            ]
+        )
+        == 1
+    )
     assert "plan error: rollout does not fit" in capsys.readouterr().err
 
 
 def test_bigger_gpus_fit(capsys):
-    args = ["plan", "--analytic", "configs/qwen3_30b_a3b_math.yaml", "actor.parallel.recompute_activations=false",
-            "cluster.gpu_memory_gb=1000"]  # fmt: skip
+    args = [
+        "plan",
+        "--analytic",
+        "configs/qwen3_30b_a3b_math.yaml",
+        "actor.parallel.recompute_activations=false",
+        "cluster.gpu_memory_gb=1000",
+    ]
     assert cli.main(args) == 0
     assert "| yes |" in capsys.readouterr().out
 

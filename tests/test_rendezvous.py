@@ -39,9 +39,7 @@ def test_a_store_on_port_0_never_collides_and_holds_its_port():
 
 def test_a_taken_port_fails_at_once_naming_the_endpoint(taken_port):
     t0 = time.monotonic()
-    with pytest.raises(
-        RendezvousError, match=rf"127\.0\.0\.1:{taken_port} \(.*in use.*another process holds"
-    ):
+    with pytest.raises(RendezvousError, match=rf"127\.0\.0\.1:{taken_port} \(.*in use.*another process holds"):
         open_store("127.0.0.1", 2, taken_port)
     assert time.monotonic() - t0 < 2
 
@@ -51,9 +49,7 @@ def test_joining_a_store_nobody_opened_fails_within_its_timeout():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     t0 = time.monotonic()
-    with pytest.raises(
-        RendezvousError, match=rf"no rendezvous store answered at 127\.0\.0\.1:{port} within 2 s"
-    ):
+    with pytest.raises(RendezvousError, match=rf"no rendezvous store answered at 127\.0\.0\.1:{port} within 2 s"):
         join_store("127.0.0.1", port, 2, timeout_s=2)
     assert time.monotonic() - t0 < 15  # torch retries once within the timeout budget
 

@@ -16,8 +16,18 @@ def flat(tokens: int, turns: int, latency: float):
 
 
 def longtail(sigma: float, seed: int = 0):
-    task = LongTailTask(turns_median=3, turns_sigma=sigma, max_turns=12, tokens_median=24, tokens_sigma=sigma,
-                        max_tokens=128, tool_latency_s=0.3, tool_sigma=sigma, max_tool_latency_s=5.0, seed=seed)  # fmt: skip
+    task = LongTailTask(
+        turns_median=3,
+        turns_sigma=sigma,
+        max_turns=12,
+        tokens_median=24,
+        tokens_sigma=sigma,
+        max_tokens=128,
+        tool_latency_s=0.3,
+        tool_sigma=sigma,
+        max_tool_latency_s=5.0,
+        seed=seed,
+    )
     return task.shape
 
 
@@ -26,8 +36,9 @@ def test_sync_scheme_matches_the_closed_form():
     turns * (request + tokens * step) + tool latencies, then the learner step (its sync inside)."""
     engine = EngineModel(step_s=0.01, per_seq_s=0.0, request_s=0.05)
     learner = LearnerModel(step_s=0.7, sync_pause_s=0.2)
-    r = simulate("sync", engine, learner, flat(20, 3, 0.3), batch_size=8, group_size=4, max_concurrent=64,
-                 steps=6, warmup=1)  # fmt: skip
+    r = simulate(
+        "sync", engine, learner, flat(20, 3, 0.3), batch_size=8, group_size=4, max_concurrent=64, steps=6, warmup=1
+    )
     period = 3 * (0.05 + 20 * 0.01) + 2 * 0.3 + 0.7
     assert r.trajectories_per_s == pytest.approx(8 / period, rel=1e-9)
     assert r.tokens_per_s == pytest.approx(8 * 60 / period, rel=1e-9)
@@ -39,8 +50,17 @@ def test_free_learner_sao_runs_at_the_engines_capacity():
     engine = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.01)
     shape = longtail(1.0)
     cap = capacity(engine, shape, max_concurrent=32, seconds=300)
-    r = simulate("sao", engine, LearnerModel(step_s=0.0), shape, batch_size=16, max_concurrent=32, steps=40,
-                 warmup=5, max_lag=None)  # fmt: skip
+    r = simulate(
+        "sao",
+        engine,
+        LearnerModel(step_s=0.0),
+        shape,
+        batch_size=16,
+        max_concurrent=32,
+        steps=40,
+        warmup=5,
+        max_lag=None,
+    )
     assert r.generated_tokens_per_s == pytest.approx(cap, rel=0.05)
     # decoding 32 sequences at once cannot beat that rate, and the tools keep some idle
     assert cap < engine.tokens_per_s(32)
@@ -50,9 +70,20 @@ def test_with_a_heavy_tail_sao_beats_async_grpo_beats_sync():
     engine = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.01)
     learner = LearnerModel(step_s=0.5, sync_pause_s=0.1, engine_speed=1.0)
     shape = longtail(1.0)
-    rates = {scheme: simulate(scheme, engine, learner, shape, batch_size=16, group_size=1 if scheme == "sao" else 4,
-                              max_concurrent=32, steps=40, warmup=5).tokens_per_s
-             for scheme in ("sync", "async_grpo", "sao")}  # fmt: skip
+    rates = {
+        scheme: simulate(
+            scheme,
+            engine,
+            learner,
+            shape,
+            batch_size=16,
+            group_size=1 if scheme == "sao" else 4,
+            max_concurrent=32,
+            steps=40,
+            warmup=5,
+        ).tokens_per_s
+        for scheme in ("sync", "async_grpo", "sao")
+    }
     assert rates["sync"] < rates["async_grpo"] <= rates["sao"] * 1.05, rates
     assert rates["sao"] / rates["sync"] > 1.5, rates
 
@@ -61,18 +92,23 @@ def test_lag_bound_drops_stale_trajectories_and_slow_engines_make_lag():
     engine = EngineModel(step_s=0.02, per_seq_s=0.001, request_s=0.01)
     fast_learner = LearnerModel(step_s=0.05)
     shape = longtail(1.5)
-    loose = simulate("sao", engine, fast_learner, shape, batch_size=4, max_concurrent=64, steps=60, warmup=5,
-                     max_lag=None)  # fmt: skip
-    tight = simulate("sao", engine, fast_learner, shape, batch_size=4, max_concurrent=64, steps=60, warmup=5,
-                     max_lag=1)  # fmt: skip
+    loose = simulate(
+        "sao", engine, fast_learner, shape, batch_size=4, max_concurrent=64, steps=60, warmup=5, max_lag=None
+    )
+    tight = simulate("sao", engine, fast_learner, shape, batch_size=4, max_concurrent=64, steps=60, warmup=5, max_lag=1)
     assert loose.lag_mean > 1.0 and loose.dropped_stale == 0
     assert max(tight.lag_hist) <= 1 and tight.dropped_stale > 0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"scheme": "sao", "group_size": 4}, "single rollouts"), ({"scheme": "sync", "batch_size": 6}, "multiple"),
-    ({"scheme": "nope"}, "unknown scheme"), ({"scheme": "sao", "steps": 3, "warmup": 3}, "must exceed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"scheme": "sao", "group_size": 4}, "single rollouts"),
+        ({"scheme": "sync", "batch_size": 6}, "multiple"),
+        ({"scheme": "nope"}, "unknown scheme"),
+        ({"scheme": "sao", "steps": 3, "warmup": 3}, "must exceed"),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, match):
     args = {
         "batch_size": 8,
@@ -93,9 +129,7 @@ def test_engine_fit_recovers_its_parameters():
 def test_sao_simulate_prints_the_schemes_and_the_best_split_of_the_30b_plan(capsys):
     from sao_megatron.cli import main
 
-    rc = main(
-        ["simulate", "configs/qwen3_30b_a3b_math.yaml", "--steps", "8", "--warmup", "2", "--lag-bound", "5"]
-    )
+    rc = main(["simulate", "configs/qwen3_30b_a3b_math.yaml", "--steps", "8", "--warmup", "2", "--lag-bound", "5"])
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
@@ -152,14 +186,14 @@ def test_predictions_are_within_15_percent_of_the_measured_cpu_runs(name):
     tail weights), are within 15% of what was measured."""
     from benchmarks.bench_pipeline import ARMS, predict_all
 
-    results = {sigma: {k: v for k, v in record.items() if k != "predicted"}
-               for sigma, record in json.loads((RESULTS / name).read_text())["results"].items()}  # fmt: skip
+    results = {
+        sigma: {k: v for k, v in record.items() if k != "predicted"}
+        for sigma, record in json.loads((RESULTS / name).read_text())["results"].items()
+    }
     errors = {}
     for sigma, predicted in predict_all(results).items():
         record = results[sigma]
-        capacity = record["capacity"]["at_concurrency"][str(record["args"]["batch"])][
-            "generated_tokens_per_s"
-        ]
+        capacity = record["capacity"]["at_concurrency"][str(record["args"]["batch"])]["generated_tokens_per_s"]
         errors[f"sigma {sigma} capacity at the batch's load"] = (
             predicted["capacity"][str(record["args"]["batch"])] / capacity - 1
         )

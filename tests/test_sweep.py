@@ -17,7 +17,7 @@ from sao_megatron.cli import main
 from sao_megatron.config import ConfigError
 from sao_megatron.sweep import compare, load_sweep, run_sweep
 
-STUB = textwrap.dedent('''
+STUB = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
     args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
@@ -38,7 +38,7 @@ STUB = textwrap.dedent('''
         for step in (1, 2):
             f.write(json.dumps({"step": step, "stage": "rl", "rollout/reward": 0.1 * step * eps}) + "\\n")
             f.write(json.dumps({"step": step, "stage": "eval", "eval/accuracy": eps / 10 + seed / 100 + step / 1000}) + "\\n")
-''')  # fmt: skip
+""")
 
 
 @pytest.fixture
@@ -76,22 +76,29 @@ def test_a_sweep_runs_its_grid_resumes_a_failed_run_and_compares(sweep_file, tmp
     calls = [c for c in (tmp_path / "calls.txt").read_text().split("\n") if c]
     assert len(calls) == 7 and calls[-1].startswith("high/seed2")
     out = capsys.readouterr().out
-    rows = {
-        line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| eval/accuracy |")
-    }
+    rows = {line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| eval/accuracy |")}
     # final eval/accuracy of arm a, seed s: eps/10 + s/100 + 0.002
     for arm, eps in (("low", 1.0), ("high", 4.0)):
         values = [eps / 10 + s / 100 + 0.002 for s in (1, 2, 3)]
         mean, se = statistics.fmean(values), statistics.stdev(values) / math.sqrt(3)
-        assert (
-            f"| 3 | {mean:.4g} +- {se:.2g} | [{mean - 4.303 * se:.4g}, {mean + 4.303 * se:.4g}] |"
-            in rows[arm]
-        )
+        assert f"| 3 | {mean:.4g} +- {se:.2g} | [{mean - 4.303 * se:.4g}, {mean + 4.303 * se:.4g}] |" in rows[arm]
     assert "| eval/accuracy gain | low | 3 | 0.001 +- 0 |" in out  # last minus first evaluation
     assert (tmp_path / "out" / "compare_mini" / "eval_accuracy.png").stat().st_size > 0
 
-    assert main(["compare", str(tmp_path / "out" / "low" / "seed1"), str(tmp_path / "out" / "low" / "seed2"),
-                 "--metric", "rollout/reward", "--out", str(tmp_path / "cmp")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "compare",
+                str(tmp_path / "out" / "low" / "seed1"),
+                str(tmp_path / "out" / "low" / "seed2"),
+                "--metric",
+                "rollout/reward",
+                "--out",
+                str(tmp_path / "cmp"),
+            ]
+        )
+        == 0
+    )
     assert "| rollout/reward | low | 2 | 0.2 +- 0 |" in capsys.readouterr().out
     assert (tmp_path / "cmp" / "compare.md").exists() and (tmp_path / "cmp" / "rollout_reward.png").exists()
 
@@ -103,7 +110,8 @@ def test_arms_of_a_seed_begin_from_one_shared_start_unless_they_opt_out(tmp_path
     monkeypatch.setenv("STUB_CALLS", str(tmp_path / "calls.txt"))
     monkeypatch.setenv("STUB_FAIL", "_start/seed1")
     path = tmp_path / "shared.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         config: configs/tiny_cpu.yaml
         seeds: [1, 2]
         out_dir: {tmp_path / "out"}
@@ -112,17 +120,22 @@ def test_arms_of_a_seed_begin_from_one_shared_start_unless_they_opt_out(tmp_path
           low: [algo.eps_high=1.0]
           high: [algo.eps_high=4.0]
           own: {{overrides: [algo.eps_high=2.0], shared_start: false}}
-    """))  # fmt: skip
+    """)
+    )
     sweep = load_sweep(path)
     assert [r[:2] for r in sweep.starts()] == [("_start", 1), ("_start", 2)]
-    assert "train.sft_steps=3" in sweep.command(
+    assert "train.sft_steps=3" in sweep.command("_start", 1, tmp_path / "x") and "train.steps=0" in sweep.command(
         "_start", 1, tmp_path / "x"
-    ) and "train.steps=0" in sweep.command("_start", 1, tmp_path / "x")
+    )
     assert main(["sweep", str(path)]) == 1  # seed 1's start failed: its shared arms fail, the rest runs
     calls = [c for c in (tmp_path / "calls.txt").read_text().split("\n") if c]
     assert calls[:2] == ["_start/seed1 fresh True", "_start/seed2 fresh True"]  # starts first
-    assert sorted(calls[2:]) == ["high/seed2 final_eval=None True", "low/seed2 final_eval=None True",
-                                 "own/seed1 fresh True", "own/seed2 fresh True"]  # fmt: skip
+    assert sorted(calls[2:]) == [
+        "high/seed2 final_eval=None True",
+        "low/seed2 final_eval=None True",
+        "own/seed1 fresh True",
+        "own/seed2 fresh True",
+    ]
     assert "shared start" in capsys.readouterr().out
 
     assert main(["sweep", str(path)]) == 0  # the start again, then the arms that waited for it
@@ -145,18 +158,21 @@ def test_dry_run_lists_every_run_and_its_state(sweep_file, capsys):
     assert sum("(done)" in line for line in lines) == 3 and all("run.seed=" in line for line in lines)
 
 
-@pytest.mark.parametrize("body, message", [
-    ("arms: {}", "arms must map each arm's name"),
-    ("seeds: [a]\narms: {x: []}", "seeds must be a non-empty list of integers"),
-    ("arms: {x: [algo.eps_hihg=1]}", "arm 'x': override 'algo.eps_hihg=1': unknown config key 'algo.eps_hihg'"),
-    ("arm: {x: []}", "unknown keys ['arm']"),
-    ("arms: {_start: []}", "'_start' names the shared starts"),
-    ("arms: {x: {overrides: [], share: 1}}", "arm 'x': a mapping holds overrides"),
-    ("shared_start: a=1\narms: {x: []}", "shared_start is a list of overrides"),
-    ("windows: [3-1]\narms: {x: []}", "windows: '3-1' is not a range of RL steps"),
-    ("windows: 1-5\narms: {x: []}", "windows is a list of RL-step ranges"),
-    ("paired_with: y\narms: {x: []}", "paired_with 'y' is not an arm; the arms are ['x']"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("arms: {}", "arms must map each arm's name"),
+        ("seeds: [a]\narms: {x: []}", "seeds must be a non-empty list of integers"),
+        ("arms: {x: [algo.eps_hihg=1]}", "arm 'x': override 'algo.eps_hihg=1': unknown config key 'algo.eps_hihg'"),
+        ("arm: {x: []}", "unknown keys ['arm']"),
+        ("arms: {_start: []}", "'_start' names the shared starts"),
+        ("arms: {x: {overrides: [], share: 1}}", "arm 'x': a mapping holds overrides"),
+        ("shared_start: a=1\narms: {x: []}", "shared_start is a list of overrides"),
+        ("windows: [3-1]\narms: {x: []}", "windows: '3-1' is not a range of RL steps"),
+        ("windows: 1-5\narms: {x: []}", "windows is a list of RL-step ranges"),
+        ("paired_with: y\narms: {x: []}", "paired_with 'y' is not an arm; the arms are ['x']"),
+    ],
+)
 def test_bad_sweep_files_fail_before_any_run_naming_the_file_and_arm(tmp_path, body, message):
     path = tmp_path / "bad.yaml"
     path.write_text(body)
@@ -180,9 +196,7 @@ def test_every_committed_experiment_file_loads():
         assert sweep.arms and sweep.seeds, path
 
 
-def test_sweeps_sharing_an_out_dir_run_a_common_arm_once_and_compare_only_their_arms(
-    sweep_file, tmp_path, capsys
-):
+def test_sweeps_sharing_an_out_dir_run_a_common_arm_once_and_compare_only_their_arms(sweep_file, tmp_path, capsys):
     assert main(["sweep", str(sweep_file)]) == 0  # arms low and high
     other = tmp_path / "other.yaml"
     other.write_text(sweep_file.read_text().replace("high: [algo.eps_high=4.0]", "mid: [algo.eps_high=2.0]"))
@@ -200,8 +214,11 @@ def test_windows_average_a_metric_over_rl_steps_per_run_then_over_seeds(sweep_fi
         sweep_file.read_text() + 'metric: rollout/reward\nwindows: ["2-2", "1-2"]\npaired_with: low\n'
     )
     assert main(["sweep", str(sweep_file)]) == 0
-    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[4].strip()
-            for line in capsys.readouterr().out.splitlines() if line.startswith("| rollout/reward")}  # fmt: skip
+    rows = {
+        tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[4].strip()
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| rollout/reward")
+    }
     # the stand-in's reward at step k is 0.1 * k * eps_high, the same for every seed (s.e. 0)
     assert rows[("rollout/reward steps 2-2", "low")] == "0.2 +- 0"
     assert rows[("rollout/reward steps 1-2", "low")] == "0.15 +- 0"
@@ -255,6 +272,4 @@ def test_a_snapshot_keeps_what_compare_reads_and_sums_the_runs_wall_time(sweep_f
     assert "grad_norm" not in (tmp_path / "copy" / "low" / "seed1" / "metrics.jsonl").read_text()
     assert main(["compare", str(tmp_path / "copy")]) == 0
     table = {line for line in capsys.readouterr().out.splitlines() if line.startswith("| eval/accuracy |")}
-    assert len(table) == 2 and table == {
-        line for line in original.splitlines() if line.startswith("| eval/accuracy |")
-    }
+    assert len(table) == 2 and table == {line for line in original.splitlines() if line.startswith("| eval/accuracy |")}

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 def test_a_miniature_sweep_shares_its_start_and_compares(tmp_path, capsys):
     out = tmp_path / "sweep"
     path = tmp_path / "mini.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         config: configs/tiny_cpu.yaml
         overrides: [model.num_layers=2, algo.batch_size=4, rollout.max_concurrent=8, rollout.loop.max_turns=2,
                     "rollout.env_kwargs={{max_turns: 2}}", rollout.loop.max_new_tokens=16, train.steps=2,
@@ -31,7 +32,8 @@ def test_a_miniature_sweep_shares_its_start_and_compares(tmp_path, capsys):
         shared_start: [train.sft_steps=3, train.sft_batch_size=8, train.value_pretrain_steps=1]
         arms:
           grpo_dis: [algo.advantage=grpo, algo.group_size=2, algo.policy_loss=dis, algo.critic_warmup_steps=0]
-    """))  # fmt: skip
+    """)
+    )
     assert main(["sweep", str(path)]) == 0
     table = "\n".join(line for line in capsys.readouterr().out.splitlines() if line.startswith("|"))
     start = read_metrics(out / "_start" / "seed7")

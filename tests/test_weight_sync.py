@@ -55,9 +55,7 @@ def test_prefetched_raises_the_producers_error_after_the_items_before_it():
 
 def test_bucket_spec_is_flat_when_asked_and_of_one_dtype():
     a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)
-    assert BucketSpec.of([("a", a), ("a2", a)]) == BucketSpec(
-        ["a", "a2"], ["float32", "float32"], [[2, 3], [2, 3]]
-    )
+    assert BucketSpec.of([("a", a), ("a2", a)]) == BucketSpec(["a", "a2"], ["float32", "float32"], [[2, 3], [2, 3]])
     assert BucketSpec.of([("a", a), ("a2", a)], flat=True).flat
     assert not BucketSpec.of([("a", a), ("a2", a)]).flat
     assert not BucketSpec.of([("a", a), ("b", b)], flat=True).flat  # mixed dtypes: tensor by tensor

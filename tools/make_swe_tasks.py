@@ -101,9 +101,7 @@ def snapshots(spec: Spec) -> tuple[dict[str, str], dict[str, str], dict[str, str
 def record(spec: Spec) -> dict:
     base, with_tests, fixed = snapshots(spec)
     f2p = [f"{spec.test_file}::{t}" for t in _tests_in(spec.new_tests)]
-    p2p = [
-        f"{path}::{t}" for path, text in base.items() if path.startswith("tests/") for t in _tests_in(text)
-    ]
+    p2p = [f"{path}::{t}" for path, text in base.items() if path.startswith("tests/") for t in _tests_in(text)]
     return {
         "instance_id": spec.instance_id,
         "repo": f"{OWNER}/{spec.name}",
@@ -2031,9 +2029,7 @@ def main() -> int:
     target = args.out / "tasks.jsonl"
     if args.check:
         same = target.is_file() and target.read_text(encoding="utf-8") == text
-        print(
-            f"{target}: {'up to date' if same else 'differs from the generator; rerun tools/make_swe_tasks.py'}"
-        )
+        print(f"{target}: {'up to date' if same else 'differs from the generator; rerun tools/make_swe_tasks.py'}")
         if not same:
             return 1
     else:

@@ -13,9 +13,25 @@ import json
 import shutil
 from pathlib import Path
 
-KEEP = ("eval/", "rollout/reward", "rollout/accuracy", "rollout/response_tokens", "rollout/action_tokens",
-        "rollout/turns", "lag/", "dis/kept_frac/lag", "actor/kept_frac", "actor/entropy", "actor/kl_k3",
-        "critic/explained_var", "critic/loss", "time/", "buffer/dropped_", "policy_version", "sft/")  # fmt: skip
+KEEP = (
+    "eval/",
+    "rollout/reward",
+    "rollout/accuracy",
+    "rollout/response_tokens",
+    "rollout/action_tokens",
+    "rollout/turns",
+    "lag/",
+    "dis/kept_frac/lag",
+    "actor/kept_frac",
+    "actor/entropy",
+    "actor/kl_k3",
+    "critic/explained_var",
+    "critic/loss",
+    "time/",
+    "buffer/dropped_",
+    "policy_version",
+    "sft/",
+)
 
 
 def snapshot(src: Path, dest: Path) -> tuple[int, float]:

@@ -49,10 +49,7 @@ def conversations() -> list[str]:
     texts = []
     env = ArithToolEnv()
     for task in (ArithTask(), ArithTask(min_operands=2, max_operands=4, max_digits=3)):
-        texts += [
-            render_conversation((s := task.get("train", i)).question, env.demonstration(s))
-            for i in range(1500)
-        ]
+        texts += [render_conversation((s := task.get("train", i)).question, env.demonstration(s)) for i in range(1500)]
     math_task = MathPythonTask()
     for i in range(math_task.size("train")):
         s = math_task.get("train", i)
@@ -135,9 +132,7 @@ def check(shipped: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--check", action="store_true", help="compare the shipped files with a fresh training"
-    )
+    parser.add_argument("--check", action="store_true", help="compare the shipped files with a fresh training")
     parser.add_argument("--out", type=Path, default=TOKENIZER_DIR, help="output directory")
     args = parser.parse_args(argv)
     if args.check:

@@ -35,8 +35,14 @@ IMAGE_HAS = frozenset({"torch", "numpy", "packaging", "pyyaml", "psutil"})
 """Already in the device image (its package list, read 2026-11-17)."""
 NEVER = frozenset({"ray", "sglang", "transformers", "transformer-engine"})
 """Must not be carried: too large, and the check does not import them."""
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64", "linux_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "linux_x86_64",
+)
 IMPORT_NAMES = {"pyyaml": "yaml", "megatron-core": "megatron.core"}
 """Module to import for a distribution whose import name differs (run.sh's closure check)."""
 
@@ -79,8 +85,21 @@ def download(pins: list[str], dest: Path) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.whl"):
         old.unlink()  # one version of each: two would stop the install there
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "-d",
+        str(dest),
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     subprocess.run(cmd + pins, check=True)
@@ -95,15 +114,16 @@ def carry_size(wheels: list[Path]) -> tuple[int, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="benchmarks/gpu/carry.py", description=(__doc__ or "").split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="benchmarks/gpu/carry.py", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--dest", type=Path, default=WHEEL_DIR, help=f"wheel directory (default {WHEEL_DIR})")
     parser.add_argument(
         "--list", action="store_true", help="print the carry list and the import closure, download nothing"
     )
-    parser.add_argument("--check-imports", action="store_true",
-                        help="exit 1 naming each module of the check's closure this interpreter lacks")  # fmt: skip
+    parser.add_argument(
+        "--check-imports",
+        action="store_true",
+        help="exit 1 naming each module of the check's closure this interpreter lacks",
+    )
     args = parser.parse_args(argv)
     if args.check_imports:
         if missing := missing_imports():

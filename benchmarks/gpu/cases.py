@@ -31,11 +31,16 @@ def run_config(spec: dict, *, bf16: bool, mode: dict | None = None) -> SAOConfig
     mode = mode or {}
     flag = "true" if bf16 else "false"
     overrides = {
-        "actor.parallel.world_size": 1, "critic.parallel.world_size": 1, "actor.bf16": flag, "critic.bf16": flag,
+        "actor.parallel.world_size": 1,
+        "critic.parallel.world_size": 1,
+        "actor.bf16": flag,
+        "critic.bf16": flag,
         "actor.parallel.micro_batch_size": mode.get("rows", spec["micro_batch_size"]),
-        "critic.parallel.micro_batch_size": mode.get("rows", spec["micro_batch_size"]), "critic.value_head_init": "normal",
-        "actor.parallel.use_distributed_optimizer": "false", "critic.parallel.use_distributed_optimizer": "false",
-    }  # fmt: skip
+        "critic.parallel.micro_batch_size": mode.get("rows", spec["micro_batch_size"]),
+        "critic.value_head_init": "normal",
+        "actor.parallel.use_distributed_optimizer": "false",
+        "critic.parallel.use_distributed_optimizer": "false",
+    }
     # named only when asked for, so a schema without the keys still runs the padded case
     for role in ("actor", "critic"):
         if mode.get("pack"):
@@ -45,9 +50,7 @@ def run_config(spec: dict, *, bf16: bool, mode: dict | None = None) -> SAOConfig
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     model = spec["model"]
     shape = (
-        ModelConfig(**model)
-        if "num_layers" in model and "name" in model
-        else dataclasses.replace(cfg.model, **model)
+        ModelConfig(**model) if "num_layers" in model and "name" in model else dataclasses.replace(cfg.model, **model)
     )
     return dataclasses.replace(cfg, model=shape)
 
@@ -126,14 +129,21 @@ def layout_case(rank: int, world: int, spec: dict) -> dict:
     critic_weights, ref_values = _copy_weights(critic.role), _rows(critic.values(shard), batch)
     del critic
     _release()
-    out: dict = {"lengths": batch.lengths.tolist(), "tokens": int(batch.lengths.sum()), "action_tokens": int(mask.sum()),
-                 "micro_batch_size": spec["micro_batch_size"], "reference_dtype": "float32",
-                 "dtype": "bfloat16" if spec["bf16"] else "float32", "modes": {}}  # fmt: skip
+    out: dict = {
+        "lengths": batch.lengths.tolist(),
+        "tokens": int(batch.lengths.sum()),
+        "action_tokens": int(mask.sum()),
+        "micro_batch_size": spec["micro_batch_size"],
+        "reference_dtype": "float32",
+        "dtype": "bfloat16" if spec["bf16"] else "float32",
+        "modes": {},
+    }
     kept: dict[str, torch.Tensor] = {}
     for name, mode in spec["modes"].items():
         try:
-            summary, kept[name] = _layout_mode(spec, mode, (batch, shard, mask, advantages), actor_weights,
-                                               critic_weights, ref_logprobs, ref_values)  # fmt: skip
+            summary, kept[name] = _layout_mode(
+                spec, mode, (batch, shard, mask, advantages), actor_weights, critic_weights, ref_logprobs, ref_values
+            )
             out["modes"][name] = summary
         except Exception:
             out["modes"][name] = {"error": traceback.format_exc()[-3000:]}
@@ -166,17 +176,22 @@ def _layout_mode(
     critic_metrics = critic.update(shard, shard.take(returns), shard.take(values))
     del critic
     _release()
-    finite = {"logprobs": bool(logprobs[mask].isfinite().all()), "logprobs_after_update": bool(after[mask].isfinite().all()),
-              "actor_metrics": _finite(metrics), "values": bool(values[mask].isfinite().all()),
-              "critic_metrics": _finite(critic_metrics)}  # fmt: skip
+    finite = {
+        "logprobs": bool(logprobs[mask].isfinite().all()),
+        "logprobs_after_update": bool(after[mask].isfinite().all()),
+        "actor_metrics": _finite(metrics),
+        "values": bool(values[mask].isfinite().all()),
+        "critic_metrics": _finite(critic_metrics),
+    }
     summary = {
-        "finite": finite, "all_finite": all(finite.values()),
+        "finite": finite,
+        "all_finite": all(finite.values()),
         "logprobs_vs_fp32": _masked_stats(logprobs - ref_logprobs, mask),
         "values_vs_fp32": _masked_stats(values - ref_values, mask),
         "logprob_change_after_update": _masked_stats(after - logprobs, mask),
         "actor": {k: metrics.get(k) for k in ("loss", "grad_norm", "entropy", "updated")},
         "critic": {k: critic_metrics.get(k) for k in ("value_loss", "loss", "grad_norm")},
-    }  # fmt: skip
+    }
     return summary, logprobs
 
 
@@ -189,14 +204,31 @@ def _gpt(m: ModelConfig, config, use_te: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=m.vocab_size,  # pyright: ignore[reportArgumentType]
-                    max_sequence_length=m.max_position_embeddings, pre_process=True, post_process=True,
-                    share_embeddings_and_output_weights=m.tie_word_embeddings, position_embedding_type="rope",
-                    rotary_percent=1.0, rotary_base=int(m.rope_theta), parallel_output=True)  # fmt: skip
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=m.vocab_size,  # pyright: ignore[reportArgumentType]
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=m.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(m.rope_theta),
+        parallel_output=True,
+    )
 
 
-TE_ONLY_SETTINGS = ("moe_grouped_gemm", "gradient_accumulation_fusion", "apply_rope_fusion", "bias_activation_fusion",
-                    "bias_dropout_fusion", "masked_softmax_fusion", "moe_permute_fusion", "moe_router_fusion")  # fmt: skip
+TE_ONLY_SETTINGS = (
+    "moe_grouped_gemm",
+    "gradient_accumulation_fusion",
+    "apply_rope_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "masked_softmax_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+)
 """``TransformerConfig`` switches that need TE kernels: off for the local-spec twin."""
 
 
@@ -233,9 +265,11 @@ def te_case(rank: int, world: int, spec: dict) -> dict:
             b = local_model.eval()(tokens, positions, attention_mask=None).float()
         lp = torch.log_softmax(a, -1) - torch.log_softmax(b, -1)
         out["bfloat16" if bf16 else "float32"] = {
-            "logits_max_abs_diff": float((a - b).abs().max()), "logits_scale": float(b.abs().max()),
-            "logprobs_max_abs_diff": float(lp.abs().max()), "finite": bool(a.isfinite().all() and b.isfinite().all()),
-        }  # fmt: skip
+            "logits_max_abs_diff": float((a - b).abs().max()),
+            "logits_scale": float(b.abs().max()),
+            "logprobs_max_abs_diff": float(lp.abs().max()),
+            "finite": bool(a.isfinite().all() and b.isfinite().all()),
+        }
         del te_model, local_model
         torch.cuda.empty_cache()
     return out
@@ -272,11 +306,7 @@ def plain_megatron_step(role, micro: list[dict], num_tokens: float) -> float:
     masked mean over ``num_tokens``; same DDP wrapper and optimizer as ours. Returns the loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    where = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    where = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     micro = [{k: v.to(where) for k, v in mb.items()} for mb in micro]
 
     def forward_step(data_iterator, model):
@@ -294,9 +324,14 @@ def plain_megatron_step(role, micro: list[dict], num_tokens: float) -> float:
     role.config.variable_seq_lengths = len({tuple(mb["tokens"].shape) for mb in micro}) > 1
     b, seq = max(tuple(mb["tokens"].shape) for mb in micro)
     out = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro), model=[role.model],
-        num_microbatches=len(micro), seq_length=seq, micro_batch_size=b, forward_only=False,
-    )  # fmt: skip
+        forward_step_func=forward_step,
+        data_iterator=iter(micro),
+        model=[role.model],
+        num_microbatches=len(micro),
+        seq_length=seq,
+        micro_batch_size=b,
+        forward_only=False,
+    )
     role.optimizer.step()
     return float(sum(float(o["loss"]) for o in out))
 
@@ -311,8 +346,11 @@ def throughput_case(rank: int, world: int, spec: dict) -> dict:
     and released in turn (only one holds GPU memory at a time)."""
     cfg = run_config(spec, bf16=spec["bf16"])
     batch, advantages = _batch(spec)
-    out: dict = {"lengths": batch.lengths.tolist(), "tokens": int(batch.lengths.sum()),
-                 "action_tokens": int(batch.action_mask.sum())}  # fmt: skip
+    out: dict = {
+        "lengths": batch.lengths.tolist(),
+        "tokens": int(batch.lengths.sum()),
+        "action_tokens": int(batch.action_mask.sum()),
+    }
     out.update(_time_actor(spec, cfg, batch, advantages))
     _release()
     if torch.cuda.is_available():

@@ -110,9 +110,7 @@ def _sections(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in SECTIONS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown section(s) {bad or text!r}; choose from {', '.join(SECTIONS)}"
-        )
+        raise argparse.ArgumentTypeError(f"unknown section(s) {bad or text!r}; choose from {', '.join(SECTIONS)}")
     return names
 
 
@@ -121,16 +119,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m benchmarks.gpu.check",
         description="One-GPU check of sao_megatron: bf16 peak, layout cases, TE vs local spec, ~1B MoE throughput.",
     )
-    parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check",
-                        help="directory for gpu_check.json (default: $OUT, else runs/gpu_check)")  # fmt: skip
-    parser.add_argument("--budget-s", type=_positive(float), default=420.0,
-                        help="wall-clock budget of the whole check in seconds (default 420)")  # fmt: skip
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="no GPU: run every CPU-capable section at tiny size (gloo, float32)")  # fmt: skip
-    parser.add_argument("--sections", type=_sections, default=list(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (others: skipped)")  # fmt: skip
-    parser.add_argument("--steps", type=_positive(int), default=3,
-                        help="timed steps per throughput figure (default 3, after one warm-up)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or "runs/gpu_check",
+        help="directory for gpu_check.json (default: $OUT, else runs/gpu_check)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=_positive(float),
+        default=420.0,
+        help="wall-clock budget of the whole check in seconds (default 420)",
+    )
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="no GPU: run every CPU-capable section at tiny size (gloo, float32)"
+    )
+    parser.add_argument(
+        "--sections",
+        type=_sections,
+        default=list(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (others: skipped)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive(int),
+        default=3,
+        help="timed steps per throughput figure (default 3, after one warm-up)",
+    )
     parser.add_argument("--check-args", action="store_true", help="validate the arguments and exit")
     return parser.parse_args(argv)
 
@@ -184,15 +198,19 @@ def environment(mode: str) -> dict:
 
     cuda = torch.cuda.is_available()
     return {
-        "mode": mode, "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "megatron_core": ver("megatron-core"),
+        "mode": mode,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "megatron_core": ver("megatron-core"),
         "megatron_core_from": str(Path(importlib.util.find_spec("megatron.core").origin or "").parent),  # pyright: ignore[reportOptionalMemberAccess]
         "transformer_engine": (ver("transformer-engine") or ver("transformer_engine"))
-        if importlib.util.find_spec("transformer_engine") else None,
+        if importlib.util.find_spec("transformer_engine")
+        else None,
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "device_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
         "nccl": ".".join(map(str, nccl.version())) if cuda else None,
-    }  # fmt: skip
+    }
 
 
 def matmul_peak_section(ctx: Context) -> Section:
@@ -222,8 +240,13 @@ def layout_section(ctx: Context) -> Section:
     pack_ok, pack_reason = packing_hook()
     shape, modes = workload.LAYOUT_GPU if gpu else workload.LAYOUT_CPU, layout_modes(gpu)
     run = modes if pack_ok else {"padded": modes["padded"]}
-    spec = {"model": workload.LAYOUT_GPU_MODEL if gpu else {"num_layers": 2}, "batch": dataclasses.asdict(shape),
-            "micro_batch_size": 2, "bf16": gpu, "modes": run}  # fmt: skip
+    spec = {
+        "model": workload.LAYOUT_GPU_MODEL if gpu else {"num_layers": 2},
+        "batch": dataclasses.asdict(shape),
+        "micro_batch_size": 2,
+        "bf16": gpu,
+        "modes": run,
+    }
     data = _spawn(cases.layout_case, spec, ctx, "layout")
     for name in modes.keys() - run.keys():
         data["modes"][name] = {"skipped": pack_reason}
@@ -258,8 +281,11 @@ def te_vs_local_section(ctx: Context) -> Section:
     for dtype, d in data.items():
         rel = d["logits_max_abs_diff"] / max(d["logits_scale"], 1e-12)
         d["logits_rel_diff"] = rel
-        checks[f"{dtype}.logits_rel"] = {"ok": d["finite"] and rel <= TE_REL_TOL[dtype], "value": rel,
-                                         "limit": f"<= {TE_REL_TOL[dtype]}"}  # fmt: skip
+        checks[f"{dtype}.logits_rel"] = {
+            "ok": d["finite"] and rel <= TE_REL_TOL[dtype],
+            "value": rel,
+            "limit": f"<= {TE_REL_TOL[dtype]}",
+        }
     return Section("measured", data=data, checks=checks)
 
 
@@ -276,23 +302,40 @@ def throughput_figures(m, data: dict, peak_tflops: float | None) -> dict:
     lengths, critic = data["lengths"], CriticConfig()
     params, critic_params = workload.parameter_summary(m), workload.parameter_summary(m, critic)
     critic_matmul = critic_params["matmul_trainable"] + critic_params["matmul_frozen"]
-    flops = {"actor_step": workload.actor_step_flops(m, lengths), "plain_step": workload.actor_step_flops(m, lengths),
-             "critic_step": workload.critic_step_flops(m, critic, lengths),
-             "logprobs": workload.forward_flops(params["matmul"], m, lengths),
-             "values": workload.forward_flops(critic_matmul, m, lengths)}  # fmt: skip
-    seconds = {"actor_step": _median(data["actor_step_s"]), "plain_step": _median(data["plain_step_s"]),
-               "critic_step": _median(data["critic_step_s"]), "logprobs": data["logprobs_s"],
-               "values": data["values_s"]}  # fmt: skip
+    flops = {
+        "actor_step": workload.actor_step_flops(m, lengths),
+        "plain_step": workload.actor_step_flops(m, lengths),
+        "critic_step": workload.critic_step_flops(m, critic, lengths),
+        "logprobs": workload.forward_flops(params["matmul"], m, lengths),
+        "values": workload.forward_flops(critic_matmul, m, lengths),
+    }
+    seconds = {
+        "actor_step": _median(data["actor_step_s"]),
+        "plain_step": _median(data["plain_step_s"]),
+        "critic_step": _median(data["critic_step_s"]),
+        "logprobs": data["logprobs_s"],
+        "values": data["values_s"],
+    }
     rates = {}
     for name, s in seconds.items():
         f = flops[name]
-        rates[name] = {"seconds": s, "tokens_per_s": data["tokens"] / s if s else None,
-                       "tflops": f / s / 1e12 if s else None,
-                       "mfu": workload.mfu(f, s, peak_tflops) if s else None}  # fmt: skip
+        rates[name] = {
+            "seconds": s,
+            "tokens_per_s": data["tokens"] / s if s else None,
+            "tflops": f / s / 1e12 if s else None,
+            "mfu": workload.mfu(f, s, peak_tflops) if s else None,
+        }
     ours, plain = seconds["actor_step"], seconds["plain_step"]
-    return {"model": dataclasses.asdict(m), "parameters": params, "critic_parameters": critic_params,
-            "flops": flops, "rates": rates, "peak_tflops": peak_tflops,
-            "plain_over_ours": plain / ours if ours and plain else None, "flop_formula": workload.FLOP_FORMULA}  # fmt: skip
+    return {
+        "model": dataclasses.asdict(m),
+        "parameters": params,
+        "critic_parameters": critic_params,
+        "flops": flops,
+        "rates": rates,
+        "peak_tflops": peak_tflops,
+        "plain_over_ours": plain / ours if ours and plain else None,
+        "flop_formula": workload.FLOP_FORMULA,
+    }
 
 
 def moe_1b_section(ctx: Context) -> Section:
@@ -301,14 +344,25 @@ def moe_1b_section(ctx: Context) -> Section:
     gpu = ctx.gpu
     model = workload.MOE_1B if gpu else None
     shape = workload.THROUGHPUT_GPU if gpu else workload.THROUGHPUT_CPU
-    spec = {"model": dataclasses.asdict(model) if model else {"num_layers": 2}, "batch": dataclasses.asdict(shape),
-            "micro_batch_size": 2, "bf16": gpu, "steps": ctx.steps, "deadline": time.time() + ctx.timeout_s - 15}  # fmt: skip
+    spec = {
+        "model": dataclasses.asdict(model) if model else {"num_layers": 2},
+        "batch": dataclasses.asdict(shape),
+        "micro_batch_size": 2,
+        "bf16": gpu,
+        "steps": ctx.steps,
+        "deadline": time.time() + ctx.timeout_s - 15,
+    }
     data = _spawn(cases.throughput_case, spec, ctx, "moe_1b")
     m = model or cases.run_config(spec, bf16=False).model
     data.update(throughput_figures(m, data, ctx.peak_tflops))
     ratio = data["plain_over_ours"]
-    checks = {"plain_over_ours": {"ok": ratio is not None and ratio >= RATIO_TARGET, "value": ratio,
-                                  "limit": f">= {RATIO_TARGET}"}}  # fmt: skip
+    checks = {
+        "plain_over_ours": {
+            "ok": ratio is not None and ratio >= RATIO_TARGET,
+            "value": ratio,
+            "limit": f">= {RATIO_TARGET}",
+        }
+    }
     if not gpu:  # CPU timings of a tiny model say nothing about the GPU target
         checks = {}
     return Section("measured", data=data, checks=checks)
@@ -333,9 +387,7 @@ def run_sections(args: argparse.Namespace, mode: str) -> dict[str, Section]:
             continue
         left, need = budget.left(), MIN_SECONDS[mode][name]
         if left < need:
-            results[name] = Section(
-                reason=f"skipped: needs ~{need} s, {max(left, 0):.0f} s left of --budget-s"
-            )
+            results[name] = Section(reason=f"skipped: needs ~{need} s, {max(left, 0):.0f} s left of --budget-s")
             continue
         # what is left, less the minimums of the sections after this one, bounds its run
         ctx.timeout_s = min(MAX_SECONDS.get(name, left), max(need, left - _after(name, args.sections, mode)))
@@ -365,8 +417,10 @@ def summary_line(name: str, s: Section) -> str:
         return s.reason.strip().splitlines()[-1][:150] if s.reason else ""
     d = s.data
     if name == "environment":
-        return (f"torch {d['torch']}, {d['device']}, megatron-core {d['megatron_core']}, "
-                f"TE {d['transformer_engine'] or 'absent'}")  # fmt: skip
+        return (
+            f"torch {d['torch']}, {d['device']}, megatron-core {d['megatron_core']}, "
+            f"TE {d['transformer_engine'] or 'absent'}"
+        )
     if name == "matmul_peak":
         return f"{d['dtype']} {d['n']}^3 x{d['reps']}: {d['tflops']:.1f} TFLOP/s"
     if name == "layout":
@@ -374,27 +428,37 @@ def summary_line(name: str, s: Section) -> str:
         for mode, m in d["modes"].items():
             if "all_finite" in m:
                 lp = m["logprobs_vs_fp32"]
-                parts.append(f"{mode}: {'finite' if m['all_finite'] else 'NON-FINITE'}, "
-                             f"|{d['dtype']} - fp32 ref| logprob max {lp['max']:.2g} mean {lp['mean']:.2g}")  # fmt: skip
+                parts.append(
+                    f"{mode}: {'finite' if m['all_finite'] else 'NON-FINITE'}, "
+                    f"|{d['dtype']} - fp32 ref| logprob max {lp['max']:.2g} mean {lp['mean']:.2g}"
+                )
             else:
                 parts.append(f"{mode}: {m.get('skipped') or 'error'}")
         return "; ".join(parts)
     if name == "te_vs_local":
         return "; ".join(f"{k}: rel logits diff {v['logits_rel_diff']:.2g}" for k, v in d.items())
     r = d["rates"]
-    return (f"{d['model']['name']} {_count(d['parameters']['total'])} ({_count(d['parameters']['active'])} active), {d['tokens']} tok: "
-            f"actor {_fmt(r['actor_step']['seconds'])} s ({_fmt(r['actor_step']['tokens_per_s'], '.0f')} tok/s, "
-            f"MFU {_fmt(r['actor_step']['mfu'], '.1%')}), plain {_fmt(r['plain_step']['seconds'])} s "
-            f"(plain/ours {_fmt(d['plain_over_ours'], '.2f')}), critic {_fmt(r['critic_step']['seconds'])} s "
-            f"(MFU {_fmt(r['critic_step']['mfu'], '.1%')})")  # fmt: skip
+    return (
+        f"{d['model']['name']} {_count(d['parameters']['total'])} ({_count(d['parameters']['active'])} active), {d['tokens']} tok: "
+        f"actor {_fmt(r['actor_step']['seconds'])} s ({_fmt(r['actor_step']['tokens_per_s'], '.0f')} tok/s, "
+        f"MFU {_fmt(r['actor_step']['mfu'], '.1%')}), plain {_fmt(r['plain_step']['seconds'])} s "
+        f"(plain/ours {_fmt(d['plain_over_ours'], '.2f')}), critic {_fmt(r['critic_step']['seconds'])} s "
+        f"(MFU {_fmt(r['critic_step']['mfu'], '.1%')})"
+    )
 
 
 def report(results: dict[str, Section], mode: str, budget_s: float, wall_s: float) -> tuple[dict, str]:
     failed_checks = [f"{n}.{c}" for n, s in results.items() for c, v in s.checks.items() if not v["ok"]]
     ok = not failed_checks and all(s.status != "failed" for s in results.values())
-    doc = {"schema": 1, "mode": mode, "ok": ok, "budget_s": budget_s, "wall_s": wall_s,
-           "failed_checks": failed_checks,
-           "sections": {n: dataclasses.asdict(s) for n, s in results.items()}}  # fmt: skip
+    doc = {
+        "schema": 1,
+        "mode": mode,
+        "ok": ok,
+        "budget_s": budget_s,
+        "wall_s": wall_s,
+        "failed_checks": failed_checks,
+        "sections": {n: dataclasses.asdict(s) for n, s in results.items()},
+    }
     lines = [
         f"GPU check ({mode}): {wall_s:.0f} s of {budget_s:.0f} s budget",
         f"{'section':<13} {'status':<9} figures",
@@ -402,8 +466,10 @@ def report(results: dict[str, Section], mode: str, budget_s: float, wall_s: floa
     for name, s in results.items():
         lines.append(f"{name:<13} {s.status:<9} {summary_line(name, s)}")
     n_checks = sum(len(s.checks) for s in results.values())
-    lines.append(f"checks: {n_checks - len(failed_checks)} of {n_checks} hold"
-                 + (f"; failing: {', '.join(failed_checks)}" if failed_checks else ""))  # fmt: skip
+    lines.append(
+        f"checks: {n_checks - len(failed_checks)} of {n_checks} hold"
+        + (f"; failing: {', '.join(failed_checks)}" if failed_checks else "")
+    )
     return doc, "\n".join(lines)
 
 

@@ -27,8 +27,9 @@ class MatmulRate:
     """Wall time of the ``reps`` timed products."""
 
 
-def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-                  warmup: int = 3, reps: int = 10) -> MatmulRate:  # fmt: skip
+def matmul_tflops(
+    n: int = 8192, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", warmup: int = 3, reps: int = 10
+) -> MatmulRate:
     """Mean TFLOP/s of ``reps`` products ``[n, n] @ [n, n]`` (2 n^3 flops each)."""
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, generator=g, device=device, dtype=dtype)

@@ -50,8 +50,15 @@ MOE_1B = ModelConfig(
 )
 """The ~1B-total MoE of the throughput section: 1.005 B parameters, 0.175 B active per token."""
 
-LAYOUT_GPU_MODEL = {"hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4, "head_dim": 64,
-                    "moe_ffn_hidden_size": 512, "ffn_hidden_size": 1024, "vocab_size": 4096}  # fmt: skip
+LAYOUT_GPU_MODEL = {
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_query_groups": 4,
+    "head_dim": 64,
+    "moe_ffn_hidden_size": 512,
+    "ffn_hidden_size": 1024,
+    "vocab_size": 4096,
+}
 """Overrides of ``tiny_moe`` for the layout cases on a GPU (wider, so bf16 rounding shows)."""
 
 
@@ -107,12 +114,19 @@ def ragged_trajectories(shape: BatchShape) -> list[Trajectory]:
             mask += [1] * actions[t] + [0] * n_obs
         # near a fresh model's uniform logprob, so the DIS band (1 - eps_low < ratio) keeps most tokens
         behavior = (-math.log(shape.vocab) + 0.3 * torch.randn(len(resp), generator=g)).tolist()
-        out.append(Trajectory(
-            prompt_id=f"p{i}", prompt_ids=prompt, response_ids=resp, action_mask=mask,
-            behavior_logprobs=[b if m else 0.0 for b, m in zip(behavior, mask, strict=True)],
-            policy_versions=[0 if m else -1 for m in mask], turns=spans_out, reward=float(i % 2),
-            status="finished",
-        ))  # fmt: skip
+        out.append(
+            Trajectory(
+                prompt_id=f"p{i}",
+                prompt_ids=prompt,
+                response_ids=resp,
+                action_mask=mask,
+                behavior_logprobs=[b if m else 0.0 for b, m in zip(behavior, mask, strict=True)],
+                policy_versions=[0 if m else -1 for m in mask],
+                turns=spans_out,
+                reward=float(i % 2),
+                status="finished",
+            )
+        )
     return out
 
 
@@ -140,8 +154,13 @@ def parameter_summary(m: ModelConfig, critic: CriticConfig | None = None) -> dic
             trainable += round(active)
         else:
             frozen += round(active)
-    return {"total": counts["total"], "active": counts["active"], "matmul": counts["active"] - embed,
-            "matmul_trainable": trainable, "matmul_frozen": frozen}  # fmt: skip
+    return {
+        "total": counts["total"],
+        "active": counts["active"],
+        "matmul": counts["active"] - embed,
+        "matmul_trainable": trainable,
+        "matmul_frozen": frozen,
+    }
 
 
 def attention_flops(m: ModelConfig, lengths: list[int]) -> int:

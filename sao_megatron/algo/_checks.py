@@ -51,9 +51,7 @@ def check_action_mask(action_mask: Tensor, *, ndim: int = 2) -> Tensor:
     """Validate a 0/1 mask of rank ``ndim`` and return it as ``bool``."""
     check_tensor("action_mask", action_mask)
     if action_mask.dim() != ndim:
-        raise ValueError(
-            f"`action_mask` must have {ndim} dims ([B, T]), got shape {tuple(action_mask.shape)}."
-        )
+        raise ValueError(f"`action_mask` must have {ndim} dims ([B, T]), got shape {tuple(action_mask.shape)}.")
     if action_mask.dtype == torch.bool:
         return action_mask
     if not bool(((action_mask == 0) | (action_mask == 1)).all()):
@@ -90,9 +88,7 @@ def check_unit_interval(name: str, x: float | Tensor) -> None:
     if isinstance(x, Tensor):
         check_finite(name, x)
         if x.numel() and not bool(((x >= 0) & (x <= 1)).all()):
-            raise ValueError(
-                f"`{name}` must lie in [0, 1]; got values in [{x.min().item()}, {x.max().item()}]."
-            )
+            raise ValueError(f"`{name}` must lie in [0, 1]; got values in [{x.min().item()}, {x.max().item()}].")
         return
     if not isinstance(x, (int, float)) or isinstance(x, bool):
         raise ValueError(f"`{name}` must be a float in [0, 1] or a tensor, got {type(x).__name__}.")

@@ -226,9 +226,7 @@ def gae(
     with ``reverse_discounted_cumsum`` (twice when ``lam_critic`` differs from ``lam``).
     Memory ~ S * W floats with W the longest trajectory (in action tokens).
     """
-    mask, idx = _validate(
-        rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids
-    )
+    mask, idx = _validate(rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids)
     lam_s = _lambda_per_traj("lam", lam, idx, mask.device)
     lamc_s = _lambda_per_traj("lam_critic", lam_critic, idx, mask.device)
     v_k = values.reshape(-1).index_select(0, idx.positions).to(torch.float64)  # [K]
@@ -263,9 +261,7 @@ def gae_reference(
 
     Slow (python floats, one token at a time); it is the oracle for ``gae`` in tests and benchmarks.
     """
-    mask, _ = _validate(
-        rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids
-    )
+    mask, _ = _validate(rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids)
     b_size, t_size = mask.shape
     adv = [[0.0] * t_size for _ in range(b_size)]
     ret = [[0.0] * t_size for _ in range(b_size)]
@@ -362,9 +358,7 @@ def step_gae(
     way (the turn-level critic target). Same inputs as ``gae`` plus ``turn_ids`` [B, T] (optional).
     """
     check_choice("step-level mode", mode, STEP_MODES)
-    mask, idx = _validate(
-        rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids
-    )
+    mask, idx = _validate(rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids)
     if turn_ids is not None:
         check_shape("turn_ids", turn_ids, tuple(mask.shape))
     turn, ends, n_turns = _turns(mask, idx, turn_ids)
@@ -375,9 +369,7 @@ def step_gae(
         v_turn = v_k[ends]
     else:
         counts = torch.bincount(turn, minlength=n_turns).to(torch.float64)
-        v_turn = (
-            torch.zeros(n_turns, dtype=torch.float64, device=mask.device).index_add_(0, turn, v_k) / counts
-        )
+        v_turn = torch.zeros(n_turns, dtype=torch.float64, device=mask.device).index_add_(0, turn, v_k) / counts
     # One pseudo-token per turn, at the turn's last action token: same trajectories, same order.
     end_mask = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
     end_mask[idx.positions[ends]] = True
@@ -410,7 +402,5 @@ def whiten_advantages(
     if int(mask.sum()) < 2:
         raise ValueError("`action_mask` selects fewer than 2 action tokens; whitening needs a variance.")
     a = advantages.detach()
-    metrics = metrics_to_floats(
-        {"adv/mean_raw": masked_mean(a, mask), "adv/std_raw": masked_var(a, mask).sqrt()}
-    )
+    metrics = metrics_to_floats({"adv/mean_raw": masked_mean(a, mask), "adv/std_raw": masked_var(a, mask).sqrt()})
     return masked_whiten(a, mask, shift_mean=shift_mean, eps=eps), metrics

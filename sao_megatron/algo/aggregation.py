@@ -70,15 +70,11 @@ def loss_weights(
     mask = action_mask
     if agg == "token_mean":
         if num_seqs_global is not None:
-            raise ValueError(
-                "`num_seqs_global` is for agg='seq_mean'; with 'token_mean' pass `num_tokens_global`."
-            )
+            raise ValueError("`num_seqs_global` is for agg='seq_mean'; with 'token_mean' pass `num_tokens_global`.")
         n = _check_normaliser("num_tokens_global", num_tokens_global, int(row_counts(mask).sum()))
         return mask.to(dtype) / n
     if num_tokens_global is not None:
-        raise ValueError(
-            "`num_tokens_global` is for agg='token_mean'; with 'seq_mean' pass `num_seqs_global`."
-        )
+        raise ValueError("`num_tokens_global` is for agg='token_mean'; with 'seq_mean' pass `num_seqs_global`.")
     idx = trajectory_index(mask, segment_ids)
     s = _check_normaliser("num_seqs_global", num_seqs_global, idx.num_traj)
     w_k = 1.0 / (idx.lengths[idx.traj].to(torch.float64) * s)  # [K]

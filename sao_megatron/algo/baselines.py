@@ -21,9 +21,7 @@ from sao_megatron.algo.masked import metrics_to_floats
 def _check_rewards(rewards: Tensor) -> None:
     check_tensor("rewards", rewards)
     if rewards.dim() != 1 or rewards.numel() == 0:
-        raise ValueError(
-            f"`rewards` must be a non-empty [N] tensor (one per trajectory), got {tuple(rewards.shape)}."
-        )
+        raise ValueError(f"`rewards` must be a non-empty [N] tensor (one per trajectory), got {tuple(rewards.shape)}.")
     check_finite("rewards", rewards)
 
 
@@ -92,9 +90,7 @@ def broadcast_to_tokens(advantages: Tensor, action_mask: Tensor) -> Tensor:
     """One advantage per row [B] -> [B, T] on the action tokens, zeros elsewhere."""
     mask = check_action_mask(action_mask)
     check_shape("advantages", advantages, tuple(mask.shape[:1]), like="action_mask rows ([B])")
-    return torch.where(
-        mask, advantages[:, None], torch.zeros((), dtype=advantages.dtype, device=advantages.device)
-    )
+    return torch.where(mask, advantages[:, None], torch.zeros((), dtype=advantages.dtype, device=advantages.device))
 
 
 class PromptRunningMeanBaseline:
@@ -122,8 +118,7 @@ class PromptRunningMeanBaseline:
         _check_rewards(rewards)
         if len(prompt_ids) != rewards.numel():
             raise ValueError(
-                f"`prompt_ids` has {len(prompt_ids)} entries for {rewards.numel()} `rewards`; "
-                "pass one per reward."
+                f"`prompt_ids` has {len(prompt_ids)} entries for {rewards.numel()} `rewards`; pass one per reward."
             )
         base, fresh = [], 0
         for r, pid in zip(rewards.tolist(), prompt_ids, strict=True):

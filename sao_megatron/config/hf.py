@@ -61,12 +61,12 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"{file} not found; pass an HF model directory or its config.json") from None
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{file}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno}); fix the file "
-                          "or re-download the checkpoint's config.json") from None  # fmt: skip
-    except UnicodeDecodeError as err:
         raise ConfigError(
-            f"{file}: not UTF-8 (byte {err.start}); re-download the checkpoint's config.json"
+            f"{file}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno}); fix the file "
+            "or re-download the checkpoint's config.json"
         ) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{file}: not UTF-8 (byte {err.start}); re-download the checkpoint's config.json") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: top level must be a JSON object")
     return data
@@ -92,12 +92,13 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     """Plain RoPE only: ``rope_scaling`` (<= 4.x) or ``rope_parameters`` (5.x) must be default."""
     scaling = hf.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ConfigError(f"rope_scaling={scaling!r} is not supported (only plain RoPE); remove it or "
-                          "convert a checkpoint without RoPE scaling")  # fmt: skip
+        raise ConfigError(
+            f"rope_scaling={scaling!r} is not supported (only plain RoPE); remove it or "
+            "convert a checkpoint without RoPE scaling"
+        )
     params = hf.get("rope_parameters") or {}
     if params.get("rope_type", "default") != "default":
-        raise ConfigError(f"rope_parameters.rope_type={params['rope_type']!r} is not supported (only "
-                          "'default' RoPE)")  # fmt: skip
+        raise ConfigError(f"rope_parameters.rope_type={params['rope_type']!r} is not supported (only 'default' RoPE)")
     return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
 
 
@@ -105,8 +106,10 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported; Megatron builds SwiGLU (silu)")
     if hf.get("attention_bias", False):
-        raise ConfigError("attention_bias=true is not supported: it biases o_proj too, and Megatron has only "
-                          "q/k/v biases (add_qkv_bias) or biases on every linear layer (add_bias_linear)")  # fmt: skip
+        raise ConfigError(
+            "attention_bias=true is not supported: it biases o_proj too, and Megatron has only "
+            "q/k/v biases (add_qkv_bias) or biases on every linear layer (add_bias_linear)"
+        )
     if hf.get("use_sliding_window", False):
         raise ConfigError("use_sliding_window=true is not supported; Megatron layers use full attention")
     sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
@@ -115,8 +118,10 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
     if hf.get("mlp_bias", False):
         raise ConfigError("mlp_bias=true is not supported; the Megatron builder has no MLP biases")
     if arch == QWEN2_MOE_ARCH and not hf.get("shared_expert_intermediate_size", 5632):
-        raise ConfigError("shared_expert_intermediate_size=0 is not supported: Qwen2-MoE always builds a "
-                          "gated shared expert, which needs a width > 0")  # fmt: skip
+        raise ConfigError(
+            "shared_expert_intermediate_size=0 is not supported: Qwen2-MoE always builds a "
+            "gated shared expert, which needs a width > 0"
+        )
 
 
 def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
@@ -213,25 +218,34 @@ def hf_architecture_of(m: ModelConfig) -> str:
     """The HF architecture that builds exactly ``m`` (raises ``ConfigError`` naming the field)."""
     if not m.qk_layernorm:
         if not m.num_experts:
-            raise ConfigError("model.qk_layernorm=false without experts has no mapped HF architecture "
-                              "(Qwen3 has q/k norm; Qwen2-MoE needs num_experts > 0)")  # fmt: skip
+            raise ConfigError(
+                "model.qk_layernorm=false without experts has no mapped HF architecture "
+                "(Qwen3 has q/k norm; Qwen2-MoE needs num_experts > 0)"
+            )
         if not (m.moe_shared_expert_intermediate_size and m.moe_shared_expert_gate):
-            raise ConfigError("model.qk_layernorm=false is Qwen2-MoE, which needs a gated shared expert: set "
-                              "moe_shared_expert_intermediate_size > 0 and moe_shared_expert_gate=true")  # fmt: skip
+            raise ConfigError(
+                "model.qk_layernorm=false is Qwen2-MoE, which needs a gated shared expert: set "
+                "moe_shared_expert_intermediate_size > 0 and moe_shared_expert_gate=true"
+            )
         return QWEN2_MOE_ARCH
     if m.add_qkv_bias:
-        raise ConfigError("model.add_qkv_bias=true with qk_layernorm has no HF architecture (Qwen3 has no "
-                          "q/k/v-only biases); pass --hf-template with a config.json")  # fmt: skip
+        raise ConfigError(
+            "model.add_qkv_bias=true with qk_layernorm has no HF architecture (Qwen3 has no "
+            "q/k/v-only biases); pass --hf-template with a config.json"
+        )
     if m.moe_shared_expert_intermediate_size:
-        raise ConfigError("model.moe_shared_expert_intermediate_size > 0 with qk_layernorm has no HF "
-                          "architecture (Qwen3-MoE has no shared experts); pass --hf-template")  # fmt: skip
+        raise ConfigError(
+            "model.moe_shared_expert_intermediate_size > 0 with qk_layernorm has no HF "
+            "architecture (Qwen3-MoE has no shared experts); pass --hf-template"
+        )
     return MOE_ARCH if m.num_experts else DENSE_ARCH
 
 
 def same_shape(a: ModelConfig, b: ModelConfig) -> list[str]:
     """Fields (other than the name) on which two model configs disagree."""
-    return [f.name for f in dataclasses.fields(ModelConfig)
-            if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)]  # fmt: skip
+    return [
+        f.name for f in dataclasses.fields(ModelConfig) if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)
+    ]
 
 
 def model_yaml(m: ModelConfig, source: str = "") -> str:

@@ -47,15 +47,17 @@ def _describe(annotation: Any) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         options = typing.get_args(annotation)
         return repr(options[0]) if len(options) == 1 else f"one of {_choices(options)}"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
-             type(None): "null"}  # fmt: skip
+    names = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        dict: "a mapping",
+        type(None): "null",
+    }
     if annotation in names:
         return names[annotation]
-    return (
-        "a list"
-        if typing.get_origin(annotation) is list
-        else getattr(annotation, "__name__", str(annotation))
-    )
+    return "a list" if typing.get_origin(annotation) is list else getattr(annotation, "__name__", str(annotation))
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
@@ -150,11 +152,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(err, "problem", None) or err.__class__.__name__
         context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
-        if (
-            context
-            and start is not None
-            and (start.line, start.column) != (mark and (mark.line, mark.column))
-        ):
+        if context and start is not None and (start.line, start.column) != (mark and (mark.line, mark.column)):
             problem += f"; {context} started at line {start.line + 1}"  # e.g. an unclosed '{' or '['
         raise ConfigError(f"{where}: invalid YAML ({problem}); fix the syntax there") from None
     if not isinstance(data, dict):
@@ -167,8 +165,10 @@ def resolve_model_file(name_or_path: str) -> Path:
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml"):
         if not candidate.is_file():
-            raise ConfigError(f"model file {candidate} not found; set 'model' to an existing YAML file or a "
-                              f"name in {MODEL_CONFIG_DIR}")  # fmt: skip
+            raise ConfigError(
+                f"model file {candidate} not found; set 'model' to an existing YAML file or a "
+                f"name in {MODEL_CONFIG_DIR}"
+            )
         return candidate
     path = MODEL_CONFIG_DIR / f"{name_or_path}.yaml"
     if not path.exists():
@@ -255,14 +255,18 @@ def checkpoint_kind(path: str | Path, key: str) -> CheckpointKind:
     ``model.yaml``, as written by ``sao convert hf-to-mcore``); a one-line ConfigError otherwise."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ConfigError(f"{key}={path}: no such directory; point it at an HF model directory or a "
-                          "Megatron checkpoint from `sao convert hf-to-mcore`, or set it to ''")  # fmt: skip
+        raise ConfigError(
+            f"{key}={path}: no such directory; point it at an HF model directory or a "
+            "Megatron checkpoint from `sao convert hf-to-mcore`, or set it to ''"
+        )
     if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
         return "hf"
     if (p / "metadata.json").is_file() and (p / "model.yaml").is_file():
         return "megatron"
-    raise ConfigError(f"{key}={path} is neither an HF checkpoint (config.json + *.safetensors) nor a "
-                      "Megatron checkpoint (metadata.json + model.yaml from `sao convert hf-to-mcore`)")  # fmt: skip
+    raise ConfigError(
+        f"{key}={path} is neither an HF checkpoint (config.json + *.safetensors) nor a "
+        "Megatron checkpoint (metadata.json + model.yaml from `sao convert hf-to-mcore`)"
+    )
 
 
 def checkpoint_model(path: str | Path, key: str) -> ModelConfig:
@@ -281,9 +285,7 @@ def checkpoint_model(path: str | Path, key: str) -> ModelConfig:
 
 def _shape_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
     return [
-        f.name
-        for f in dataclasses.fields(ModelConfig)
-        if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)
+        f.name for f in dataclasses.fields(ModelConfig) if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)
     ]
 
 
@@ -299,8 +301,10 @@ def resolve_init_from(cfg: SAOConfig, model_given: bool = True) -> None:
     if not model_given and sources:  # actor.init_from first, else critic.init_from
         key, path = sources[0]
         if not Path(path).expanduser().exists():
-            raise ConfigError(f"{key}={path}: no such directory, and the run file gives no 'model' to plan "
-                              "with; fix the path or add 'model: NAME'")  # fmt: skip
+            raise ConfigError(
+                f"{key}={path}: no such directory, and the run file gives no 'model' to plan "
+                "with; fix the path or add 'model: NAME'"
+            )
         cfg.model = checkpoint_model(path, key)
     for key, path in sources:
         if not Path(path).expanduser().exists():
@@ -309,8 +313,10 @@ def resolve_init_from(cfg: SAOConfig, model_given: bool = True) -> None:
         diff = _shape_diff(found, cfg.model)
         if diff:
             shown = ", ".join(f"{f}={getattr(cfg.model, f)!r} vs {getattr(found, f)!r}" for f in diff[:4])
-            raise ConfigError(f"model '{cfg.model.name}' and {key}={path} disagree on {shown}; drop 'model' "
-                              "from the run file (the checkpoint's shape is used) or fix it")  # fmt: skip
+            raise ConfigError(
+                f"model '{cfg.model.name}' and {key}={path} disagree on {shown}; drop 'model' "
+                "from the run file (the checkpoint's shape is used) or fix it"
+            )
 
 
 def check_init_from(cfg: SAOConfig) -> None:
@@ -349,8 +355,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def validate_model(m: ModelConfig) -> None:
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
-                 "vocab_size"):  # fmt: skip
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "vocab_size"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name} must be > 0 (got {getattr(m, name)}); set it in the model file")
     if m.num_attention_heads % m.num_query_groups:
@@ -362,34 +367,49 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.num_experts must be >= 0 (got {m.num_experts}); use 0 for a dense model")
     if m.num_experts:
         if not 1 <= m.moe_router_topk <= m.num_experts:
-            raise ConfigError(
-                f"model.moe_router_topk={m.moe_router_topk} must be in [1, num_experts={m.num_experts}]"
-            )
+            raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in [1, num_experts={m.num_experts}]")
         if m.moe_ffn_hidden_size <= 0:
             raise ConfigError("model.moe_ffn_hidden_size must be > 0 for an MoE model; set the expert width")
         if m.moe_shared_expert_intermediate_size < 0:
-            raise ConfigError(f"model.moe_shared_expert_intermediate_size must be >= 0 (got "
-                              f"{m.moe_shared_expert_intermediate_size}); use 0 for no shared expert")  # fmt: skip
+            raise ConfigError(
+                f"model.moe_shared_expert_intermediate_size must be >= 0 (got "
+                f"{m.moe_shared_expert_intermediate_size}); use 0 for no shared expert"
+            )
     elif m.ffn_hidden_size <= 0:
         raise ConfigError("model.ffn_hidden_size must be > 0 for a dense model; set the MLP width")
     if m.moe_shared_expert_gate and not (m.num_experts and m.moe_shared_expert_intermediate_size):
-        raise ConfigError("model.moe_shared_expert_gate=true needs a shared expert: set "
-                          "model.moe_shared_expert_intermediate_size > 0 (and num_experts > 0)")  # fmt: skip
+        raise ConfigError(
+            "model.moe_shared_expert_gate=true needs a shared expert: set "
+            "model.moe_shared_expert_intermediate_size > 0 (and num_experts > 0)"
+        )
 
 
 def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
     """Reject layouts Megatron would refuse, naming the key and the values that work."""
-    tp, pp, cp, ep, etp = (p.tensor_parallel, p.pipeline_parallel, p.context_parallel,
-                           p.expert_parallel, p.expert_tensor_parallel)  # fmt: skip
-    for name, value in (("world_size", p.world_size), ("tensor_parallel", tp), ("pipeline_parallel", pp),
-                        ("context_parallel", cp), ("expert_parallel", ep),
-                        ("expert_tensor_parallel", etp), ("micro_batch_size", p.micro_batch_size)):  # fmt: skip
+    tp, pp, cp, ep, etp = (
+        p.tensor_parallel,
+        p.pipeline_parallel,
+        p.context_parallel,
+        p.expert_parallel,
+        p.expert_tensor_parallel,
+    )
+    for name, value in (
+        ("world_size", p.world_size),
+        ("tensor_parallel", tp),
+        ("pipeline_parallel", pp),
+        ("context_parallel", cp),
+        ("expert_parallel", ep),
+        ("expert_tensor_parallel", etp),
+        ("micro_batch_size", p.micro_batch_size),
+    ):
         if value < 1:
             raise ConfigError(f"{role}.parallel.{name} must be >= 1 (got {value})")
     key = f"{role}.parallel"
     if p.max_tokens_per_micro_batch < 0:
-        raise ConfigError(f"{key}.max_tokens_per_micro_batch must be >= 0 (got {p.max_tokens_per_micro_batch}); "
-                          "0 means micro_batch_size rows per micro-batch")  # fmt: skip
+        raise ConfigError(
+            f"{key}.max_tokens_per_micro_batch must be >= 0 (got {p.max_tokens_per_micro_batch}); "
+            "0 means micro_batch_size rows per micro-batch"
+        )
     if m.num_attention_heads % tp or m.num_query_groups % tp:
         options = [d for d in _divisors(m.num_query_groups) if m.num_attention_heads % d == 0]
         raise ConfigError(
@@ -397,32 +417,48 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
             f"and model.num_query_groups={m.num_query_groups}; use one of {options}"
         )
     if m.vocab_size % tp:
-        raise ConfigError(f"{key}.tensor_parallel={tp} does not divide model.vocab_size={m.vocab_size}; "
-                          f"use one of {_divisors(m.vocab_size)[:8]} or pad the vocabulary")  # fmt: skip
+        raise ConfigError(
+            f"{key}.tensor_parallel={tp} does not divide model.vocab_size={m.vocab_size}; "
+            f"use one of {_divisors(m.vocab_size)[:8]} or pad the vocabulary"
+        )
     if m.num_layers % pp:
-        raise ConfigError(f"{key}.pipeline_parallel={pp} does not divide model.num_layers={m.num_layers}; "
-                          f"use one of {_divisors(m.num_layers)}")  # fmt: skip
+        raise ConfigError(
+            f"{key}.pipeline_parallel={pp} does not divide model.num_layers={m.num_layers}; "
+            f"use one of {_divisors(m.num_layers)}"
+        )
     if p.world_size % (tp * pp * cp):
-        raise ConfigError(f"{key}.world_size={p.world_size} is not a multiple of tensor_parallel*"
-                          f"pipeline_parallel*context_parallel={tp * pp * cp}; change world_size or the layout")  # fmt: skip
+        raise ConfigError(
+            f"{key}.world_size={p.world_size} is not a multiple of tensor_parallel*"
+            f"pipeline_parallel*context_parallel={tp * pp * cp}; change world_size or the layout"
+        )
     if m.num_experts:
         if m.num_experts % ep:
-            raise ConfigError(f"{key}.expert_parallel={ep} does not divide model.num_experts={m.num_experts}; "
-                              f"use one of {_divisors(m.num_experts)}")  # fmt: skip
+            raise ConfigError(
+                f"{key}.expert_parallel={ep} does not divide model.num_experts={m.num_experts}; "
+                f"use one of {_divisors(m.num_experts)}"
+            )
         if (p.world_size // pp) % (ep * etp):
-            raise ConfigError(f"{key}.expert_parallel*expert_tensor_parallel={ep * etp} must divide "
-                              f"world_size/pipeline_parallel={p.world_size // pp}; lower expert_parallel")  # fmt: skip
+            raise ConfigError(
+                f"{key}.expert_parallel*expert_tensor_parallel={ep * etp} must divide "
+                f"world_size/pipeline_parallel={p.world_size // pp}; lower expert_parallel"
+            )
         if tp > 1 and p.sequence_parallel is False:
-            raise ConfigError(f"{key}.sequence_parallel=false with tensor_parallel={tp}: Megatron MoE "
-                              "training needs sequence parallelism with TP > 1; set it true or null")  # fmt: skip
+            raise ConfigError(
+                f"{key}.sequence_parallel=false with tensor_parallel={tp}: Megatron MoE "
+                "training needs sequence parallelism with TP > 1; set it true or null"
+            )
     elif ep > 1:
         raise ConfigError(f"{key}.expert_parallel={ep} but the model is dense (num_experts=0); set it to 1")
     if p.overlap_param_gather and not p.use_distributed_optimizer:
-        raise ConfigError(f"{key}.overlap_param_gather=true needs {key}.use_distributed_optimizer=true "
-                          "(without it there is no parameter all-gather); set that true, or this null or false")  # fmt: skip
+        raise ConfigError(
+            f"{key}.overlap_param_gather=true needs {key}.use_distributed_optimizer=true "
+            "(without it there is no parameter all-gather); set that true, or this null or false"
+        )
     if p.selective_recompute and p.recompute_activations:
-        raise ConfigError(f"{key}.selective_recompute=true with recompute_activations=true (full recompute "
-                          "already covers every module); set selective_recompute to null or false")  # fmt: skip
+        raise ConfigError(
+            f"{key}.selective_recompute=true with recompute_activations=true (full recompute "
+            "already covers every module); set selective_recompute to null or false"
+        )
 
 
 def validate(cfg: SAOConfig) -> None:
@@ -439,9 +475,7 @@ def validate(cfg: SAOConfig) -> None:
         try:
             re.compile(pattern)
         except re.error as err:
-            raise ConfigError(
-                f"critic.freeze_patterns/train_patterns: bad regex {pattern!r} ({err})"
-            ) from None
+            raise ConfigError(f"critic.freeze_patterns/train_patterns: bad regex {pattern!r} ({err})") from None
     validate_algo(cfg.algo)
     validate_rollout(cfg.rollout)
     validate_data(cfg.data, evaluates=cfg.train.eval_prompts > 0)
@@ -468,11 +502,14 @@ def validate_algo(a: AlgoConfig) -> None:
     if not 0 <= a.gamma <= 1 or not 0 <= a.lam_critic <= 1:
         raise ConfigError(f"algo.gamma={a.gamma}, algo.lam_critic={a.lam_critic} must be in [0, 1]")
     if a.lam != "adaptive" and not 0 <= a.lam <= 1:
-        raise ConfigError(f"algo.lam={a.lam} must be in [0, 1], or adaptive for length-adaptive "
-                          "1 - 1/(lam_alpha * l) (formerly any negative value)")  # fmt: skip
+        raise ConfigError(
+            f"algo.lam={a.lam} must be in [0, 1], or adaptive for length-adaptive "
+            "1 - 1/(lam_alpha * l) (formerly any negative value)"
+        )
     if a.batch_size < 1 or a.group_size < 1 or a.batch_size % a.group_size:
-        raise ConfigError(f"algo.batch_size={a.batch_size} must be a positive multiple of "
-                          f"algo.group_size={a.group_size}")  # fmt: skip
+        raise ConfigError(
+            f"algo.batch_size={a.batch_size} must be a positive multiple of algo.group_size={a.group_size}"
+        )
     if a.advantage in GROUP_ESTIMATORS and a.group_size < 2:
         raise ConfigError(f"algo.advantage={a.advantage} needs algo.group_size >= 2 (same-prompt groups)")
     if a.max_policy_lag is not None and a.max_policy_lag < 0:
@@ -487,8 +524,9 @@ def validate_data(d: DataConfig, evaluates: bool = True) -> None:
     if d.eval and not d.train:
         raise ConfigError(f"data.eval={d.eval!r} needs data.train (the training prompts file) as well")
     if d.train and not d.eval and evaluates:
-        raise ConfigError("data.train is set but data.eval is empty; set data.eval=FILE (held-out prompts) "
-                          "or train.eval_prompts=0")  # fmt: skip
+        raise ConfigError(
+            "data.train is set but data.eval is empty; set data.eval=FILE (held-out prompts) or train.eval_prompts=0"
+        )
     if d.train:
         for key in ("prompt_field", "answer_field"):
             if not getattr(d, key):
@@ -506,8 +544,10 @@ def validate_rollout(r: RolloutConfig) -> None:
         if not getattr(r.loop, name) > 0:
             raise ConfigError(f"rollout.loop.{name}={getattr(r.loop, name)} must be > 0 (seconds)")
     if not 0 < r.max_failed_fraction <= 1:
-        raise ConfigError(f"rollout.max_failed_fraction={r.max_failed_fraction} must be in (0, 1]; "
-                          "1 never stops the run for failed episodes")  # fmt: skip
+        raise ConfigError(
+            f"rollout.max_failed_fraction={r.max_failed_fraction} must be in (0, 1]; "
+            "1 never stops the run for failed episodes"
+        )
     if r.failure_window < 1:
         raise ConfigError(f"rollout.failure_window must be >= 1 (got {r.failure_window})")
     for key in ("engine_max_restarts", "episode_max_retries"):

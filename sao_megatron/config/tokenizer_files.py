@@ -23,9 +23,7 @@ def _read_json(file: Path) -> Any:
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise _UnreadableFile(
-            f"JSONDecodeError in {file}: {err.msg} at line {err.lineno} column {err.colno}"
-        ) from None
+        raise _UnreadableFile(f"JSONDecodeError in {file}: {err.msg} at line {err.lineno} column {err.colno}") from None
     except UnicodeDecodeError as err:
         raise _UnreadableFile(f"UnicodeDecodeError in {file}: byte {err.start} is not UTF-8") from None
 
@@ -70,11 +68,21 @@ def chat_templates(path: str | Path) -> list[tuple[Path, str]]:
     return found
 
 
-_SAMPLE_TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
-                  "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
-                                 "required": ["code"]}}}]  # fmt: skip
-_SAMPLE_MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
-                    {"role": "user", "content": "And 4 + 4?"}]  # fmt: skip
+_SAMPLE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    }
+]
+_SAMPLE_MESSAGES = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "And 4 + 4?"},
+]
 
 
 def render_chat_template(template: str, special_tokens: dict[str, str], tools: bool) -> str:
@@ -103,19 +111,16 @@ def render_chat_template(template: str, special_tokens: dict[str, str], tools: b
         raise jinja2.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     compiled = env.from_string(template)
-    return compiled.render(messages=_SAMPLE_MESSAGES, tools=_SAMPLE_TOOLS if tools else None,
-                           add_generation_prompt=True, **special_tokens)  # fmt: skip
+    return compiled.render(
+        messages=_SAMPLE_MESSAGES, tools=_SAMPLE_TOOLS if tools else None, add_generation_prompt=True, **special_tokens
+    )
 
 
 def _special_tokens(p: Path) -> dict[str, str]:
@@ -138,13 +143,17 @@ def _check_templates_render(p: Path, key: str, tools: bool) -> None:
         try:
             render_chat_template(template, special, tools)
         except jinja2.TemplateSyntaxError as err:
-            raise ConfigError(f"{key}: the chat template in {file} is not valid Jinja ({err.message}, template line "
-                              f"{err.lineno}); fix it or use the tokenizer files of the model it came from") from None  # fmt: skip
+            raise ConfigError(
+                f"{key}: the chat template in {file} is not valid Jinja ({err.message}, template line "
+                f"{err.lineno}); fix it or use the tokenizer files of the model it came from"
+            ) from None
         except Exception as err:  # what a template raises is open-ended (raise_exception, TypeError, ...)
             what = str(err).splitlines()[0] if str(err) else ""
-            raise ConfigError(f"{key}: the chat template in {file} fails to render a user/assistant conversation"
-                              f"{' with tools' if tools else ''} ({type(err).__name__}: {what}); fix it or use "
-                              "the tokenizer files of the model it came from") from None  # fmt: skip
+            raise ConfigError(
+                f"{key}: the chat template in {file} fails to render a user/assistant conversation"
+                f"{' with tools' if tools else ''} ({type(err).__name__}: {what}); fix it or use "
+                "the tokenizer files of the model it came from"
+            ) from None
 
 
 def _tiny_template() -> str:
@@ -162,25 +171,31 @@ def check_hf_tokenizer(path: str | Path, vocab_size: int, tools_from: str = "") 
     p = Path(path).expanduser()
     key = f"actor.init_from={path}"
     try:
-        if not (p / "tokenizer_config.json").is_file() or not any(
-            (p / f).is_file() for f in _TOKENIZER_VOCAB_FILES
-        ):
-            raise ConfigError(f"{key}: the checkpoint has no tokenizer (needs tokenizer.json and tokenizer_config.json); "
-                              "copy the tokenizer files of the model it came from into it "
-                              "(AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR))")  # fmt: skip
+        if not (p / "tokenizer_config.json").is_file() or not any((p / f).is_file() for f in _TOKENIZER_VOCAB_FILES):
+            raise ConfigError(
+                f"{key}: the checkpoint has no tokenizer (needs tokenizer.json and tokenizer_config.json); "
+                "copy the tokenizer files of the model it came from into it "
+                "(AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR))"
+            )
         size = tokenizer_size(p)
         if size is not None and size > vocab_size:
-            raise ConfigError(f"{key}: {p / 'tokenizer.json'} has {size} token ids but config.json's vocab_size is "
-                              f"{vocab_size} (embedding rows); use the model's own tokenizer or resize the "
-                              f"embeddings to >= {size} (model.resize_token_embeddings) and save again")  # fmt: skip
+            raise ConfigError(
+                f"{key}: {p / 'tokenizer.json'} has {size} token ids but config.json's vocab_size is "
+                f"{vocab_size} (embedding rows); use the model's own tokenizer or resize the "
+                f"embeddings to >= {size} (model.resize_token_embeddings) and save again"
+            )
         template = chat_template_source(p)
         if template is None:
-            raise ConfigError(f"{key}: {p / 'tokenizer_config.json'} has no chat_template; use a chat (Instruct) "
-                              "checkpoint's tokenizer files or add a 'chat_template' with tool support")  # fmt: skip
+            raise ConfigError(
+                f"{key}: {p / 'tokenizer_config.json'} has no chat_template; use a chat (Instruct) "
+                "checkpoint's tokenizer files or add a 'chat_template' with tool support"
+            )
         if tools_from and "tools" not in template and template.strip() != _tiny_template():
-            raise ConfigError(f"{key}: the chat template in {p / 'tokenizer_config.json'} does not render tools "
-                              f"(it never reads 'tools') but {tools_from} declares tools; use a checkpoint whose "
-                              "template supports tools (e.g. Qwen3 Instruct) or replace its 'chat_template'")  # fmt: skip
+            raise ConfigError(
+                f"{key}: the chat template in {p / 'tokenizer_config.json'} does not render tools "
+                f"(it never reads 'tools') but {tools_from} declares tools; use a checkpoint whose "
+                "template supports tools (e.g. Qwen3 Instruct) or replace its 'chat_template'"
+            )
         _check_templates_render(p, key, bool(tools_from))
     except (OSError, ValueError, TypeError, AttributeError) as err:
         if isinstance(err, ConfigError):

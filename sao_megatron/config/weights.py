@@ -28,13 +28,12 @@ def safetensors_header(file: Path, key: str) -> dict[str, Any]:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if n < 2 or n > min(size - 8, _SAFETENSORS_MAX_HEADER):
-                raise ConfigError(f"{key}: {file} is truncated or not a safetensors file ({size} bytes, header "
-                                  f"length {n}); {fix}")  # fmt: skip
+                raise ConfigError(
+                    f"{key}: {file} is truncated or not a safetensors file ({size} bytes, header length {n}); {fix}"
+                )
             header = json.loads(f.read(n).decode("utf-8"))
     except OSError as err:
-        raise ConfigError(
-            f"{key}: cannot read {file} ({err.strerror}); check the checkpoint's files"
-        ) from None
+        raise ConfigError(f"{key}: cannot read {file} ({err.strerror}); check the checkpoint's files") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ConfigError(f"{key}: {file} has a corrupt safetensors header (not JSON); {fix}") from None
     if not isinstance(header, dict):
@@ -45,8 +44,9 @@ def safetensors_header(file: Path, key: str) -> dict[str, Any]:
             continue
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise ConfigError(f"{key}: {file} has a corrupt safetensors header (tensor '{name}' has no "
-                              f"data_offsets); {fix}")  # fmt: skip
+            raise ConfigError(
+                f"{key}: {file} has a corrupt safetensors header (tensor '{name}' has no data_offsets); {fix}"
+            )
         end = max(end, offsets[1])
     if 8 + n + end > size:
         raise ConfigError(f"{key}: {file} is truncated ({size} bytes; its header needs {8 + n + end}); {fix}")
@@ -62,8 +62,10 @@ def check_hf_weights(path: str | Path, key: str) -> None:
     if not index.is_file():
         single = p / _SAFETENSORS_SINGLE
         if not single.is_file():
-            raise ConfigError(f"{key}={path} has neither {_SAFETENSORS_INDEX} nor {_SAFETENSORS_SINGLE}; "
-                              "save the checkpoint with save_pretrained (the loader reads only those)")  # fmt: skip
+            raise ConfigError(
+                f"{key}={path} has neither {_SAFETENSORS_INDEX} nor {_SAFETENSORS_SINGLE}; "
+                "save the checkpoint with save_pretrained (the loader reads only those)"
+            )
         safetensors_header(single, key)
         return
     try:
@@ -71,18 +73,24 @@ def check_hf_weights(path: str | Path, key: str) -> None:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise ConfigError(f"{key}: {index} is not a safetensors index (JSON with a 'weight_map' of tensor -> "
-                          "shard file); re-download or re-save the checkpoint") from None  # fmt: skip
+        raise ConfigError(
+            f"{key}: {index} is not a safetensors index (JSON with a 'weight_map' of tensor -> "
+            "shard file); re-download or re-save the checkpoint"
+        ) from None
     shards: dict[str, list[str]] = {}
     for tensor, shard in weight_map.items():
         shards.setdefault(shard, []).append(tensor)
     for shard, tensors in sorted(shards.items()):
         file = p / shard
         if not file.is_file():
-            raise ConfigError(f"{key}: {index} maps '{tensors[0]}' to the shard {shard}, which is missing "
-                              f"from {p}; copy the whole checkpoint directory")  # fmt: skip
+            raise ConfigError(
+                f"{key}: {index} maps '{tensors[0]}' to the shard {shard}, which is missing "
+                f"from {p}; copy the whole checkpoint directory"
+            )
         header = safetensors_header(file, key)
         absent = [t for t in tensors if t not in header]
         if absent:
-            raise ConfigError(f"{key}: {index} maps '{absent[0]}' to {shard}, which does not hold it; "
-                              "re-download or re-save the checkpoint")  # fmt: skip
+            raise ConfigError(
+                f"{key}: {index} maps '{absent[0]}' to {shard}, which does not hold it; "
+                "re-download or re-save the checkpoint"
+            )

@@ -23,8 +23,12 @@ class Advantages:
         self.prompt_baseline = algo.PromptRunningMeanBaseline(a.running_mean_window)
         self.global_baseline = algo.GlobalRunningMeanBaseline(a.running_mean_window)
 
-    def __call__(self, batch: TrainBatch, values: torch.Tensor | None, trajectories: list[Trajectory],
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:  # fmt: skip
+    def __call__(
+        self,
+        batch: TrainBatch,
+        values: torch.Tensor | None,
+        trajectories: list[Trajectory],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """``[B, T]`` advantages, ``[B, T]`` critic targets (None without a critic) and metrics."""
         a = self.a
         mask = batch.action_mask > 0
@@ -33,12 +37,14 @@ class Advantages:
                 raise ValueError(f"algo.advantage={a.advantage!r} needs the critic's values")
             lam = algo.length_adaptive_lambda(mask, a.lam_alpha) if a.lam == "adaptive" else a.lam
             if a.advantage == "gae":
-                adv, ret, metrics = algo.gae(batch.rewards, values, mask, gamma=a.gamma, lam=lam,
-                                             lam_critic=a.lam_critic)  # fmt: skip
+                adv, ret, metrics = algo.gae(
+                    batch.rewards, values, mask, gamma=a.gamma, lam=lam, lam_critic=a.lam_critic
+                )
             else:
                 assert a.advantage == "step_mean" or a.advantage == "step_last"
-                adv, ret, metrics = algo.step_gae(batch.rewards, values, mask, mode=a.advantage, gamma=a.gamma,
-                                                  lam=lam, lam_critic=a.lam_critic)  # fmt: skip
+                adv, ret, metrics = algo.step_gae(
+                    batch.rewards, values, mask, mode=a.advantage, gamma=a.gamma, lam=lam, lam_critic=a.lam_critic
+                )
         else:
             ret = None
             if a.advantage in ("grpo", "rloo"):
@@ -46,15 +52,11 @@ class Advantages:
                 codes = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
                 gid = torch.tensor([codes[g] for g in group_ids])
                 if a.advantage == "grpo":
-                    seq, metrics = algo.grpo_advantages(
-                        batch.rewards, gid, normalize_std=a.grpo_std_normalize
-                    )
+                    seq, metrics = algo.grpo_advantages(batch.rewards, gid, normalize_std=a.grpo_std_normalize)
                 else:
                     seq, metrics = algo.rloo_advantages(batch.rewards, gid)
             elif a.advantage == "running_mean_prompt":
-                seq, metrics = self.prompt_baseline.advantages(
-                    batch.rewards, [t.prompt_id for t in trajectories]
-                )
+                seq, metrics = self.prompt_baseline.advantages(batch.rewards, [t.prompt_id for t in trajectories])
             else:
                 seq, metrics = self.global_baseline.advantages(batch.rewards)
             adv = algo.broadcast_to_tokens(seq.to(torch.float32), mask)

@@ -16,8 +16,15 @@ from sao_megatron.envs.registry import make_env
 from sao_megatron.records import OBSERVATION_VERSION, Trajectory, Turn
 
 
-def demonstration_trajectory(env_name: str, task: Task, tokenizer, split: Split, index: int,
-                             env_kwargs: dict | None = None, enable_thinking: bool | None = None) -> Trajectory:  # fmt: skip
+def demonstration_trajectory(
+    env_name: str,
+    task: Task,
+    tokenizer,
+    split: Split,
+    index: int,
+    env_kwargs: dict | None = None,
+    enable_thinking: bool | None = None,
+) -> Trajectory:
     env = make_env(env_name, **(env_kwargs or {}))
     env.use_tool_format(tool_format_of(getattr(tokenizer, "chat_template", None)))
     chat = ChatFormat(tokenizer, tools=env.tools, system=env.system_prompt, enable_thinking=enable_thinking)
@@ -39,7 +46,15 @@ def demonstration_trajectory(env_name: str, task: Task, tokenizer, split: Split,
             messages.append(chat.tool_message(text))
         response += ids
     return Trajectory(
-        prompt_id=sample.prompt_id, prompt_ids=prompt_ids, response_ids=response, action_mask=mask,
-        behavior_logprobs=[0.0] * len(response), policy_versions=[0 if m else OBSERVATION_VERSION for m in mask],
-        turns=turns, reward=1.0, status="finished", split=split, sample_index=index,
-    )  # fmt: skip
+        prompt_id=sample.prompt_id,
+        prompt_ids=prompt_ids,
+        response_ids=response,
+        action_mask=mask,
+        behavior_logprobs=[0.0] * len(response),
+        policy_versions=[0 if m else OBSERVATION_VERSION for m in mask],
+        turns=turns,
+        reward=1.0,
+        status="finished",
+        split=split,
+        sample_index=index,
+    )

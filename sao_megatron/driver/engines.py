@@ -76,8 +76,9 @@ class RemoteEngine:
     each), on the rollout node group (the ``sao_rollout`` resource); the engine's nodes meet at
     node 0's address (``--nnodes``, ``--node-rank``, ``--dist-init-addr``)."""
 
-    def __init__(self, spec: EngineSpec, gpus_per_engine: int, gpus_per_node: int = 0,
-                 placement_timeout_s: float = 600.0):  # fmt: skip
+    def __init__(
+        self, spec: EngineSpec, gpus_per_engine: int, gpus_per_node: int = 0, placement_timeout_s: float = 600.0
+    ):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -95,11 +96,13 @@ class RemoteEngine:
             raise placement_error(f"an engine over {nodes} node(s)", bundle, placement_timeout_s) from None
         self.hosts: list[Any] = [
             EngineHost.options(
-                num_cpus=0.1, num_gpus=per_node, resources={"sao_rollout": bundle["sao_rollout"]},
+                num_cpus=0.1,
+                num_gpus=per_node,
+                resources={"sao_rollout": bundle["sao_rollout"]},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=n),
             ).remote(spec)
             for n in range(nodes)
-        ]  # fmt: skip
+        ]
         address = ray.get(self.hosts[0].init_address.remote()) if nodes > 1 else ""
         ray.get([h.launch.remote(n, nodes, address) for n, h in enumerate(self.hosts)])
         self.host = self.hosts[0]
@@ -144,22 +147,37 @@ def engine_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
     return out
 
 
-def launch_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices: list[int] | None = None,
-                   restart: int = 0, load_format: str = "auto") -> list[Engine]:  # fmt: skip
+def launch_engines(
+    cfg: SAOConfig,
+    model_path: Path,
+    run_dir: Path,
+    indices: list[int] | None = None,
+    restart: int = 0,
+    load_format: str = "auto",
+) -> list[Engine]:
     """Start ``rollout.num_engines`` servers of ``model_path`` (or only engines ``indices``), each on
     a fresh port, without waiting for them (:func:`wait_healthy`). ``restart`` > 0: the engines'
     ``restart``-th start (its own log, ``engine<i>.restart<k>.log``, so the dead server's log stays)."""
     r, c = cfg.rollout, cfg.cluster
     remote = bool(c.ray_address)  # the rollout node group (the run directory is on a shared filesystem)
     suffix = f".restart{restart}" if restart else ""
-    specs = [EngineSpec(model_path=str(model_path), port=0 if remote else free_port(),
-                        tensor_parallel=r.tensor_parallel, expert_parallel=r.expert_parallel, dtype=r.dtype,
-                        max_total_tokens=r.max_total_tokens, dp_attention=c.engine_dp_attention,
-                        mem_fraction_static=c.engine_mem_fraction if c.gpus_per_node else None,
-                        random_seed=cfg.run.seed + i, load_format=load_format,
-                        log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
-                        env={str(k): str(v) for k, v in r.engine_env.items()})
-             for i in (range(r.num_engines) if indices is None else indices)]  # fmt: skip
+    specs = [
+        EngineSpec(
+            model_path=str(model_path),
+            port=0 if remote else free_port(),
+            tensor_parallel=r.tensor_parallel,
+            expert_parallel=r.expert_parallel,
+            dtype=r.dtype,
+            max_total_tokens=r.max_total_tokens,
+            dp_attention=c.engine_dp_attention,
+            mem_fraction_static=c.engine_mem_fraction if c.gpus_per_node else None,
+            random_seed=cfg.run.seed + i,
+            load_format=load_format,
+            log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
+            env={str(k): str(v) for k, v in r.engine_env.items()},
+        )
+        for i in (range(r.num_engines) if indices is None else indices)
+    ]
     engines: list[Engine] = []
     try:
         for spec in specs:
@@ -187,7 +205,13 @@ async def wait_healthy(engines: list[Engine]) -> list[Engine]:
     return engines
 
 
-async def start_engines(cfg: SAOConfig, model_path: Path, run_dir: Path, indices: list[int] | None = None,
-                        restart: int = 0, load_format: str = "auto") -> list[Engine]:  # fmt: skip
+async def start_engines(
+    cfg: SAOConfig,
+    model_path: Path,
+    run_dir: Path,
+    indices: list[int] | None = None,
+    restart: int = 0,
+    load_format: str = "auto",
+) -> list[Engine]:
     """:func:`launch_engines`, healthy when this returns (:func:`wait_healthy`)."""
     return await wait_healthy(launch_engines(cfg, model_path, run_dir, indices, restart, load_format))

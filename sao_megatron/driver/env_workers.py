@@ -79,8 +79,14 @@ class EnvWorkerPool:
         self._turn = 0
 
     @classmethod
-    async def start(cls, num_workers: int, episodes_per_worker: int = 16, cpus: float = 1.0,
-                    node_group: str | None = None, timeout_s: float = 600.0) -> EnvWorkerPool:  # fmt: skip
+    async def start(
+        cls,
+        num_workers: int,
+        episodes_per_worker: int = 16,
+        cpus: float = 1.0,
+        node_group: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> EnvWorkerPool:
         """Place and start the workers; ``node_group`` (a cluster run's ``rollout.env_node_group``)
         keeps them on the nodes advertising ``sao_<node_group>``, None lets them go anywhere."""
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -94,24 +100,24 @@ class EnvWorkerPool:
         if node_group:
             resource = f"sao_{node_group}"
             what += f" on the {node_group} nodes (those advertising {resource})"
-            nodes = [
-                n["NodeID"] for n in ray.nodes() if n.get("Alive") and resource in n.get("Resources", {})
-            ]
+            nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and resource in n.get("Resources", {})]
             if not nodes:
-                raise RuntimeError(f"Ray cannot place {what}: no node advertises {resource}; the cluster's nodes "
-                                   f"offer {offered()}. Set rollout.env_node_group to a group this job has nodes "
-                                   "for (actor, critic, rollout)")  # fmt: skip
+                raise RuntimeError(
+                    f"Ray cannot place {what}: no node advertises {resource}; the cluster's nodes "
+                    f"offer {offered()}. Set rollout.env_node_group to a group this job has nodes "
+                    "for (actor, critic, rollout)"
+                )
             selector = [{"ray.io/node-id": f"in({','.join(nodes)})"}] * num_workers
-        group = placement_group([bundle] * num_workers, strategy="SPREAD",
-                                bundle_label_selector=selector)  # fmt: skip
+        group = placement_group([bundle] * num_workers, strategy="SPREAD", bundle_label_selector=selector)
         await wait_placed(group, what, bundle, timeout_s)
         actors = [
             EnvWorkerActor.options(
-                num_cpus=cpus, max_concurrency=max(1000, 4 * episodes_per_worker),
+                num_cpus=cpus,
+                max_concurrency=max(1000, 4 * episodes_per_worker),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
             ).remote(episodes_per_worker)
             for i in range(num_workers)
-        ]  # fmt: skip
+        ]
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(a.info.remote() for a in actors)), timeout_s)
         except BaseException:
@@ -120,16 +126,17 @@ class EnvWorkerPool:
             remove_placement_group(group)
             raise
         workers = [
-            _Worker(i, a, info["pid"], info["host"])
-            for i, (a, info) in enumerate(zip(actors, infos, strict=True))
+            _Worker(i, a, info["pid"], info["host"]) for i, (a, info) in enumerate(zip(actors, infos, strict=True))
         ]
         return cls(workers, group)
 
     def _pick(self) -> _Worker:
         live = [w for w in self.workers if not w.died]
         if not live:
-            raise EnvWorkerError(f"env worker pool: all {len(self.workers)} env workers died "
-                                 f"(first: {self.workers[0].name}: {self.workers[0].died})")  # fmt: skip
+            raise EnvWorkerError(
+                f"env worker pool: all {len(self.workers)} env workers died "
+                f"(first: {self.workers[0].name}: {self.workers[0].died})"
+            )
         self._turn += 1
         n = len(self.workers)
         return min(live, key=lambda w: (w.load, (w.index - self._turn) % n))
@@ -139,9 +146,7 @@ class EnvWorkerPool:
         worker = self._pick()
         worker.load += 1
         try:
-            return await RemoteEnv.open(
-                worker.call, env_name, env_kwargs, tool_format, on_close=worker.release
-            )
+            return await RemoteEnv.open(worker.call, env_name, env_kwargs, tool_format, on_close=worker.release)
         except BaseException:
             worker.release()
             raise

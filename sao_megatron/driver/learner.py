@@ -40,8 +40,9 @@ class StepOutcome:
     seconds: float = 0.0
 
 
-async def learner_step(s: Session, estimator: Advantages, trajectories: list[Trajectory], version: int,
-                       train_actor: bool) -> StepOutcome:  # fmt: skip
+async def learner_step(
+    s: Session, estimator: Advantages, trajectories: list[Trajectory], version: int, train_actor: bool
+) -> StepOutcome:
     """Train on one batch. The critic's K updates run concurrently with the actor's update
     (separate worlds); the engines get the new weights as ``version + 1`` (every
     ``rollout.weight_sync_every`` versions: a delayed sync is a staleness knob for experiments)."""
@@ -67,14 +68,17 @@ async def learner_step(s: Session, estimator: Advantages, trajectories: list[Tra
 
     async with s.weights_lock:  # from the actor's update to the engines' sync: no engine restart between
         await asyncio.gather(critic_updates(), actor_update())
-        skipped = [
-            role for role, m in (("actor", out.actor), ("critic", out.critic)) if m.get("updated", 1.0) == 0
-        ]
+        skipped = [role for role, m in (("actor", out.actor), ("critic", out.critic)) if m.get("updated", 1.0) == 0]
         s.skipped_in_a_row = s.skipped_in_a_row + 1 if skipped else 0
         if skipped:
             ids = sorted({t.prompt_id for t in trajectories})
-            log.warning("step at version %d: %s update skipped (non-finite loss or gradient, %d in a row); "
-                        "trajectories %s", version, " and ".join(skipped), s.skipped_in_a_row, ids)  # fmt: skip
+            log.warning(
+                "step at version %d: %s update skipped (non-finite loss or gradient, %d in a row); trajectories %s",
+                version,
+                " and ".join(skipped),
+                s.skipped_in_a_row,
+                ids,
+            )
             limit = s.cfg.train.max_skipped_steps
             if s.skipped_in_a_row >= limit:
                 raise TrainingDiverged(

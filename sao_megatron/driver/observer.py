@@ -66,9 +66,13 @@ def buffer_metrics(buffer: ReadyBuffer, groups_since: int = 0) -> dict[str, floa
     the mean group wait (first member finished -> last member finished) of the GRPO groups handed
     out since the ``groups_since``-th (GRPO groups only)."""
     b = buffer.stats
-    out = {"buffer/waiting": float(len(buffer)), "buffer/dropped_stale": float(b.dropped_stale),
-           "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
-           "buffer/dropped_no_actions": float(b.dropped_no_actions), "buffer/dropped_group": float(b.dropped_group)}  # fmt: skip
+    out = {
+        "buffer/waiting": float(len(buffer)),
+        "buffer/dropped_stale": float(b.dropped_stale),
+        "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
+        "buffer/dropped_no_actions": float(b.dropped_no_actions),
+        "buffer/dropped_group": float(b.dropped_group),
+    }
     for reason, n in sorted(b.dropped_failed.items()):  # engine, environment, reward, task, ...
         out[f"buffer/dropped_failed/{reason.replace(' ', '_')}"] = float(n)
     if waits := b.group_waits_s[groups_since:]:
@@ -105,8 +109,11 @@ class StepObserver:
         out |= buffer_metrics(self.buffer, self._groups_seen)
         self._groups_seen = len(self.buffer.stats.group_waits_s)
         out |= self.manager.engines.metrics()  # engine restarts and drops, episode retries (cumulative)
-        out |= {"time/learner_wait_s": waited_s, "rollout/in_flight_at_take": float(in_flight),
-                "policy_version": float(o.version)}  # fmt: skip
+        out |= {
+            "time/learner_wait_s": waited_s,
+            "rollout/in_flight_at_take": float(in_flight),
+            "policy_version": float(o.version),
+        }
         now = self._counters()
         dt = max(now[0] - self._last[0], 1e-9)
         out["rollout/trajectories_per_s"] = (now[1] - self._last[1]) / dt

@@ -47,8 +47,7 @@ class RankActor:
     rendezvous store on its node (:meth:`rendezvous`), then every rank joins it and builds its
     model (:meth:`start`)."""
 
-    def __init__(self, kind: str, cfg: SAOConfig, rank: int, world: int, log_path: str,
-                 init_from: str | None = None):  # fmt: skip
+    def __init__(self, kind: str, cfg: SAOConfig, rank: int, world: int, log_path: str, init_from: str | None = None):
         from sao_megatron.logs import quiet_third_party, redirect_process_output
 
         redirect_process_output(Path(log_path))
@@ -69,12 +68,8 @@ class RankActor:
         from sao_megatron.workers.common import coordinates
 
         store = self._store or parallel.join_store(host, port, self.world)
-        parallel.init_distributed(
-            self.rank, self.world, host, port, backend=self.cfg.run.backend, store=store
-        )
-        self.worker = (
-            ActorWorker(self.cfg) if self.kind == "actor" else CriticWorker(self.cfg, self.init_from)
-        )
+        parallel.init_distributed(self.rank, self.world, host, port, backend=self.cfg.run.backend, store=store)
+        self.worker = ActorWorker(self.cfg) if self.kind == "actor" else CriticWorker(self.cfg, self.init_from)
         self.coords = coordinates()
         return self.coords
 
@@ -120,17 +115,19 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
         role = self.cfg.actor if self.kind == "actor" else self.cfg.critic
         world = role.parallel.world_size
         self.group = placement_group([self._bundle()] * world, strategy="PACK", name=f"sao_{self.kind}")
-        await wait_placed(self.group, f"the {self.kind}'s {world} ranks", self._bundle(),
-                          self.cfg.cluster.placement_timeout_s)  # fmt: skip
+        await wait_placed(
+            self.group, f"the {self.kind}'s {world} ranks", self._bundle(), self.cfg.cluster.placement_timeout_s
+        )
         order = rank_order(placement_group_table(self.group)["bundles_to_node_id"])
         logs = self.run_dir / "logs"
         self.ranks = [
             RankActor.options(
-                num_cpus=self.cfg.cluster.cpus_per_rank, num_gpus=self._bundle().get("GPU", 0),
+                num_cpus=self.cfg.cluster.cpus_per_rank,
+                num_gpus=self._bundle().get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=b),
             ).remote(self.kind, self.cfg, r, world, str(logs / f"{self.kind}_rank{r}.log"), self.init_from)
             for r, b in enumerate(order)
-        ]  # fmt: skip
+        ]
         host = await self.ranks[0].node_ip.remote() if self.cfg.cluster.ray_address else "127.0.0.1"
         host, port = await self.ranks[0].rendezvous.remote(host)
         self.coords = list(await asyncio.gather(*(r.start.remote(host, port) for r in self.ranks)))
@@ -166,16 +163,12 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
             raise TypeError(f"{self.kind}: rows() needs a batch returned by place()")
         return self.scatter([per_row[r] for r in rows])
 
-    async def _all[**P, R](
-        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
-    ) -> list[R]:
+    async def _all[**P, R](self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run ``method`` on every rank; the results in rank order."""
         name = method.__name__
         return list(await asyncio.gather(*(r.call.remote(name, args, kwargs) for r in self.ranks)))
 
-    async def _reported[**P, R](
-        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
-    ) -> R:
+    async def _reported[**P, R](self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return (await self._all(method, *args, **kwargs))[self.reporter]
 
     def shutdown(self) -> None:
@@ -286,18 +279,12 @@ class CriticGroup(RoleGroup[CriticWorker]):
         parts: list[RowOutputs | None] = await self._all(CriticWorker.values, batch)
         return assemble_rows(parts, size, width)
 
-    async def update(
-        self, batch: BatchShard, returns: torch.Tensor, old_values: torch.Tensor
-    ) -> dict[str, float]:
+    async def update(self, batch: BatchShard, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One value-loss step; ``returns`` and ``old_values`` ``[B, T]`` for the whole batch."""
-        return await self._reported(
-            CriticWorker.update, batch, self.rows(batch, returns), self.rows(batch, old_values)
-        )
+        return await self._reported(CriticWorker.update, batch, self.rows(batch, returns), self.rows(batch, old_values))
 
 
-def init_ray(
-    address: str = "", num_cpus: int | None = None, resources: dict[str, float] | None = None
-) -> None:
+def init_ray(address: str = "", num_cpus: int | None = None, resources: dict[str, float] | None = None) -> None:
     """Local Ray by default; the job's cluster when ``address`` is given (``cluster.ray_address``).
     ``resources``: custom resources the local node advertises (tests: a node group's ``sao_<group>``)."""
     import os
@@ -311,5 +298,11 @@ def init_ray(
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, runtime_env=quiet)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), resources=resources, include_dashboard=False,
-                 log_to_driver=False, object_store_memory=512 << 20, runtime_env=quiet)  # fmt: skip
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            resources=resources,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=512 << 20,
+            runtime_env=quiet,
+        )

@@ -40,8 +40,9 @@ class RolloutSource:
         get = asyncio.ensure_future(self.buffer.get())
         try:
             while True:
-                await asyncio.wait([get, *([self._runner] if self._runner else [])],
-                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                await asyncio.wait(
+                    [get, *([self._runner] if self._runner else [])], return_when=asyncio.FIRST_COMPLETED
+                )
                 if get.done():
                     return get.result()
                 assert self._runner is not None  # only get was awaited otherwise

@@ -43,14 +43,24 @@ from sao_megatron.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-_CONNECTION_FAILURES = ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "Connection reset",
-                        "Cannot connect")  # fmt: skip
+_CONNECTION_FAILURES = (
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "Connection reset",
+    "Cannot connect",
+)
 """In an episode's ``engine:`` reason: the engine's server is not there (not a slow or refused call)."""
 
 _MISSED_CHECKS = 3
 """Watchdog checks in a row an engine's ``/model_info`` may go unanswered before it is restarted."""
-_SYNC_METRICS = {"sync_s": "time/sync_s", "sync_pause_s": "time/sync_pause_s", "sync_gb_per_s": "sync/gb_per_s",
-                 "sync_tensors": "sync/tensors", "sync_senders": "sync/senders"}  # fmt: skip
+_SYNC_METRICS = {
+    "sync_s": "time/sync_s",
+    "sync_pause_s": "time/sync_pause_s",
+    "sync_gb_per_s": "sync/gb_per_s",
+    "sync_tensors": "sync/tensors",
+    "sync_senders": "sync/senders",
+}
 """The actor's sync timing (``ActorWorker.sync_weights``) as logged: seconds under time/, the rest under sync/."""
 
 
@@ -156,8 +166,9 @@ class Session:
         r = self.cfg.rollout
         if r.env_workers > 0 and self.env_pool is None:  # first: placement errors come before engine syncs
             group = r.env_node_group if self.cfg.cluster.ray_address else None
-            self.env_pool = await EnvWorkerPool.start(r.env_workers, r.env_worker_episodes, r.env_worker_cpus,
-                                                      group, self.cfg.cluster.placement_timeout_s)  # fmt: skip
+            self.env_pool = await EnvWorkerPool.start(
+                r.env_workers, r.env_worker_episodes, r.env_worker_cpus, group, self.cfg.cluster.placement_timeout_s
+            )
         if self._engines_ready is not None:
             await self._engines_ready  # stopped them all and raises when one never became healthy
         else:
@@ -168,9 +179,7 @@ class Session:
         for i, engine in enumerate(self.engines):
             client = await EngineClient(engine.url).__aenter__()
             self.clients.append(client)
-            self.loops.append(
-                AgentLoop(client, self.tokenizer, self.cfg.rollout.loop, engine_name=f"engine{i}")
-            )
+            self.loops.append(AgentLoop(client, self.tokenizer, self.cfg.rollout.loop, engine_name=f"engine{i}"))
         self.engine_states = EngineStates(len(self.engines), on_failure=self._episode_failed)
         async with self.weights_lock:
             await self.sync_weights(version)  # forms the broadcast group; labels tokens with ints
@@ -189,8 +198,13 @@ class Session:
                 dead = [i for i in states.live() if not await self._responsive(i)]
                 if not dead:
                     raise
-                log.warning("weight sync to version %d failed (%s: %s); restarting engine(s) %s", version,
-                            type(err).__name__, str(err)[:300], dead)  # fmt: skip
+                log.warning(
+                    "weight sync to version %d failed (%s: %s); restarting engine(s) %s",
+                    version,
+                    type(err).__name__,
+                    str(err)[:300],
+                    dead,
+                )
                 for i in dead:
                     await self._restart(i)
         self.version = version
@@ -203,9 +217,7 @@ class Session:
                 self._recover(i, str(err))
                 continue
             if label != str(version):
-                raise RuntimeError(
-                    f"engine{i} serves weights labelled {label!r} after the sync of version {version}"
-                )
+                raise RuntimeError(f"engine{i} serves weights labelled {label!r} after the sync of version {version}")
             self.loops[i].client = self.clients[i]  # a restarted engine's: episodes reach it from now on
             states.mark_up(i)
         return metrics
@@ -215,9 +227,7 @@ class Session:
         if self.cfg.rollout.weight_sync == "disk":
             hf_dir = self.run_dir / "hf" / "policy"
             report = await self.actor.export_hf(hf_dir)
-            await asyncio.gather(
-                *(self.clients[i].update_weights_from_disk(str(hf_dir), str(version)) for i in live)
-            )
+            await asyncio.gather(*(self.clients[i].update_weights_from_disk(str(hf_dir), str(version)) for i in live))
             return {"time/sync_s": report.seconds}
         urls = [self.engines[i].url for i in live]
         report = await self.actor.sync_weights(urls, version, self.sync_address)
@@ -297,13 +307,16 @@ class Session:
                 log.error("engine%d dropped: %s", i, why)
                 states.drop(i, why)
                 if states.error is not None:
-                    raise EnginesLost(f"{states.error}; the run cannot continue without engines. See the "
-                                      f"engine logs in {self.run_dir / 'logs'}, or raise rollout.engine_max_restarts")  # fmt: skip
+                    raise EnginesLost(
+                        f"{states.error}; the run cannot continue without engines. See the "
+                        f"engine logs in {self.run_dir / 'logs'}, or raise rollout.engine_max_restarts"
+                    )
                 return
             states.restarts[i] += 1
             try:
-                (engine,) = await start_engines(self.cfg, source, self.run_dir, [i], restart=states.restarts[i],
-                                                load_format=load_format)  # fmt: skip
+                (engine,) = await start_engines(
+                    self.cfg, source, self.run_dir, [i], restart=states.restarts[i], load_format=load_format
+                )
                 break
             except Exception as err:
                 log.warning("restart %d of engine%d failed: %s", states.restarts[i], i, err)
@@ -311,8 +324,9 @@ class Session:
         # Its agent loop keeps the closed client until the sync: an episode still in flight there fails
         # (and is retried) rather than continue on weights of another version.
         self.clients[i] = await EngineClient(engine.url).__aenter__()
-        log.warning("engine%d restarted (%d of rollout.engine_max_restarts=%d) at %s", i, states.restarts[i],
-                    limit, engine.url)  # fmt: skip
+        log.warning(
+            "engine%d restarted (%d of rollout.engine_max_restarts=%d) at %s", i, states.restarts[i], limit, engine.url
+        )
 
     async def _watch(self) -> None:
         """The watchdog: every ``rollout.engine_check_s``, each engine that is up must have a running
@@ -344,18 +358,24 @@ class Session:
             raise RuntimeError("rollout.env_workers > 0 but the env workers are not started (start_rollouts)")
         return local_env_factory(r.env, r.env_kwargs)
 
-    def manager(
-        self, buffer: ReadyBuffer, version: Callable[[], int], cursor: PromptCursor
-    ) -> RolloutManager:
+    def manager(self, buffer: ReadyBuffer, version: Callable[[], int], cursor: PromptCursor) -> RolloutManager:
         """Episodes from ``cursor`` on the engines; finished ones go to ``buffer`` at the current version."""
-        return RolloutManager(self.loops, self.task, self.cfg.rollout.env, lambda t: buffer.admit(t, version()),
-                              group_size=self.cfg.algo.group_size, max_concurrent=self.cfg.rollout.max_concurrent,
-                              env_kwargs=self.cfg.rollout.env_kwargs, cursor=cursor,
-                              max_failed_fraction=self.cfg.rollout.max_failed_fraction,
-                              failure_window=self.cfg.rollout.failure_window,
-                              env_factory=self.env_factory(), engines=self.engine_states,
-                              episode_max_retries=self.cfg.rollout.episode_max_retries,
-                              retry_from=self.cfg.rollout.episode_retry_from)  # fmt: skip
+        return RolloutManager(
+            self.loops,
+            self.task,
+            self.cfg.rollout.env,
+            lambda t: buffer.admit(t, version()),
+            group_size=self.cfg.algo.group_size,
+            max_concurrent=self.cfg.rollout.max_concurrent,
+            env_kwargs=self.cfg.rollout.env_kwargs,
+            cursor=cursor,
+            max_failed_fraction=self.cfg.rollout.max_failed_fraction,
+            failure_window=self.cfg.rollout.failure_window,
+            env_factory=self.env_factory(),
+            engines=self.engine_states,
+            episode_max_retries=self.cfg.rollout.episode_max_retries,
+            retry_from=self.cfg.rollout.episode_retry_from,
+        )
 
     async def evaluate(self) -> dict[str, float]:
         """The paper's two held-out figures on the first ``train.eval_prompts`` held-out prompts
@@ -382,8 +402,9 @@ class Session:
         settings = [dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_temperature)]
         if k > 0:
             settings.append(dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_sample_temperature))
-        loops = [[AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}") for i, c in enumerate(clients)]
-                 for s in settings]  # fmt: skip
+        loops = [
+            [AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}") for i, c in enumerate(clients)] for s in settings
+        ]
         sem = asyncio.Semaphore(self.cfg.rollout.max_concurrent)
         samples = [self.task.get("heldout", i) for i in range(n)]
         make_env = self.env_factory()
@@ -414,8 +435,13 @@ class Session:
             metrics["eval/sampled_failed"] = float(sum(r.status == "failed" for r in rest))
         return metrics
 
-    async def checkpoint(self, state: RunState, manager: RolloutManager | None = None,
-                         buffer: ReadyBuffer | None = None, advantages: Advantages | None = None) -> None:  # fmt: skip
+    async def checkpoint(
+        self,
+        state: RunState,
+        manager: RolloutManager | None = None,
+        buffer: ReadyBuffer | None = None,
+        advantages: Advantages | None = None,
+    ) -> None:
         """Write actor, critic and run state into a staging directory, then publish it."""
         staging = RunState.staging_dir(self.run_dir)
         shutil.rmtree(staging, ignore_errors=True)

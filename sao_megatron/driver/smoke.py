@@ -38,13 +38,15 @@ def _actor_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
     initialize_model_parallel(cfg.actor.parallel)
     seed_everything(cfg.run.seed)
     role = build_actor_role(cfg.model, cfg.actor)
-    micro = _batch(cfg.model.vocab_size, cfg.run.seed + ps.get_data_parallel_rank(),
-                   cfg.actor.parallel.micro_batch_size)  # fmt: skip
+    micro = _batch(
+        cfg.model.vocab_size, cfg.run.seed + ps.get_data_parallel_rank(), cfg.actor.parallel.micro_batch_size
+    )
     dp = ps.get_data_parallel_world_size()
 
     def nll(logits, mb):
-        logprobs, _ = vocab_parallel_logprobs(logits, torch.roll(mb["tokens"], -1, 1),
-                                              ps.get_tensor_model_parallel_group())  # fmt: skip
+        logprobs, _ = vocab_parallel_logprobs(
+            logits, torch.roll(mb["tokens"], -1, 1), ps.get_tensor_model_parallel_group()
+        )
         loss = -logprobs.mean() / dp
         return loss, {"nll": loss.item() * dp}
 
@@ -114,6 +116,9 @@ def run(cfg: SAOConfig, run_dir: Path) -> dict:
     (run_dir / "actor_init_full.pt").unlink(missing_ok=True)
     return {
         "actor": {**actor[0], "nll_before": _last(actor, "nll_before"), "nll_after": _last(actor, "nll_after")},
-        "critic": {**critic[0], "value_loss_before": _last(critic, "value_loss_before"),
-                   "value_loss_after": _last(critic, "value_loss_after")},
-    }  # fmt: skip
+        "critic": {
+            **critic[0],
+            "value_loss_before": _last(critic, "value_loss_before"),
+            "value_loss_after": _last(critic, "value_loss_after"),
+        },
+    }

@@ -48,21 +48,40 @@ def value_pretraining(cfg: SAOConfig) -> Stage:
 
     Prompts come from far beyond the RL cursor, so the RL data stays unseen."""
     target = cfg.train.value_pretrain_target_ev
-    return Stage("value_pretrain", cfg.train.value_pretrain_steps, trains_actor=lambda step: False,
-                 done=lambda m: m.get("critic/explained_var", math.nan) >= target,  # NaN: never
-                 resumable=False, first_prompt=1 << 40, synchronous=False, eval_every=0, save_every=0)  # fmt: skip
+    return Stage(
+        "value_pretrain",
+        cfg.train.value_pretrain_steps,
+        trains_actor=lambda step: False,
+        done=lambda m: m.get("critic/explained_var", math.nan) >= target,  # NaN: never
+        resumable=False,
+        first_prompt=1 << 40,
+        synchronous=False,
+        eval_every=0,
+        save_every=0,
+    )
 
 
 def rl(cfg: SAOConfig, has_critic: bool) -> Stage:
     """Asynchronous SAO (or a baseline): the actor trains after ``critic_warmup_steps`` critic-only steps."""
     warmup = cfg.algo.critic_warmup_steps if has_critic else 0
-    return Stage("rl", cfg.train.steps, trains_actor=lambda step: step >= warmup, done=lambda m: False,
-                 resumable=True, first_prompt=0, synchronous=cfg.algo.synchronous,
-                 eval_every=cfg.train.eval_every, save_every=cfg.train.save_every)  # fmt: skip
+    return Stage(
+        "rl",
+        cfg.train.steps,
+        trains_actor=lambda step: step >= warmup,
+        done=lambda m: False,
+        resumable=True,
+        first_prompt=0,
+        synchronous=cfg.algo.synchronous,
+        eval_every=cfg.train.eval_every,
+        save_every=cfg.train.save_every,
+    )
 
 
-def open_stage(s: Session, state: RunState, stage: Stage,
-               ) -> tuple[Advantages, ReadyBuffer, RolloutManager, RolloutSource, StepObserver]:  # fmt: skip
+def open_stage(
+    s: Session,
+    state: RunState,
+    stage: Stage,
+) -> tuple[Advantages, ReadyBuffer, RolloutManager, RolloutSource, StepObserver]:
     """The estimator, buffer, manager, batch source and observer of one stage; a resumable stage
     continues from the run state (cursor, waiting trajectories, baselines)."""
     a = s.cfg.algo
@@ -91,9 +110,18 @@ async def sft(s: Session, log: RunLog) -> None:
     log.set_total("sft", t.sft_steps)
     await s.actor.set_lr(t.sft_lr)
     for step in range(1, t.sft_steps + 1):
-        demos = [demonstration_trajectory(cfg.rollout.env, s.task, s.tokenizer, "train", rng.randrange(1 << 30),
-                                          cfg.rollout.env_kwargs, enable_thinking=cfg.rollout.loop.enable_thinking)
-                 for _ in range(t.sft_batch_size)]  # fmt: skip
+        demos = [
+            demonstration_trajectory(
+                cfg.rollout.env,
+                s.task,
+                s.tokenizer,
+                "train",
+                rng.randrange(1 << 30),
+                cfg.rollout.env_kwargs,
+                enable_thinking=cfg.rollout.loop.enable_thinking,
+            )
+            for _ in range(t.sft_batch_size)
+        ]
         metrics = await s.actor.sft_step(build_batch(demos))
         if step % 10 == 0 or step == t.sft_steps:
             log.log(step, "sft", {f"sft/{k}": v for k, v in metrics.items()})

@@ -127,12 +127,7 @@ def _implicit_products(expr: str) -> tuple[str, set[str]]:
     for tok in tokens:
         if out:
             prev = out[-1]
-            left = (
-                prev[0].isdigit()
-                or prev[0] == "."
-                or prev == ")"
-                or (prev.isalpha() and prev not in FUNCTIONS)
-            )
+            left = prev[0].isdigit() or prev[0] == "." or prev == ")" or (prev.isalpha() and prev not in FUNCTIONS)
             right = tok[0].isdigit() or tok[0] == "." or tok == "(" or tok.isalpha()
             if left and right:
                 out.append("*")

@@ -119,9 +119,7 @@ class ArithToolEnv(ToolEnv):
     tool_argument = "expression"
     tool_argument_description = "The expression, e.g. 37*12+5."
 
-    def __init__(
-        self, max_turns: int = 3, format_penalty: float = 0.0, max_observation_chars: int = 64
-    ) -> None:
+    def __init__(self, max_turns: int = 3, format_penalty: float = 0.0, max_observation_chars: int = 64) -> None:
         super().__init__(max_turns, format_penalty, max_observation_chars)
 
     def run_tool(self, code: str) -> str:

@@ -53,13 +53,17 @@ def _question(value: Any, d: DataConfig, where: str) -> tuple[str, list[dict] | 
     if d.prompt_format == "text":
         if not isinstance(value, str) or not value.strip():
             kind = "a list (chat messages?)" if isinstance(value, list) else repr(value)[:40]
-            raise ConfigError(f"{where}: {key} is {kind}, not a non-empty string; fix the row, or set "
-                              "data.prompt_format=messages if it holds chat messages")  # fmt: skip
+            raise ConfigError(
+                f"{where}: {key} is {kind}, not a non-empty string; fix the row, or set "
+                "data.prompt_format=messages if it holds chat messages"
+            )
         return value, None
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"{where}: {key} must be a non-empty list of {{role, content}} messages "
-                          f"(data.prompt_format=messages), got {repr(value)[:40]}; fix the row or set "
-                          "data.prompt_format=text")  # fmt: skip
+        raise ConfigError(
+            f"{where}: {key} must be a non-empty list of {{role, content}} messages "
+            f"(data.prompt_format=messages), got {repr(value)[:40]}; fix the row or set "
+            "data.prompt_format=text"
+        )
     messages = []
     for i, message in enumerate(value):
         if (
@@ -67,8 +71,10 @@ def _question(value: Any, d: DataConfig, where: str) -> tuple[str, list[dict] | 
             or message.get("role") not in ROLES
             or not isinstance(message.get("content"), str)
         ):
-            raise ConfigError(f"{where}: message {i} of {key} is {repr(message)[:60]}; each message needs "
-                              f"'role' (one of {', '.join(ROLES)}) and a string 'content'")  # fmt: skip
+            raise ConfigError(
+                f"{where}: message {i} of {key} is {repr(message)[:60]}; each message needs "
+                f"'role' (one of {', '.join(ROLES)}) and a string 'content'"
+            )
         messages.append({"role": message["role"], "content": message["content"]})
     users = [m["content"] for m in messages if m["role"] == "user"]
     if not users or not users[-1].strip():
@@ -78,8 +84,10 @@ def _question(value: Any, d: DataConfig, where: str) -> tuple[str, list[dict] | 
 
 def _answer(value: Any, d: DataConfig, where: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{where}: data.answer_field={d.answer_field!r} is {repr(value)[:40]}, not a string "
-                          "or number; fix the row or point data.answer_field at the ground truth")  # fmt: skip
+        raise ConfigError(
+            f"{where}: data.answer_field={d.answer_field!r} is {repr(value)[:40]}, not a string "
+            "or number; fix the row or point data.answer_field at the ground truth"
+        )
     return str(value)
 
 
@@ -90,18 +98,22 @@ def _jsonl_rows(path: Path, data: bytes) -> Iterator[tuple[str, dict]]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise ConfigError(f"{where}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
-                              "re-encode the file as UTF-8") from None  # fmt: skip
+            raise ConfigError(
+                f"{where}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                "re-encode the file as UTF-8"
+            ) from None
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{where}: bad JSON ({err.msg} at column {err.colno}); write one JSON object "
-                              "per line") from None  # fmt: skip
+            raise ConfigError(
+                f"{where}: bad JSON ({err.msg} at column {err.colno}); write one JSON object per line"
+            ) from None
         if not isinstance(row, dict):
-            raise ConfigError(f"{where}: the row is a JSON {type(row).__name__}, not an object; write one "
-                              "JSON object per line") from None  # fmt: skip
+            raise ConfigError(
+                f"{where}: the row is a JSON {type(row).__name__}, not an object; write one JSON object per line"
+            ) from None
         yield where, row
 
 
@@ -113,8 +125,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as err:
-        raise ConfigError(f"{path}: not a readable Parquet file ({err}); check the file or convert it to "
-                          "JSONL") from None  # fmt: skip
+        raise ConfigError(
+            f"{path}: not a readable Parquet file ({err}); check the file or convert it to JSONL"
+        ) from None
     for i, row in enumerate(table.to_pylist(), 1):
         yield f"{path}:row {i}", row
 
@@ -125,8 +138,10 @@ def read_rows(path: str | Path, d: DataConfig) -> list[Sample]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: data file not found; fix data.train / data.eval (relative paths are "
-                          "taken from the directory sao train runs in)") from None  # fmt: skip
+        raise ConfigError(
+            f"{path}: data file not found; fix data.train / data.eval (relative paths are "
+            "taken from the directory sao train runs in)"
+        ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the data file ({err.strerror}); check the path") from None
     samples: list[Sample] = []
@@ -137,8 +152,10 @@ def read_rows(path: str | Path, d: DataConfig) -> list[Sample]:
         for key in ("prompt_field", "answer_field", *(("id_field",) if d.id_field else ())):
             name = getattr(d, key)
             if name not in row:
-                raise ConfigError(f"{where}: no field {name!r} (the row has: {_fields_hint(row)}); set "
-                                  f"data.{key} to the row's field or add it to the row")  # fmt: skip
+                raise ConfigError(
+                    f"{where}: no field {name!r} (the row has: {_fields_hint(row)}); set "
+                    f"data.{key} to the row's field or add it to the row"
+                )
         question, messages = _question(row[d.prompt_field], d, where)
         meta: dict[str, Any] = {"source": where.removeprefix(f"{path.parent}/")}
         if messages is not None:
@@ -153,8 +170,9 @@ def read_rows(path: str | Path, d: DataConfig) -> list[Sample]:
         if d.id_field:
             key = str(row[d.id_field])
             if key in ids:
-                raise ConfigError(f"{where}: id {key!r} (data.id_field={d.id_field!r}) repeats {ids[key]}; "
-                                  "ids must be unique")  # fmt: skip
+                raise ConfigError(
+                    f"{where}: id {key!r} (data.id_field={d.id_field!r}) repeats {ids[key]}; ids must be unique"
+                )
             place = where.rsplit(":", 1)[1]
             ids[key] = f"line {place}" if place.isdigit() else place
             prompt_id = f"data:{key}"
@@ -167,8 +185,7 @@ def read_rows(path: str | Path, d: DataConfig) -> list[Sample]:
         if not found:
             key = "data.tools_field" if name == "tools" else "data.meta_fields"
             field_name = d.tools_field if name == "tools" else name
-            raise ConfigError(f"{path}: no row has the field {field_name!r} named by {key}; fix the name "
-                              "or remove it")  # fmt: skip
+            raise ConfigError(f"{path}: no row has the field {field_name!r} named by {key}; fix the name or remove it")
     return samples
 
 
@@ -176,9 +193,7 @@ def check_data(d: DataConfig) -> dict[str, int]:
     """Read and check every configured file (``sao train`` start-up): rows per split; ConfigError."""
     if not d.train:
         return {}
-    return {
-        split: len(read_rows(getattr(d, key), d)) for split, key in _SPLIT_KEYS.items() if getattr(d, key)
-    }
+    return {split: len(read_rows(getattr(d, key), d)) for split, key in _SPLIT_KEYS.items() if getattr(d, key)}
 
 
 def shuffled(i: int, n: int, key: bytes) -> int:
@@ -194,9 +209,7 @@ def shuffled(i: int, n: int, key: bytes) -> int:
     while True:
         left, right = x >> half, x & mask
         for round_ in range(4):
-            digest = hashlib.blake2b(
-                right.to_bytes(8, "little") + bytes([round_]), key=key[:64], digest_size=8
-            )
+            digest = hashlib.blake2b(right.to_bytes(8, "little") + bytes([round_]), key=key[:64], digest_size=8)
             left, right = right, left ^ (int.from_bytes(digest.digest(), "little") & mask)
         x = (left << half) | right
         if x < n:
@@ -211,9 +224,7 @@ class DatasetTask(Task):
             raise ValueError("DatasetTask needs data.train (a JSONL file)")
         self.data = data
         self._rows: dict[str, list[Sample]] = {
-            split: read_rows(getattr(data, key), data)
-            for split, key in _SPLIT_KEYS.items()
-            if getattr(data, key)
+            split: read_rows(getattr(data, key), data) for split, key in _SPLIT_KEYS.items() if getattr(data, key)
         }
 
     def size(self, split: Split) -> int:

@@ -38,16 +38,22 @@ RATES: tuple[str, ...] = ("hang_rate", "raise_rate", "reward_raise_rate", "nan_r
 """The env kwargs (and :func:`injected_fault` ``rates`` keys) of the four kinds of fault, in the
 order their intervals are laid out on [0, 1)."""
 
-CAUSE: dict[str, str] = {"hang": "environment", "raise_reset": "environment", "raise_step": "environment",
-                           "reward_raise": "reward", "nan": "reward"}  # fmt: skip
+CAUSE: dict[str, str] = {
+    "hang": "environment",
+    "raise_reset": "environment",
+    "raise_step": "environment",
+    "reward_raise": "reward",
+    "nan": "reward",
+}
 """The failure cause (``status_reason`` prefix, ``buffer/dropped_failed/<cause>``) of each fault."""
 
 
 def _check_rates(rates: Mapping[str, float]) -> list[float]:
     values = [float(rates.get(name, 0.0)) for name in RATES]
     if any(not 0.0 <= v <= 1.0 for v in values) or sum(values) > 1.0:
-        raise ValueError(f"faulty: rates {dict(zip(RATES, values, strict=True))} must each be in [0, 1] "
-                         "and sum to at most 1")  # fmt: skip
+        raise ValueError(
+            f"faulty: rates {dict(zip(RATES, values, strict=True))} must each be in [0, 1] and sum to at most 1"
+        )
     return values
 
 
@@ -87,8 +93,16 @@ class FaultyArithEnv(ArithToolEnv):
         **arith_kwargs: :class:`ArithToolEnv`'s (``max_turns``, ...).
     """
 
-    def __init__(self, hang_rate: float = 0.0, raise_rate: float = 0.0, reward_raise_rate: float = 0.0,
-                 nan_rate: float = 0.0, seed: int = 0, hang_s: float = 1e6, **arith_kwargs) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hang_rate: float = 0.0,
+        raise_rate: float = 0.0,
+        reward_raise_rate: float = 0.0,
+        nan_rate: float = 0.0,
+        seed: int = 0,
+        hang_s: float = 1e6,
+        **arith_kwargs,
+    ) -> None:
         super().__init__(**arith_kwargs)
         self.rates = dict(zip(RATES, (hang_rate, raise_rate, reward_raise_rate, nan_rate), strict=True))
         _check_rates(self.rates)

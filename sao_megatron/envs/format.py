@@ -149,8 +149,13 @@ class ChatFormat:
     (``<|end|>`` tiny, ``<|im_end|>`` Qwen3); ``stop_token_ids`` are its id(s).
     """
 
-    def __init__(self, tokenizer, tools: Sequence[dict] | None = None, system: str | None = None,
-                 enable_thinking: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        tools: Sequence[dict] | None = None,
+        system: str | None = None,
+        enable_thinking: bool | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
         self.system = system
@@ -173,9 +178,7 @@ class ChatFormat:
         return kwargs
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, **self._kwargs(add_generation_prompt)
-        )
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, **self._kwargs(add_generation_prompt))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -233,11 +236,15 @@ class ChatFormat:
         alone = self.render(history)
         after = self.render([*history, self.tool_message(output)], True)
         if not alone.startswith(before) or self.end_marker not in alone[len(before) :]:
-            raise ChatTemplateError("the chat template does not render the action as a turn ending with "
-                                    f"{self.end_marker!r} after the unchanged conversation before it")  # fmt: skip
+            raise ChatTemplateError(
+                "the chat template does not render the action as a turn ending with "
+                f"{self.end_marker!r} after the unchanged conversation before it"
+            )
         if not after.startswith(before):
-            raise ChatTemplateError("the chat template renders the conversation before the last action "
-                                    "differently once a tool result follows it")  # fmt: skip
+            raise ChatTemplateError(
+                "the chat template renders the conversation before the last action "
+                "differently once a tool result follows it"
+            )
         cut = after.find(self.end_marker, len(before))
         if cut < 0:
             raise ChatTemplateError(f"no {self.end_marker!r} after the action in the rendered conversation")

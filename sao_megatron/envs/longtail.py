@@ -41,25 +41,25 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
 class LongTailTask(Task):
     """Episode shapes by ``(split, index)``; see the module docstring for the distributions."""
 
-    def __init__(self, turns_median: float = 2.0, turns_sigma: float = 0.0, max_turns: int = 8,
-                 tokens_median: float = 16.0, tokens_sigma: float = 0.0, max_tokens: int = 256,
-                 tool_latency_s: float = 0.0, tool_sigma: float = 0.0, max_tool_latency_s: float = 30.0,
-                 seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        turns_median: float = 2.0,
+        turns_sigma: float = 0.0,
+        max_turns: int = 8,
+        tokens_median: float = 16.0,
+        tokens_sigma: float = 0.0,
+        max_tokens: int = 256,
+        tool_latency_s: float = 0.0,
+        tool_sigma: float = 0.0,
+        max_tool_latency_s: float = 30.0,
+        seed: int = 0,
+    ) -> None:
         if not 1 <= turns_median <= max_turns:
-            raise ValueError(
-                f"longtail: need 1 <= turns_median <= max_turns, got {turns_median}, {max_turns}"
-            )
+            raise ValueError(f"longtail: need 1 <= turns_median <= max_turns, got {turns_median}, {max_turns}")
         if not 1 <= tokens_median <= max_tokens:
-            raise ValueError(
-                f"longtail: need 1 <= tokens_median <= max_tokens, got {tokens_median}, {max_tokens}"
-            )
-        if (
-            min(turns_sigma, tokens_sigma, tool_sigma, tool_latency_s) < 0
-            or max_tool_latency_s < tool_latency_s
-        ):
-            raise ValueError(
-                "longtail: sigmas and tool_latency_s must be >= 0, max_tool_latency_s >= tool_latency_s"
-            )
+            raise ValueError(f"longtail: need 1 <= tokens_median <= max_tokens, got {tokens_median}, {max_tokens}")
+        if min(turns_sigma, tokens_sigma, tool_sigma, tool_latency_s) < 0 or max_tool_latency_s < tool_latency_s:
+            raise ValueError("longtail: sigmas and tool_latency_s must be >= 0, max_tool_latency_s >= tool_latency_s")
         self.turns_median, self.turns_sigma, self.max_turns = turns_median, turns_sigma, max_turns
         self.tokens_median, self.tokens_sigma, self.max_tokens = tokens_median, tokens_sigma, max_tokens
         self.tool_latency_s, self.tool_sigma, self.max_tool_latency_s = (
@@ -90,13 +90,21 @@ class LongTailTask(Task):
         rng = random.Random(f"longtail:{self.seed}:{split}:{index}" + (f":{member}" if member else ""))
         extra = 0 if self.turns_median <= 1 else _lognormal(rng, self.turns_median - 1, self.turns_sigma)
         turns = min(self.max_turns, 1 + round(extra))
-        tokens = [min(self.max_tokens, max(1, round(_lognormal(rng, self.tokens_median, self.tokens_sigma))))
-                  for _ in range(turns)]  # fmt: skip
-        latency = [min(self.max_tool_latency_s, _lognormal(rng, self.tool_latency_s, self.tool_sigma))
-                   for _ in range(turns - 1)]  # fmt: skip
+        tokens = [
+            min(self.max_tokens, max(1, round(_lognormal(rng, self.tokens_median, self.tokens_sigma))))
+            for _ in range(turns)
+        ]
+        latency = [
+            min(self.max_tool_latency_s, _lognormal(rng, self.tool_latency_s, self.tool_sigma))
+            for _ in range(turns - 1)
+        ]
         prompt_id = f"longtail:{self.seed}:{split}:{index}"
-        return Sample(prompt_id=prompt_id, question=f"Episode {index}: {turns} turns.", answer="",
-                      meta={"action_tokens": tokens, "tool_latency_s": latency, "split": split, "index": index})  # fmt: skip
+        return Sample(
+            prompt_id=prompt_id,
+            question=f"Episode {index}: {turns} turns.",
+            answer="",
+            meta={"action_tokens": tokens, "tool_latency_s": latency, "split": split, "index": index},
+        )
 
 
 @register_env("longtail")
@@ -113,9 +121,7 @@ class LongTailEnv(Env):
 
     def reset(self, sample: Sample) -> str:
         if "action_tokens" not in sample.meta:
-            raise ValueError(
-                f"longtail: sample {sample.prompt_id} has no meta['action_tokens'] (not a longtail task)"
-            )
+            raise ValueError(f"longtail: sample {sample.prompt_id} has no meta['action_tokens'] (not a longtail task)")
         self.sample, self.turn = sample, 0
         return sample.question
 

@@ -73,7 +73,9 @@ class MathPythonEnv(ToolEnv):
 
     task_class = MathPythonTask
     tool_name = "python"
-    tool_description = "Run Python 3 code (standard library only) in a sandbox and return its stdout; print the values you need."
+    tool_description = (
+        "Run Python 3 code (standard library only) in a sandbox and return its stdout; print the values you need."
+    )
     tool_argument = "code"
     tool_argument_description = "The Python code to run."
 

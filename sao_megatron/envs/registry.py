@@ -64,16 +64,12 @@ def _load_path(path: str) -> type[Env]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(
-            f"cannot load environment {path!r}: importing {module_name!r} failed ({exc}); {how}"
-        ) from exc
+        raise ValueError(f"cannot load environment {path!r}: importing {module_name!r} failed ({exc}); {how}") from exc
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise ValueError(
-                f"cannot load environment {path!r}: {module_name!r} has no attribute {attr!r}; {how}"
-            )
+            raise ValueError(f"cannot load environment {path!r}: {module_name!r} has no attribute {attr!r}; {how}")
     if not (isinstance(obj, type) and issubclass(obj, Env)):
         raise ValueError(f"cannot load environment {path!r}: {obj!r} is not an Env subclass; {how}")
     return obj

@@ -352,9 +352,7 @@ def _spawn(argv: list[str], cwd: str, env: dict[str, str], merge: bool = False) 
 
 def _kill_uid(uid: int) -> None:
     """Blocking: a helper running as ``uid`` sends SIGKILL to every process of that uid."""
-    subprocess.run(
-        [_interpreter(), "-I", "-S", "-c", KILL_UID, str(uid)], env={}, close_fds=True, check=False
-    )
+    subprocess.run([_interpreter(), "-I", "-S", "-c", KILL_UID, str(uid)], env={}, close_fds=True, check=False)
 
 
 async def _reap(proc: subprocess.Popen, uid: int | None, iso: Isolation) -> None:
@@ -499,9 +497,7 @@ async def _supervised(
             if pipe is not None:
                 transport, _ = await loop.connect_read_pipe(functools.partial(_PipeReader, coll, fd), pipe)
                 transports.append(transport)
-        done, _ = await asyncio.wait(
-            {coll.exited, coll.overflow}, timeout=wall_s, return_when=asyncio.FIRST_COMPLETED
-        )
+        done, _ = await asyncio.wait({coll.exited, coll.overflow}, timeout=wall_s, return_when=asyncio.FIRST_COMPLETED)
         if pidns and not coll.exited.done():  # let the root parent reap the namespace first
             _kill_children(proc.pid)
             await asyncio.wait({coll.exited}, timeout=0.5)
@@ -533,9 +529,7 @@ async def _supervise(limits: SandboxLimits, iso: Isolation, host_dir: str) -> Sa
         return SandboxResult("sandbox_error", "", "", None, run.wall_s, run.error)
     status, detail = _classify(run.coll, run.timed_out, run.proc.returncode, limits)
     out, err = (run.coll.bufs[fd].decode("utf-8", "replace") for fd in (1, 2))
-    return SandboxResult(
-        status, out, err, run.proc.returncode, run.wall_s, detail, pid=run.proc.pid, uid=run.uid
-    )
+    return SandboxResult(status, out, err, run.proc.returncode, run.wall_s, detail, pid=run.proc.pid, uid=run.uid)
 
 
 def run_blocking[T](coro: Coroutine[Any, Any, T]) -> T:

@@ -98,9 +98,7 @@ def _c_setup(argv: list) -> bytes:
     import ctypes
     import resource
 
-    die_with_parent = ctypes.CDLL(
-        None
-    ).prctl  # PR_SET_PDEATHSIG=SIGKILL: a killed supervisor ends the sandbox
+    die_with_parent = ctypes.CDLL(None).prctl  # PR_SET_PDEATHSIG=SIGKILL: a killed supervisor ends the sandbox
     die_with_parent(1, 9, 0, 0, 0)  # (set again below: a fork or a uid change clears it)
     uid_rule, ns, preload, lim, hidden, expose, binds = argv[:7]
     uid = os.getpid() + int(uid_rule[4:]) if uid_rule.startswith("pid+") else int(uid_rule)
@@ -113,9 +111,7 @@ def _c_setup(argv: list) -> bytes:
         os.unshare(flags)
     if ns[1] == "1":
         lines = [[p for p in arg.split("\n") if p] for arg in (hidden, expose, binds)]
-        _c_isolate_files(
-            src, uid, tmpfs, lines[0], lines[1], [b.split("\t") for b in lines[2]], ns[2:] == "1"
-        )
+        _c_isolate_files(src, uid, tmpfs, lines[0], lines[1], [b.split("\t") for b in lines[2]], ns[2:] == "1")
     elif uid >= 0:
         os.chown(".", uid, uid)
     for name in preload.split() if preload != "-" else ():

@@ -128,7 +128,9 @@ class ShellResult:
             end = f"[Command could not run: {self.detail}]"
         else:
             memory = f" ({self.detail})" if self.status == "memory" else ""
-            end = f"[Current working directory: {self.cwd}]\n[Command finished with exit code {self.returncode}{memory}]"
+            end = (
+                f"[Current working directory: {self.cwd}]\n[Command finished with exit code {self.returncode}{memory}]"
+            )
         return f"{out}\n{end}" if out else end
 
 
@@ -195,9 +197,7 @@ def _wrapper(state: str, workdir: str, persist: bool, command_file: str = "main.
 
 def _memory_exhausted(output: str) -> bool:
     tail = output[-2000:]
-    return any(
-        m in tail for m in ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
-    )
+    return any(m in tail for m in ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory"))
 
 
 _CMD_AT = "/tmp/.sao_cmd"  # the command file's directory inside a container
@@ -233,15 +233,11 @@ class ContainerSpec:
         if self.runtime not in ("apptainer", "enroot"):
             raise ValueError(f"container runtime {self.runtime!r}: use 'apptainer' or 'enroot'")
         if not self.image:
-            raise ValueError(
-                "container image is empty: name the image (Apptainer SIF/docker://, enroot name)"
-            )
+            raise ValueError("container image is empty: name the image (Apptainer SIF/docker://, enroot name)")
         if not self.workdir.startswith("/"):
             raise ValueError(f"container workdir {self.workdir!r} must be an absolute path inside the image")
 
-    def argv(
-        self, binds: Sequence[tuple[str, str]], env: Mapping[str, str], command: Sequence[str]
-    ) -> list[str]:
+    def argv(self, binds: Sequence[tuple[str, str]], env: Mapping[str, str], command: Sequence[str]) -> list[str]:
         """The runtime's command line: ``binds`` (host, inside) read-write; ``command`` runs under
         ``env -i`` with exactly ``env`` (nothing of the host's environment leaks in)."""
         exe = self.executable or self.runtime
@@ -275,9 +271,12 @@ class ShellSession:
     WORKDIR = "/workspace"
 
     def __init__(
-        self, workspace: str | Path, limits: ShellLimits | None = None, env: Mapping[str, str] | None = None,
+        self,
+        workspace: str | Path,
+        limits: ShellLimits | None = None,
+        env: Mapping[str, str] | None = None,
         container: ContainerSpec | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.host_workspace = Path(workspace).resolve()
         if not self.host_workspace.is_dir():
             raise NotADirectoryError(f"workspace {workspace} is not a directory")
@@ -286,9 +285,7 @@ class ShellSession:
         iso = detect_isolation()
         if container is not None:  # the runtime isolates: no uid, namespaces or binds of ours
             iso = replace(iso, netns=False, mountns=False, pidns=False, uid_drop=False, unique_uids=False)
-        self._refused = (
-            f"isolation unavailable: {iso}" if self.limits.require_isolation and not iso.full else ""
-        )
+        self._refused = f"isolation unavailable: {iso}" if self.limits.require_isolation and not iso.full else ""
         self.uid, self._lock_fd = _claim_uid(iso)
         # kill(-1) as the uid is safe only when the uid is this session's alone
         self._iso = replace(iso, unique_uids=self._lock_fd is not None)
@@ -355,33 +352,32 @@ class ShellSession:
         while not self._lock.acquire(blocking=False):  # one command at a time, any thread or loop
             await asyncio.sleep(0.01)
 
-    async def _serial(
-        self, command: str, timeout_s: float | None, persist: bool, max_output: int
-    ) -> ShellResult:
+    async def _serial(self, command: str, timeout_s: float | None, persist: bool, max_output: int) -> ShellResult:
         await self._acquire()
         try:
             return await self._run(command, timeout_s, persist, max_output)
         finally:
             self._lock.release()
 
-    async def _run(
-        self, command: str, timeout_s: float | None, persist: bool, max_output: int
-    ) -> ShellResult:
+    async def _run(self, command: str, timeout_s: float | None, persist: bool, max_output: int) -> ShellResult:
         wall = self.limits.wall_s if timeout_s is None else timeout_s
         if self._closed or self._refused:
             return ShellResult("sandbox_error", "", None, 0.0, self._refused or "session closed", self.cwd)
         data = command.encode("utf-8", "surrogateescape")
         if len(data) > _MAX_COMMAND_BYTES:
-            return ShellResult(
-                "error", "", None, 0.0, f"command longer than {_MAX_COMMAND_BYTES} bytes", self.cwd
-            )
+            return ShellResult("error", "", None, 0.0, f"command longer than {_MAX_COMMAND_BYTES} bytes", self.cwd)
         if not self._started:
             await asyncio.to_thread(self._start)
         lim = self.limits
         box = SandboxLimits(
-            wall_s=wall, cpu_s=lim.cpu_s, memory_bytes=lim.memory_bytes, file_size_bytes=lim.file_size_bytes,
-            tmpfs_bytes=lim.tmpfs_bytes, open_files=lim.open_files, processes=lim.processes,
-        )  # fmt: skip
+            wall_s=wall,
+            cpu_s=lim.cpu_s,
+            memory_bytes=lim.memory_bytes,
+            file_size_bytes=lim.file_size_bytes,
+            tmpfs_bytes=lim.tmpfs_bytes,
+            open_files=lim.open_files,
+            processes=lim.processes,
+        )
         host_dir = tempfile.mkdtemp(prefix="sao_shell_cmd_")
         try:
             Path(host_dir, "main.py").write_bytes(data)
@@ -394,13 +390,18 @@ class ShellSession:
                     (host_dir, _CMD_AT),
                 ]
                 argv = self.container.argv(binds, self.env, ("/bin/bash", "-c", script, "bash"))
-                env = {
-                    "PATH": os.environ.get("PATH", _PLAIN_PATH)
-                }  # finds the runtime; the command gets self.env
+                env = {"PATH": os.environ.get("PATH", _PLAIN_PATH)}  # finds the runtime; the command gets self.env
             else:
                 script = _wrapper(self._inside, self._workdir, persist)
                 uid_rule = "-1" if self.uid is None else str(self.uid)
-                argv = _argv(box, self._iso, uid_rule=uid_rule, binds=self._binds, exec_argv=("/bin/bash", "-c", script, "bash"), pidns=self._pidns)  # fmt: skip
+                argv = _argv(
+                    box,
+                    self._iso,
+                    uid_rule=uid_rule,
+                    binds=self._binds,
+                    exec_argv=("/bin/bash", "-c", script, "bash"),
+                    pidns=self._pidns,
+                )
             run = await _supervised(
                 argv, host_dir, env, wall, {1: max_output}, self._iso, lambda _: self.uid, self._pidns
             )
@@ -459,7 +460,7 @@ class ShellSession:
                 "PYTHONHASHSEED": "0",
                 "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
             }
-            command = f"cd -- {shlex.quote(inside)} && HOME=$PWD {' '.join(f'{k}={v}' for k, v in env.items())} exec {shlex.join(argv)}"  # fmt: skip
+            command = f"cd -- {shlex.quote(inside)} && HOME=$PWD {' '.join(f'{k}={v}' for k, v in env.items())} exec {shlex.join(argv)}"
             res = run_blocking(self._serial(command, timeout_s, False, _RUNNER_OUTPUT_BYTES))
             timed_out = res.status == "timeout"
             output = res.output if res.status != "sandbox_error" else f"{res.output}{res.detail}\n"
@@ -477,9 +478,7 @@ class ShellSession:
         await self._acquire()
         try:
             if self._started and self.uid is not None:
-                await asyncio.to_thread(
-                    _chown_tree, self.host_workspace, self._owner.st_uid, self._owner.st_gid
-                )
+                await asyncio.to_thread(_chown_tree, self.host_workspace, self._owner.st_uid, self._owner.st_gid)
             shutil.rmtree(self._dir, ignore_errors=True)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)

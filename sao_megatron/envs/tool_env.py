@@ -50,9 +50,7 @@ class ToolEnv(Env):
     tool_argument: ClassVar[str] = "code"
     tool_argument_description: ClassVar[str] = "The tool input."
 
-    def __init__(
-        self, max_turns: int = 4, format_penalty: float = 0.0, max_observation_chars: int = 512
-    ) -> None:
+    def __init__(self, max_turns: int = 4, format_penalty: float = 0.0, max_observation_chars: int = 512) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_turns = max_turns
@@ -68,18 +66,31 @@ class ToolEnv(Env):
 
     @property
     def tools(self) -> list[dict]:
-        return [{"type": "function", "function": {
-            "name": self.tool_name, "description": self.tool_description,
-            "parameters": {"type": "object", "required": [self.tool_argument], "properties": {
-                self.tool_argument: {"type": "string", "description": self.tool_argument_description}}},
-        }}]  # fmt: skip
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": self.tool_name,
+                    "description": self.tool_description,
+                    "parameters": {
+                        "type": "object",
+                        "required": [self.tool_argument],
+                        "properties": {
+                            self.tool_argument: {"type": "string", "description": self.tool_argument_description}
+                        },
+                    },
+                },
+            }
+        ]
 
     @property
     def system_prompt(self) -> str | None:
         if self.tool_format == "tags":
             return None
-        return (f"Use the {self.tool_name} tool when it helps. When you know the final answer, reply "
-                f"without a tool call and put the answer in {ANSWER_OPEN}...{ANSWER_CLOSE}.")  # fmt: skip
+        return (
+            f"Use the {self.tool_name} tool when it helps. When you know the final answer, reply "
+            f"without a tool call and put the answer in {ANSWER_OPEN}...{ANSWER_CLOSE}."
+        )
 
     def use_tool_format(self, tool_format: ToolFormat) -> None:
         if tool_format not in ("tags", "json"):
@@ -94,9 +105,7 @@ class ToolEnv(Env):
         """
         if self.tool_format == "tags":
             return tool_call(code)
-        payload = json.dumps(
-            {"name": self.tool_name, "arguments": {self.tool_argument: code}}, ensure_ascii=False
-        )
+        payload = json.dumps({"name": self.tool_name, "arguments": {self.tool_argument: code}}, ensure_ascii=False)
         return f"{TOOL_CALL_OPEN}\n{payload}\n{TOOL_CALL_CLOSE}"
 
     def answer_text(self, answer: str) -> str:
@@ -126,11 +135,7 @@ class ToolEnv(Env):
         self.turns += 1
         if self.tool_format == "json":
             native = parse_native_action(action, self.tools)
-            parsed = (
-                ToolCall(str(native.arguments[self.tool_argument]))
-                if isinstance(native, NativeCall)
-                else native
-            )
+            parsed = ToolCall(str(native.arguments[self.tool_argument])) if isinstance(native, NativeCall) else native
         else:
             parsed = parse_action(action)
         if isinstance(parsed, Malformed):

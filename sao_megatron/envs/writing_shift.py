@@ -24,15 +24,37 @@ from sao_megatron.envs.registry import register_env
 
 STYLES = ("concise", "verbose", "formal", "casual")
 TOPICS = (
-    "the team meeting", "a new coffee machine", "the quarterly report", "a broken printer",
-    "the office move", "a product launch", "the holiday schedule", "a customer complaint",
-    "the training session", "a budget review", "the website update", "a late delivery",
-    "the hiring plan", "a safety inspection", "the parking rules", "a software upgrade",
-    "the annual party", "a server outage", "the new intern", "a supplier contract",
-    "the library hours", "a garden project", "the bike lanes", "a charity run",
-    "the school trip", "a weather warning", "the town festival", "a recycling program",
-    "the museum visit", "a cooking class",
-)  # fmt: skip
+    "the team meeting",
+    "a new coffee machine",
+    "the quarterly report",
+    "a broken printer",
+    "the office move",
+    "a product launch",
+    "the holiday schedule",
+    "a customer complaint",
+    "the training session",
+    "a budget review",
+    "the website update",
+    "a late delivery",
+    "the hiring plan",
+    "a safety inspection",
+    "the parking rules",
+    "a software upgrade",
+    "the annual party",
+    "a server outage",
+    "the new intern",
+    "a supplier contract",
+    "the library hours",
+    "a garden project",
+    "the bike lanes",
+    "a charity run",
+    "the school trip",
+    "a weather warning",
+    "the town festival",
+    "a recycling program",
+    "the museum visit",
+    "a cooking class",
+)
 AUDIENCES = ("a colleague", "your manager", "a friend", "the whole team", "a new customer", "your neighbours")
 FORMS = ("a short note", "a message", "a reply", "an update", "an announcement")
 
@@ -138,9 +160,7 @@ def example_response(sample: Sample, style: str, seed: int = 0) -> str:
     rng = random.Random(f"{sample.prompt_id}:{style}:{seed}")
     topic = str(sample.meta.get("topic", "the topic"))
     if style == "concise":
-        return rng.choice(
-            (f"Quick update on {topic}: all set for Monday.", f"{topic.capitalize()} is done. Thanks.")
-        )
+        return rng.choice((f"Quick update on {topic}: all set for Monday.", f"{topic.capitalize()} is done. Thanks."))
     if style == "formal":
         return (
             f"Dear colleague, regarding {topic}, please note that the arrangements are complete. "
@@ -148,21 +168,24 @@ def example_response(sample: Sample, style: str, seed: int = 0) -> str:
         )
     if style == "casual":
         return rng.choice(
-            (f"Hey! Just a heads up, {topic} is gonna be awesome. It's all sorted, don't worry! "
-             "See you there, folks.",
-             f"Hey folks, {topic} is totally sorted and it's looking cool! We're good to go, "
-             "so no stress, yeah?")
-        )  # fmt: skip
+            (
+                f"Hey! Just a heads up, {topic} is gonna be awesome. It's all sorted, don't worry! "
+                "See you there, folks.",
+                f"Hey folks, {topic} is totally sorted and it's looking cool! We're good to go, so no stress, yeah?",
+            )
+        )
     if style == "verbose":
         filler = " ".join(
-            rng.choice((
-                f"We have spent a good deal of time thinking carefully about {topic} and its many details.",
-                "Every part of the plan was discussed at length, and each question was answered in full.",
-                "There were several options on the table, and we compared them one by one before deciding.",
-                "We also wanted to make sure that everyone involved had a chance to share their view.",
-            ))
+            rng.choice(
+                (
+                    f"We have spent a good deal of time thinking carefully about {topic} and its many details.",
+                    "Every part of the plan was discussed at length, and each question was answered in full.",
+                    "There were several options on the table, and we compared them one by one before deciding.",
+                    "We also wanted to make sure that everyone involved had a chance to share their view.",
+                )
+            )
             for _ in range(6)
-        )  # fmt: skip
+        )
         return f"I would like to share a detailed update about {topic}. {filler} Thank you for reading."
     raise ValueError(f"unknown style {style!r}: use {STYLES}")
 
@@ -186,15 +209,17 @@ class WritingShiftEnv(Env):
     task_class = WritingTask
 
     def __init__(
-        self, progress: int = 0, schedule: StyleSchedule | None = None, judge: Judge | None = None,
-        boundaries: list[int] | None = None, shift_by_prompt_index: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        progress: int = 0,
+        schedule: StyleSchedule | None = None,
+        judge: Judge | None = None,
+        boundaries: list[int] | None = None,
+        shift_by_prompt_index: bool = False,
+    ) -> None:
         if schedule is not None and boundaries is not None:
             raise ValueError("writing_shift: give schedule or boundaries, not both")
         self.progress = self.base_progress = progress
-        self.schedule = schedule or (
-            StyleSchedule(tuple(boundaries)) if boundaries is not None else StyleSchedule()
-        )
+        self.schedule = schedule or (StyleSchedule(tuple(boundaries)) if boundaries is not None else StyleSchedule())
         self.judge: Judge = judge or HeuristicJudge()
         self.shift_by_prompt_index = shift_by_prompt_index
         self.style = self.schedule.style_at(progress)

@@ -233,9 +233,7 @@ def layer_spec(config):
     """Decoder block spec: TE layers with a GPU and TE installed, local Megatron-Core layers otherwise."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(
-        config, use_transformer_engine=have_transformer_engine(), normalization="RMSNorm"
-    )
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine(), normalization="RMSNorm")
 
 
 # TE's layer spec fuses a norm into the following linear layer (``TELayerNormColumnParallelLinear``):
@@ -265,8 +263,13 @@ def canonical_name(name: str) -> str:
     return _GROUPED_EXPERT.sub(r".mlp.experts.local_experts.\2.\1.weight", name)
 
 
-def build_gpt(m: ModelConfig, p: ParallelConfig, bf16: bool = False, pre_process: bool | None = None,
-              post_process: bool | None = None):  # fmt: skip
+def build_gpt(
+    m: ModelConfig,
+    p: ParallelConfig,
+    bf16: bool = False,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+):
     """The actor: a Megatron ``GPTModel`` for this rank's pipeline stage, vocab-parallel output."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel

@@ -44,21 +44,22 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False
-            )
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(keep_vars=True), prefix, {}, sharded_offsets
-        )
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {}, sharded_offsets)
 
 
-def build_critic(m: ModelConfig, p: ParallelConfig, c: CriticConfig, pre_process: bool | None = None,
-                 post_process: bool | None = None):  # fmt: skip
+def build_critic(
+    m: ModelConfig,
+    p: ParallelConfig,
+    c: CriticConfig,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+):
     """The actor's model with ``output_layer`` replaced by a value head, then frozen per ``c``."""
     model = build_gpt(m, p, bf16=c.bf16, pre_process=pre_process, post_process=post_process)
     if model.post_process:
@@ -70,9 +71,7 @@ def build_critic(m: ModelConfig, p: ParallelConfig, c: CriticConfig, pre_process
     return model
 
 
-def freeze(
-    model: torch.nn.Module, freeze_patterns: Iterable[str], train_patterns: Iterable[str] = ()
-) -> list[str]:
+def freeze(model: torch.nn.Module, freeze_patterns: Iterable[str], train_patterns: Iterable[str] = ()) -> list[str]:
     """Set ``requires_grad=False`` on parameters matching any ``freeze_patterns`` regex (``re.search``)
     unless they also match a ``train_patterns`` regex. Returns the frozen names (as the model names them).
 
@@ -101,13 +100,9 @@ def init_critic_from_actor(critic: torch.nn.Module, actor_state: dict[str, torch
 
     trunk = {k: v for k, v in actor_state.items() if not k.startswith("output_layer.")}
     loaded = layout.load_full(critic, trunk, strict=False)
-    missing = [
-        n for n, _ in critic.named_parameters() if n not in loaded and not n.startswith("output_layer.")
-    ]
+    missing = [n for n, _ in critic.named_parameters() if n not in loaded and not n.startswith("output_layer.")]
     if missing:
-        raise ValueError(
-            f"actor state lacks critic trunk tensors {missing[:3]}...; build both from one model config"
-        )
+        raise ValueError(f"actor state lacks critic trunk tensors {missing[:3]}...; build both from one model config")
     return loaded
 
 
@@ -154,8 +149,6 @@ def _load_megatron_trunk(critic: torch.nn.Module, directory: Path) -> None:
     wanted = {k: v for k, v in module.sharded_state_dict().items() if not k.startswith("output_layer.")}
     state = dist_checkpointing.load(wanted, str(directory))
     result = module.load_state_dict(state, strict=False)
-    missing = [
-        k for k in result.missing_keys if not k.endswith("_extra_state") and not k.startswith("output_layer.")
-    ]
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and not k.startswith("output_layer.")]
     if missing:
         raise KeyError(f"checkpoint {directory} lacks critic trunk tensors {missing[:5]}")

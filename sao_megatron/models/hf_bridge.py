@@ -100,9 +100,8 @@ _ONE_TO_ONE = {
 # SwiGLU fc1 = [gate; up].
 _GLU = {
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.gate_proj.weight",
-                                             "mlp.shared_expert.up_proj.weight"),
-}  # fmt: skip
+    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+}
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 FUSED_DOWN = "mlp.experts.down_proj"
 
@@ -125,22 +124,31 @@ def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
         suffix = f"mlp.experts.E.{expert.group(2)}"
     f = m.ffn_hidden_size
     shapes = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (m.num_attention_heads * hd, h),
         "self_attn.k_proj.weight": (m.num_query_groups * hd, h),
         "self_attn.v_proj.weight": (m.num_query_groups * hd, h),
         "self_attn.o_proj.weight": (h, m.num_attention_heads * hd),
-        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
-        "self_attn.q_proj.bias": (m.num_attention_heads * hd,), "self_attn.k_proj.bias": (m.num_query_groups * hd,),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "self_attn.q_proj.bias": (m.num_attention_heads * hd,),
+        "self_attn.k_proj.bias": (m.num_query_groups * hd,),
         "self_attn.v_proj.bias": (m.num_query_groups * hd,),
-        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
         "mlp.gate.weight": (e, h),
-        "mlp.experts.E.gate_proj.weight": (i, h), "mlp.experts.E.up_proj.weight": (i, h),
+        "mlp.experts.E.gate_proj.weight": (i, h),
+        "mlp.experts.E.up_proj.weight": (i, h),
         "mlp.experts.E.down_proj.weight": (h, i),
-        FUSED_GATE_UP: (e, 2 * i, h), FUSED_DOWN: (e, h, i),
-        "mlp.shared_expert.gate_proj.weight": (s, h), "mlp.shared_expert.up_proj.weight": (s, h),
-        "mlp.shared_expert.down_proj.weight": (h, s), "mlp.shared_expert_gate.weight": (1, h),
-    }  # fmt: skip
+        FUSED_GATE_UP: (e, 2 * i, h),
+        FUSED_DOWN: (e, h, i),
+        "mlp.shared_expert.gate_proj.weight": (s, h),
+        "mlp.shared_expert.up_proj.weight": (s, h),
+        "mlp.shared_expert.down_proj.weight": (h, s),
+        "mlp.shared_expert_gate.weight": (1, h),
+    }
     if suffix not in shapes:
         raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE / Qwen2-MoE tensor")
     return shapes[suffix]
@@ -250,12 +258,13 @@ def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> list[tuple[str, torc
     for p in pieces:
         parts.setdefault(p.hf_name, []).append((p.start, full[offset : offset + p.rows]))
         offset += p.rows
-    return [(hf, torch.cat([t for _, t in sorted(rows, key=lambda r: r[0])]) if len(rows) > 1 else rows[0][1])
-            for hf, rows in parts.items()]  # fmt: skip
+    return [
+        (hf, torch.cat([t for _, t in sorted(rows, key=lambda r: r[0])]) if len(rows) > 1 else rows[0][1])
+        for hf, rows in parts.items()
+    ]
 
 
-def from_hf(name: str, m: ModelConfig, get: Callable[[str], torch.Tensor], fused_experts: bool = False
-            ) -> torch.Tensor:  # fmt: skip
+def from_hf(name: str, m: ModelConfig, get: Callable[[str], torch.Tensor], fused_experts: bool = False) -> torch.Tensor:
     """Assemble Megatron full-layout tensor ``name`` from HF tensors returned by ``get(hf_name)``."""
     parts = []
     for p in hf_pieces(name, m, fused_experts):
@@ -294,8 +303,9 @@ def local_row_ranges(rows: int, tp_size: int, tp_rank: int, glu: bool) -> list[t
     return [(tp_rank * step, (tp_rank + 1) * step)]
 
 
-def local_reads(pieces: list[Piece], full: tuple[int, ...], partition_dim: int | None, tp_size: int,
-                tp_rank: int, glu: bool) -> list[Read]:  # fmt: skip
+def local_reads(
+    pieces: list[Piece], full: tuple[int, ...], partition_dim: int | None, tp_size: int, tp_rank: int, glu: bool
+) -> list[Read]:
     """HF slices whose dim-0 concatenation is a TP rank's slice of a Megatron tensor.
 
     ``partition_dim`` None (or ``tp_size`` 1) means the rank holds the full tensor; 0 splits
@@ -349,9 +359,7 @@ def mcore_names(m: ModelConfig, spec: str = "local") -> list[str]:
         for fc in ("linear_fc1", "linear_fc2") if spec == "te_grouped" else ():
             names += [f"{pre}mlp.experts.{fc}.weight{e}" for e in range(m.num_experts)]
         for e in range(m.num_experts) if spec != "te_grouped" else ():
-            names += [
-                f"{pre}mlp.experts.local_experts.{e}.{fc}.weight" for fc in ("linear_fc1", "linear_fc2")
-            ]
+            names += [f"{pre}mlp.experts.local_experts.{e}.{fc}.weight" for fc in ("linear_fc1", "linear_fc2")]
         if m.moe_shared_expert_intermediate_size:
             names += [
                 pre + "mlp.shared_experts.linear_fc1.weight",
@@ -375,8 +383,9 @@ def mcore_to_hf(full_state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str
     return {hf: t for name, full in full_state.items() for hf, t in to_hf(name, full, m)}
 
 
-def hf_to_mcore(hf_state: dict[str, torch.Tensor], m: ModelConfig, names: Iterable[str] | None = None
-                ) -> dict[str, torch.Tensor]:  # fmt: skip
+def hf_to_mcore(
+    hf_state: dict[str, torch.Tensor], m: ModelConfig, names: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Full-layout Megatron tensors ``names`` (default: the local spec's) from an HF state."""
     fused = any(k.endswith(FUSED_GATE_UP) for k in hf_state)
 

@@ -61,18 +61,27 @@ def check_hf_checkpoint(hf_dir: str | Path, m: ModelConfig) -> tuple[int, int]:
         config_file = Path(hf_dir) / "config.json"
         dtype = hf_io.config_dtype(json.loads(config_file.read_text())) if config_file.exists() else None
         fused = any(n.endswith(bridge.FUSED_GATE_UP) for n in ckpt.names())
-        expected = {p.hf_name for name in bridge.mcore_names(m) if bridge.is_exported(name, m)
-                    for p in bridge.hf_pieces(name, m, fused)}  # fmt: skip
+        expected = {
+            p.hf_name
+            for name in bridge.mcore_names(m)
+            if bridge.is_exported(name, m)
+            for p in bridge.hf_pieces(name, m, fused)
+        }
         total = 0
         for name in sorted(expected):
             total += ckpt.check(name, bridge.hf_shape(name, m), dtype).nbytes
         ignorable = {"lm_head.weight"} if m.tie_word_embeddings else set()
-        extra = [n for n in ckpt.names() if n not in expected and n not in ignorable
-                 and not n.endswith("rotary_emb.inv_freq")]  # fmt: skip
+        extra = [
+            n
+            for n in ckpt.names()
+            if n not in expected and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
+        ]
         if extra:
-            raise CheckpointError(f"checkpoint {ckpt.source} holds tensors the config does not describe, e.g. "
-                                  f"'{extra[0]}' in {ckpt.files[extra[0]]} ({len(extra)} in all); is config.json "
-                                  "the one of these weights?")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint {ckpt.source} holds tensors the config does not describe, e.g. "
+                f"'{extra[0]}' in {ckpt.files[extra[0]]} ({len(extra)} in all); is config.json "
+                "the one of these weights?"
+            )
         return len(expected), total
 
 
@@ -91,8 +100,13 @@ def _progress(enabled: bool, description: str, total: int):
         TransferSpeedColumn,
     )
 
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
@@ -125,12 +139,23 @@ def _hf_to_mcore_rank(rank, world, hf_dir, stage, m_dict, p_dict, bf16, progress
         stats = load_hf_weights(model, m, hf_dir, progress=advance)
     t_save = time.perf_counter()
     save_model(model, stage)
-    return {**stats.as_dict(), "load_s": t_save - t0, "save_s": time.perf_counter() - t_save,
-            "copy_s": time.perf_counter() - t0}  # fmt: skip
+    return {
+        **stats.as_dict(),
+        "load_s": t_save - t0,
+        "save_s": time.perf_counter() - t_save,
+        "copy_s": time.perf_counter() - t0,
+    }
 
 
-def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, p: ParallelConfig, *, bf16: bool | None = None,
-                overwrite: bool = False, progress: bool = False) -> ConvertSummary:  # fmt: skip
+def hf_to_mcore(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    p: ParallelConfig,
+    *,
+    bf16: bool | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> ConvertSummary:
     """Convert an HF checkpoint into a Megatron ``torch_dist`` checkpoint using ``p.world_size`` ranks.
 
     ``bf16`` None keeps the HF checkpoint's dtype (bf16 checkpoints give bf16 Megatron weights).
@@ -146,13 +171,27 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, p: ParallelConfig, *, b
     if bf16 is None:
         bf16 = hf_io.config_dtype(hf) == "BF16"
     with hf_io.staging_dir(out_dir, overwrite) as stage:
-        results = run_world(_hf_to_mcore_rank, p.world_size, str(hf_dir.resolve()), str(stage),
-                            dataclasses.asdict(m), dataclasses.asdict(p), bf16, progress, backend="gloo")  # fmt: skip
+        results = run_world(
+            _hf_to_mcore_rank,
+            p.world_size,
+            str(hf_dir.resolve()),
+            str(stage),
+            dataclasses.asdict(m),
+            dataclasses.asdict(p),
+            bf16,
+            progress,
+            backend="gloo",
+        )
         (stage / MODEL_YAML).write_text(hf_config.model_yaml(m, source=str(hf_dir)))
         (stage / TEMPLATE_DIR).mkdir()
         hf_io.copy_non_weight_files(hf_dir, stage / TEMPLATE_DIR)
-        meta = {"bf16": bf16, "source": str(hf_dir.resolve()), "saved_layout": dataclasses.asdict(p),
-                "hf_tensors": tensors, "hf_bytes": nbytes}  # fmt: skip
+        meta = {
+            "bf16": bf16,
+            "source": str(hf_dir.resolve()),
+            "saved_layout": dataclasses.asdict(p),
+            "hf_tensors": tensors,
+            "hf_bytes": nbytes,
+        }
         (stage / CONVERT_JSON).write_text(json.dumps(meta, indent=2) + "\n")
     phases = {
         "read_hf": max(r["load_s"] for r in results),
@@ -169,15 +208,18 @@ def read_mcore_dir(mcore_dir: str | Path) -> tuple[ModelConfig, dict]:
     """The model shape and conversion metadata stored next to a Megatron checkpoint."""
     mcore_dir = Path(mcore_dir)
     if not (mcore_dir / MODEL_YAML).exists():
-        raise CheckpointError(f"{mcore_dir} has no {MODEL_YAML}; convert with `sao convert hf-to-mcore` or put "
-                              "the model's shape file there")  # fmt: skip
+        raise CheckpointError(
+            f"{mcore_dir} has no {MODEL_YAML}; convert with `sao convert hf-to-mcore` or put "
+            "the model's shape file there"
+        )
     meta_file = mcore_dir / CONVERT_JSON
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
     return hf_config.load_model_yaml(mcore_dir / MODEL_YAML), meta
 
 
-def _mcore_to_hf_rank(rank, world, mcore_dir, out_dir, m_dict, p_dict, bf16, template, dtype_name,
-                      max_shard_bytes, overwrite, progress):  # fmt: skip
+def _mcore_to_hf_rank(
+    rank, world, mcore_dir, out_dir, m_dict, p_dict, bf16, template, dtype_name, max_shard_bytes, overwrite, progress
+):
     import torch.distributed as dist
 
     from sao_megatron.models.builder import build_gpt
@@ -192,20 +234,43 @@ def _mcore_to_hf_rank(rank, world, mcore_dir, out_dir, m_dict, p_dict, bf16, tem
     load_model(model, mcore_dir)
     t_export = time.perf_counter()
     dtype = hf_io.torch_dtype(dtype_name) if dtype_name else None
-    out_dtype = dtype or (hf_io.torch_dtype(hf_io.config_dtype(hf_config.read_hf_config(template)) or "F32")
-                          if template else next(model.parameters()).dtype)  # fmt: skip
+    out_dtype = dtype or (
+        hf_io.torch_dtype(hf_io.config_dtype(hf_config.read_hf_config(template)) or "F32")
+        if template
+        else next(model.parameters()).dtype
+    )
     size = out_dtype.itemsize
     total = sum(hf_io._numel(bridge.hf_shape(n, m)) * size for n in bridge.expected_hf_names(m))
     with _progress(progress and rank == 0, f"writing HF shards ({world} ranks)", total) as advance:
-        stats = save_hf_checkpoint(model, m, out_dir, template=template, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                                   overwrite=overwrite, progress=advance)  # fmt: skip
-    return {**stats.as_dict(), "load_s": t_export - t0, "export_s": time.perf_counter() - t_export,
-            "copy_s": time.perf_counter() - t0}  # fmt: skip
+        stats = save_hf_checkpoint(
+            model,
+            m,
+            out_dir,
+            template=template,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+            progress=advance,
+        )
+    return {
+        **stats.as_dict(),
+        "load_s": t_export - t0,
+        "export_s": time.perf_counter() - t_export,
+        "copy_s": time.perf_counter() - t0,
+    }
 
 
-def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, p: ParallelConfig | None = None, *,
-                template: str | Path | None = None, dtype: str | None = None,
-                max_shard_bytes: int = 5 << 30, overwrite: bool = False, progress: bool = False) -> ConvertSummary:  # fmt: skip
+def mcore_to_hf(
+    mcore_dir: str | Path,
+    out_dir: str | Path,
+    p: ParallelConfig | None = None,
+    *,
+    template: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> ConvertSummary:
     """Convert a Megatron checkpoint written by :func:`hf_to_mcore` (or with a ``model.yaml``) to HF.
 
     ``template``: an HF directory whose config and tokenizer files are copied (default: the
@@ -222,18 +287,30 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, p: ParallelConfig | 
     if template is not None:
         diff = hf_config.same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
         if diff:
-            raise CheckpointError(f"--hf-template {template}: config.json disagrees with {mcore_dir / MODEL_YAML} "
-                                  f"on {diff}")  # fmt: skip
+            raise CheckpointError(
+                f"--hf-template {template}: config.json disagrees with {mcore_dir / MODEL_YAML} on {diff}"
+            )
     if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose another directory")
     if dtype is not None:
         hf_io.torch_dtype(dtype)
     p = p or ParallelConfig()
     validate_parallel(p, m, "convert")
-    results = run_world(_mcore_to_hf_rank, p.world_size, str(mcore_dir.resolve()), str(out_dir.resolve()),
-                        dataclasses.asdict(m), dataclasses.asdict(p), bool(meta.get("bf16", False)),
-                        str(template) if template else None, dtype, max_shard_bytes, overwrite, progress,
-                        backend="gloo")  # fmt: skip
+    results = run_world(
+        _mcore_to_hf_rank,
+        p.world_size,
+        str(mcore_dir.resolve()),
+        str(out_dir.resolve()),
+        dataclasses.asdict(m),
+        dataclasses.asdict(p),
+        bool(meta.get("bf16", False)),
+        str(template) if template else None,
+        dtype,
+        max_shard_bytes,
+        overwrite,
+        progress,
+        backend="gloo",
+    )
     r0 = results[0]
     phases = {
         "load_torch_dist": max(r["load_s"] for r in results),
@@ -247,5 +324,10 @@ def parallel_config(world: int | None, tp: int, pp: int, ep: int) -> ParallelCon
     """A conversion layout; ``world`` defaults to the smallest that fits TP, PP and EP."""
     from math import lcm
 
-    return ParallelConfig(world_size=world or pp * lcm(tp, ep), tensor_parallel=tp, pipeline_parallel=pp,
-                          expert_parallel=ep, use_distributed_optimizer=False)  # fmt: skip
+    return ParallelConfig(
+        world_size=world or pp * lcm(tp, ep),
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        expert_parallel=ep,
+        use_distributed_optimizer=False,
+    )

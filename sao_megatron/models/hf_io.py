@@ -31,10 +31,19 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _CONFIG_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -135,30 +144,24 @@ class HFCheckpoint:
                     sl = f.get_slice(key)
                     self._infos[key] = TensorInfo(key, file, tuple(sl.get_shape()), sl.get_dtype())
             if name not in self._infos:
-                raise CheckpointError(
-                    f"tensor '{name}' is mapped to {file} by {self.source} but is not in that file"
-                )
+                raise CheckpointError(f"tensor '{name}' is mapped to {file} by {self.source} but is not in that file")
         return self._infos[name]
 
     def check(self, name: str, shape: tuple[int, ...], dtype: str | None) -> TensorInfo:
         """Raise :class:`CheckpointError` unless ``name`` exists with this shape (and dtype)."""
         info = self.info(name)
         if info.shape != tuple(shape):
-            raise CheckpointError(f"tensor '{name}' in {info.file} has shape {list(info.shape)}, "
-                                  f"the model config expects {list(shape)}")  # fmt: skip
-        if info.dtype not in ("F32", "BF16", "F16"):
             raise CheckpointError(
-                f"tensor '{name}' in {info.file} has dtype {info.dtype}; expected a float dtype"
+                f"tensor '{name}' in {info.file} has shape {list(info.shape)}, the model config expects {list(shape)}"
             )
+        if info.dtype not in ("F32", "BF16", "F16"):
+            raise CheckpointError(f"tensor '{name}' in {info.file} has dtype {info.dtype}; expected a float dtype")
         if dtype is not None and info.dtype != dtype:
-            raise CheckpointError(f"tensor '{name}' in {info.file} has dtype {info.dtype}, "
-                                  f"config.json says {dtype}")  # fmt: skip
+            raise CheckpointError(f"tensor '{name}' in {info.file} has dtype {info.dtype}, config.json says {dtype}")
         return info
 
     def _handle_for(self, file: Path):
-        if self._handle is not None and (
-            self._handle_file != file or self._handle_bytes >= self.reopen_bytes
-        ):
+        if self._handle is not None and (self._handle_file != file or self._handle_bytes >= self.reopen_bytes):
             self.close()
         if self._handle is None:
             self._handle = _open(file, "cannot read the checkpoint").__enter__()
@@ -227,8 +230,11 @@ def _header(specs: Sequence[TensorSpec]) -> bytes:
     entries: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for s in specs:
-        entries[s.name] = {"dtype": dtype_code(s.dtype), "shape": list(s.shape),
-                           "data_offsets": [offset, offset + s.nbytes]}  # fmt: skip
+        entries[s.name] = {
+            "dtype": dtype_code(s.dtype),
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes],
+        }
         offset += s.nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
@@ -246,9 +252,7 @@ class ShardWriter:
         self.directory = Path(directory)
         self.shards = plan_shards(specs, max_shard_bytes)
         n = len(self.shards)
-        self.files = (
-            [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        )
+        self.files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self._queue = [(i, s) for i, shard in enumerate(self.shards) for s in shard]
         self._pos = 0
         self._fh = None
@@ -259,8 +263,10 @@ class ShardWriter:
             raise ValueError(f"unexpected tensor '{name}': all planned tensors are written")
         shard, spec = self._queue[self._pos]
         if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise ValueError(f"tensor '{name}' {list(tensor.shape)} {tensor.dtype} arrived where "
-                             f"'{spec.name}' {list(spec.shape)} {spec.dtype} was planned")  # fmt: skip
+            raise ValueError(
+                f"tensor '{name}' {list(tensor.shape)} {tensor.dtype} arrived where "
+                f"'{spec.name}' {list(spec.shape)} {spec.dtype} was planned"
+            )
         if self._fh is None:
             self._fh = open(self.directory / self.files[shard], "wb")  # noqa: SIM115 (closed at shard end)
             self._fh.write(_header(self.shards[shard]))
@@ -274,11 +280,15 @@ class ShardWriter:
 
     def finish(self) -> None:
         if self._pos != len(self._queue):
-            raise ValueError(f"only {self._pos} of {len(self._queue)} planned tensors were written; "
-                             f"next missing: '{self._queue[self._pos][1].name}'")  # fmt: skip
+            raise ValueError(
+                f"only {self._pos} of {len(self._queue)} planned tensors were written; "
+                f"next missing: '{self._queue[self._pos][1].name}'"
+            )
         if len(self.files) > 1:
-            index = {"metadata": {"total_size": self.bytes_written},
-                     "weight_map": {s.name: self.files[i] for i, s in self._queue}}  # fmt: skip
+            index = {
+                "metadata": {"total_size": self.bytes_written},
+                "weight_map": {s.name: self.files[i] for i, s in self._queue},
+            }
             (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
@@ -291,12 +301,7 @@ def copy_non_weight_files(src: str | Path, dst: str | Path, skip: Sequence[str] 
     """Copy config, generation config and tokenizer files (top-level, not weights) from ``src``."""
     copied = []
     for path in sorted(Path(src).iterdir()):
-        if (
-            not path.is_file()
-            or path.name in skip
-            or path.name == INDEX_FILE
-            or path.name.endswith(WEIGHT_SUFFIXES)
-        ):
+        if not path.is_file() or path.name in skip or path.name == INDEX_FILE or path.name.endswith(WEIGHT_SUFFIXES):
             continue
         shutil.copy2(path, Path(dst) / path.name)
         copied.append(path.name)

@@ -91,8 +91,14 @@ def release_free_memory() -> None:
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
-def load_hf_weights(model: torch.nn.Module, m: ModelConfig, hf_dir: str | Path, *, reopen_bytes: int = 64 << 20,
-                    progress: Callable[[int], None] | None = None) -> TransferStats:  # fmt: skip
+def load_hf_weights(
+    model: torch.nn.Module,
+    m: ModelConfig,
+    hf_dir: str | Path,
+    *,
+    reopen_bytes: int = 64 << 20,
+    progress: Callable[[int], None] | None = None,
+) -> TransferStats:
     """Copy this rank's slices of the HF checkpoint in ``hf_dir`` into ``model`` (``m``'s shape).
 
     Every tensor a rank needs is checked (present, shape, dtype against ``config.json``) before
@@ -113,8 +119,10 @@ def load_hf_weights(model: torch.nn.Module, m: ModelConfig, hf_dir: str | Path, 
         tp = _tp(param, local)
         shape = _local_shape(bridge.full_shape(name, m), tp)
         if shape != tuple(param.shape):
-            raise ValueError(f"parameter '{local}' ({name}) has shape {list(param.shape)}, the model config "
-                             f"gives {list(shape)}; build the model from the checkpoint's config")  # fmt: skip
+            raise ValueError(
+                f"parameter '{local}' ({name}) has shape {list(param.shape)}, the model config "
+                f"gives {list(shape)}; build the model from the checkpoint's config"
+            )
         reads = bridge.local_reads(pieces, bridge.full_shape(name, m), tp.dim, tp.size, tp.rank, tp.glu)
         jobs.append((str(ckpt.info(reads[0].hf_name).file), local, param, reads))
     jobs.sort(key=lambda job: job[0])  # one file at a time: fewer re-opens
@@ -157,8 +165,15 @@ class _Item:
 
 
 def _order_key(name: str):
-    group = 0 if name.startswith("embedding.") else 2 if name.startswith("decoder.final") else 3 \
-        if name.startswith("output_layer") else 1  # fmt: skip
+    group = (
+        0
+        if name.startswith("embedding.")
+        else 2
+        if name.startswith("decoder.final")
+        else 3
+        if name.startswith("output_layer")
+        else 1
+    )
     return group, [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
@@ -178,8 +193,15 @@ class HFWeightStream:
     own while the caller uses the default group.
     """
 
-    def __init__(self, model: torch.nn.Module, m: ModelConfig, dst: int = 0, dtype: torch.dtype | None = None,
-                 per_stage: bool = False, group: dist.ProcessGroup | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        m: ModelConfig,
+        dst: int = 0,
+        dtype: torch.dtype | None = None,
+        per_stage: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ):
         self.model, self.m, self.dst, self.rank = model, m, dst, dist.get_rank()
         self.group = group
         self._params: dict[tuple[str, int], torch.Tensor] = {}
@@ -198,8 +220,9 @@ class HFWeightStream:
         dist.all_gather_object(everyone, (stage, meta))
         stages = [s for s, _ in everyone]
         self.stage = stage
-        self.senders = [min(r for r, s in enumerate(stages) if s == k) if per_stage else dst
-                        for k in range(max(stages) + 1)]  # fmt: skip
+        self.senders = [
+            min(r for r, s in enumerate(stages) if s == k) if per_stage else dst for k in range(max(stages) + 1)
+        ]
         self.items = self._plan(everyone)
         self.dtype = dtype
         self.specs = self._specs(self.items)
@@ -214,8 +237,9 @@ class HFWeightStream:
         found: dict[str, dict] = {}
         for rank, (stage, meta) in enumerate(everyone):
             for name, size, tp_rank, dim, glu, shape, dtype in meta:
-                entry = found.setdefault(name, {"tp": _TP(size, 0, dim, glu), "dtype": dtype, "src": {},
-                                                "stage": stage})  # fmt: skip
+                entry = found.setdefault(
+                    name, {"tp": _TP(size, 0, dim, glu), "dtype": dtype, "src": {}, "stage": stage}
+                )
                 if stage != entry["stage"]:  # held by two stages: the first one sends it
                     if stage > entry["stage"]:
                         continue
@@ -227,8 +251,9 @@ class HFWeightStream:
         produced = {hf for name in found for hf in bridge.hf_names(name, self.m)}
         missing = [n for n in bridge.expected_hf_names(self.m) if n not in produced]
         if missing:
-            raise ValueError(f"no rank holds the source of HF tensors {missing[:3]}; is the model built from "
-                             "this config?")  # fmt: skip
+            raise ValueError(
+                f"no rank holds the source of HF tensors {missing[:3]}; is the model built from this config?"
+            )
         items = []
         for name in sorted(found, key=_order_key):
             entry = found[name]
@@ -238,10 +263,21 @@ class HFWeightStream:
             sources = tuple(entry["src"][r] for r in range(tp.size))
             full = bridge.full_shape(name, self.m)
             if _local_shape(full, tp) != tuple(sources[0][1]):
-                raise ValueError(f"'{name}': shard shape {list(sources[0][1])} does not fit the config's "
-                                 f"full shape {list(full)} over TP={tp.size}")  # fmt: skip
-            items.append(_Item(name, full, getattr(torch, entry["dtype"].split(".")[-1]), tp, sources,
-                               self.senders[entry["stage"]], entry["stage"]))  # fmt: skip
+                raise ValueError(
+                    f"'{name}': shard shape {list(sources[0][1])} does not fit the config's "
+                    f"full shape {list(full)} over TP={tp.size}"
+                )
+            items.append(
+                _Item(
+                    name,
+                    full,
+                    getattr(torch, entry["dtype"].split(".")[-1]),
+                    tp,
+                    sources,
+                    self.senders[entry["stage"]],
+                    entry["stage"],
+                )
+            )
         return items
 
     def bucket_plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[list[TensorSpec]]]:
@@ -256,8 +292,11 @@ class HFWeightStream:
 
     def _specs(self, items: list[_Item]) -> list[TensorSpec]:
         """The HF tensors (name, shape, dtype) of ``items``, in order."""
-        return [TensorSpec(hf, bridge.hf_shape(hf, self.m), self.dtype or item.dtype)
-                for item in items for hf in bridge.hf_names(item.name, self.m)]  # fmt: skip
+        return [
+            TensorSpec(hf, bridge.hf_shape(hf, self.m), self.dtype or item.dtype)
+            for item in items
+            for hf in bridge.hf_names(item.name, self.m)
+        ]
 
     def _groups(self, stage: int | None, bucket_bytes: int) -> Iterator[list[_Item]]:
         group: list[_Item] = []
@@ -315,8 +354,13 @@ def _concat_tp(shards: list[torch.Tensor], tp: _TP) -> torch.Tensor:
     return torch.cat(shards, dim=tp.dim)
 
 
-def iter_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    dst: int = 0, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
+def iter_hf_weights(
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dst: int = 0,
+    dtype: torch.dtype | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of ``(hf_name, full_tensor)`` of a sharded model, for weight sync and export.
 
     Collective: every rank of the model's world (the default process group) must call it and
@@ -330,11 +374,19 @@ def iter_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, bucket_bytes
     yield from HFWeightStream(model, model_cfg, dst=dst, dtype=dtype).buckets(bucket_bytes)
 
 
-def save_hf_checkpoint(model: torch.nn.Module, m: ModelConfig, out_dir: str | Path, *,
-                       template: str | Path | None = None, dtype: torch.dtype | None = None,
-                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       overwrite: bool = False, progress: Callable[[int], None] | None = None,
-                       dst: int = 0) -> TransferStats:  # fmt: skip
+def save_hf_checkpoint(
+    model: torch.nn.Module,
+    m: ModelConfig,
+    out_dir: str | Path,
+    *,
+    template: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+    dst: int = 0,
+) -> TransferStats:
     """Collective: write ``model`` as an HF checkpoint into ``out_dir`` (rank ``dst`` writes).
 
     ``config.json``, ``generation_config.json`` and tokenizer files are copied from
@@ -409,5 +461,11 @@ def _export_precheck(m: ModelConfig, out_dir: Path, template_cfg: dict | None, o
     return None
 
 
-__all__ = ["CheckpointError", "HFWeightStream", "TransferStats", "iter_hf_weights", "load_hf_weights",
-           "save_hf_checkpoint"]  # fmt: skip
+__all__ = [
+    "CheckpointError",
+    "HFWeightStream",
+    "TransferStats",
+    "iter_hf_weights",
+    "load_hf_weights",
+    "save_hf_checkpoint",
+]

@@ -139,8 +139,9 @@ def _gather_objects(obj, group) -> list:
     return out
 
 
-def gather_full(model: torch.nn.Module, select: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None
-                ) -> dict[str, torch.Tensor]:  # fmt: skip
+def gather_full(
+    model: torch.nn.Module, select: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None
+) -> dict[str, torch.Tensor]:
     """Full-layout tensors on every rank: parameters by default, or ``select(param)`` (e.g. grads).
 
     Collective over the model's whole world; meant for tests, checks and small models. The
@@ -176,9 +177,7 @@ def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor], strict: boo
                 continue
             piece = shard(full[key], param, name)
             if piece.shape != param.shape:
-                raise ValueError(
-                    f"'{key}': slice {tuple(piece.shape)} does not fit parameter {tuple(param.shape)}"
-                )
+                raise ValueError(f"'{key}': slice {tuple(piece.shape)} does not fit parameter {tuple(param.shape)}")
             param.copy_(piece)
             loaded.append(name)
     return loaded

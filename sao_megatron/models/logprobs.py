@@ -55,8 +55,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
-                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, tp_group=None, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(logprobs, entropy)``, each ``[B, T]`` float32, for vocab-parallel ``logits``.
 
     Args:

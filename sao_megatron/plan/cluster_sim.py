@@ -62,9 +62,7 @@ def engine_model(cfg: SAOConfig, gpu: Gpu, mean_context: float) -> EngineModel:
     return EngineModel(step_s=e.weights / bw, per_seq_s=per_seq, request_s=gpu.request_s)
 
 
-def learner_model(
-    cfg: SAOConfig, gpu: Gpu, split: Split, tokens_per_step: float, critic: bool
-) -> LearnerModel:
+def learner_model(cfg: SAOConfig, gpu: Gpu, split: Split, tokens_per_step: float, critic: bool) -> LearnerModel:
     from sao_megatron.plan.memory import engine_memory
 
     n = parameter_counts(cfg.model)["active"]
@@ -88,9 +86,7 @@ def candidate_splits(cfg: SAOConfig, critic: bool) -> list[Split]:
     per_engine = cfg.rollout.tensor_parallel
     total = a + c + cfg.rollout.num_engines * per_engine
     a_unit = max(1, cfg.actor.parallel.world_size // max(1, cfg.actor.parallel.data_parallel))
-    c_unit = (
-        max(1, cfg.critic.parallel.world_size // max(1, cfg.critic.parallel.data_parallel)) if critic else 0
-    )
+    c_unit = max(1, cfg.critic.parallel.world_size // max(1, cfg.critic.parallel.data_parallel)) if critic else 0
     out = []
     for tenths in range(1, 10):
         learner = total * tenths // 10
@@ -104,21 +100,51 @@ def candidate_splits(cfg: SAOConfig, critic: bool) -> list[Split]:
     return sorted(set(out) | {configured}, key=lambda s: (s.engines, s.actor_gpus))
 
 
-def simulate_cluster(cfg: SAOConfig, gpu: Gpu, shape, split: Split, mean_tokens: float, mean_context: float,
-                     scheme: str, steps: int, warmup: int, concurrency_per_engine: int) -> SimResult:  # fmt: skip
+def simulate_cluster(
+    cfg: SAOConfig,
+    gpu: Gpu,
+    shape,
+    split: Split,
+    mean_tokens: float,
+    mean_context: float,
+    scheme: str,
+    steps: int,
+    warmup: int,
+    concurrency_per_engine: int,
+) -> SimResult:
     critic = scheme == "sao"
     batch, group = cfg.algo.batch_size, 1 if scheme == "sao" else max(2, cfg.algo.group_size)
     learner = learner_model(cfg, gpu, split, batch * mean_tokens, critic)
-    return simulate(scheme, engine_model(cfg, gpu, mean_context), learner, shape,  # type: ignore[arg-type]
-                    engines=split.engines, batch_size=batch, group_size=group,
-                    max_concurrent=concurrency_per_engine * split.engines, max_lag=cfg.algo.max_policy_lag,
-                    steps=steps, warmup=warmup)  # fmt: skip
+    return simulate(
+        scheme,
+        engine_model(cfg, gpu, mean_context),
+        learner,
+        shape,  # type: ignore[arg-type]
+        engines=split.engines,
+        batch_size=batch,
+        group_size=group,
+        max_concurrent=concurrency_per_engine * split.engines,
+        max_lag=cfg.algo.max_policy_lag,
+        steps=steps,
+        warmup=warmup,
+    )
 
 
-def schemes_at(cfg: SAOConfig, gpu: Gpu, shape, split: Split, mean_tokens: float, mean_context: float,
-               steps: int, warmup: int, concurrency_per_engine: int) -> dict[str, SimResult]:  # fmt: skip
-    return {s: simulate_cluster(cfg, gpu, shape, split, mean_tokens, mean_context, s, steps, warmup,
-                                concurrency_per_engine) for s in SCHEMES}  # fmt: skip
+def schemes_at(
+    cfg: SAOConfig,
+    gpu: Gpu,
+    shape,
+    split: Split,
+    mean_tokens: float,
+    mean_context: float,
+    steps: int,
+    warmup: int,
+    concurrency_per_engine: int,
+) -> dict[str, SimResult]:
+    return {
+        s: simulate_cluster(cfg, gpu, shape, split, mean_tokens, mean_context, s, steps, warmup, concurrency_per_engine)
+        for s in SCHEMES
+    }
 
 
 def shape_stats(shape, n: int = 2000) -> tuple[float, float]:
@@ -135,49 +161,62 @@ def report(cfg: SAOConfig, args) -> int:
     from sao_megatron.envs.longtail import LongTailTask
 
     gpu = Gpu(hbm_gb_per_s=args.hbm_gb_per_s, peak_tflops=args.peak_tflops, mfu=args.mfu)
-    shape = LongTailTask(turns_median=args.turns, turns_sigma=args.sigma, max_turns=cfg.rollout.loop.max_turns,
-                         tokens_median=args.tokens, tokens_sigma=args.sigma, max_tokens=cfg.rollout.loop.max_new_tokens,
-                         tool_latency_s=args.tool_latency_s, tool_sigma=args.sigma,
-                         max_tool_latency_s=max(args.tool_latency_s, 600.0)).shape  # fmt: skip
+    shape = LongTailTask(
+        turns_median=args.turns,
+        turns_sigma=args.sigma,
+        max_turns=cfg.rollout.loop.max_turns,
+        tokens_median=args.tokens,
+        tokens_sigma=args.sigma,
+        max_tokens=cfg.rollout.loop.max_new_tokens,
+        tool_latency_s=args.tool_latency_s,
+        tool_sigma=args.sigma,
+        max_tool_latency_s=max(args.tool_latency_s, 600.0),
+    ).shape
 
     mean_tokens, mean_context = shape_stats(shape)
     critic = cfg.critic.parallel.world_size
-    configured = Split(
-        cfg.actor.parallel.world_size, critic, cfg.rollout.num_engines, cfg.rollout.tensor_parallel
-    )
+    configured = Split(cfg.actor.parallel.world_size, critic, cfg.rollout.num_engines, cfg.rollout.tensor_parallel)
     per_engine = max(1, cfg.rollout.max_concurrent // cfg.rollout.num_engines)
-    print(f"# sao simulate: {cfg.run.name}, {configured.gpus} GPUs (assumed GPU: {gpu}); workload: lognormal "
-          f"sigma {args.sigma:g}, median {args.turns:g} turns x {args.tokens:g} tokens, tools {args.tool_latency_s:g} s; "
-          f"mean {mean_tokens:,.0f} action tokens per episode; {per_engine} episodes in flight per engine")  # fmt: skip
+    print(
+        f"# sao simulate: {cfg.run.name}, {configured.gpus} GPUs (assumed GPU: {gpu}); workload: lognormal "
+        f"sigma {args.sigma:g}, median {args.turns:g} turns x {args.tokens:g} tokens, tools {args.tool_latency_s:g} s; "
+        f"mean {mean_tokens:,.0f} action tokens per episode; {per_engine} episodes in flight per engine"
+    )
     print(
         "| scheme | traj/s | tokens/s | engines generating | learner idle | lag mean | lag 0 / 1 / 2 / 3+ | stale dropped |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for scheme, r in schemes_at(cfg, gpu, shape, configured, mean_tokens, mean_context, args.steps,
-                                   args.warmup, per_engine).items():  # fmt: skip
-        print(f"| {scheme} | {r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.engine_generating:.2f} | "
-              f"{r.learner_idle:.2f} | {r.lag_mean:.2f} | {' / '.join(f'{v:.2f}' for v in r.lag_shares())} | "
-              f"{r.dropped_stale} |")  # fmt: skip
+    for scheme, r in schemes_at(
+        cfg, gpu, shape, configured, mean_tokens, mean_context, args.steps, args.warmup, per_engine
+    ).items():
+        print(
+            f"| {scheme} | {r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.engine_generating:.2f} | "
+            f"{r.learner_idle:.2f} | {r.lag_mean:.2f} | {' / '.join(f'{v:.2f}' for v in r.lag_shares())} | "
+            f"{r.dropped_stale} |"
+        )
     print(f"\nSAO at other splits of the same {configured.gpus} GPUs (mean lag bound {args.lag_bound:g}):")
-    print(
-        "| actor GPUs | critic GPUs | engines x GPUs | traj/s | tokens/s | lag mean | lag p90 | within bound |"
-    )
+    print("| actor GPUs | critic GPUs | engines x GPUs | traj/s | tokens/s | lag mean | lag p90 | within bound |")
     print("|---|---|---|---|---|---|---|---|")
     best = None
     for split in candidate_splits(cfg, critic=True):
-        r = simulate_cluster(cfg, gpu, shape, split, mean_tokens, mean_context, "sao", args.steps, args.warmup,
-                                per_engine)  # fmt: skip
+        r = simulate_cluster(
+            cfg, gpu, shape, split, mean_tokens, mean_context, "sao", args.steps, args.warmup, per_engine
+        )
         ok = r.lag_mean <= args.lag_bound
         mark = " (configured)" if split == configured else ""
-        print(f"| {split.actor_gpus}{mark} | {split.critic_gpus} | {split.engines} x {split.gpus_per_engine} | "
-              f"{r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.lag_mean:.2f} | {r.lag_quantile(0.9)} | "
-              f"{'yes' if ok else 'no'} |")  # fmt: skip
+        print(
+            f"| {split.actor_gpus}{mark} | {split.critic_gpus} | {split.engines} x {split.gpus_per_engine} | "
+            f"{r.trajectories_per_s:.3f} | {r.tokens_per_s:,.0f} | {r.lag_mean:.2f} | {r.lag_quantile(0.9)} | "
+            f"{'yes' if ok else 'no'} |"
+        )
         if ok and (best is None or r.tokens_per_s > best[1].tokens_per_s):
             best = (split, r)
     if best is None:
         print(f"no split keeps the mean lag within {args.lag_bound:g}")
         return 1
     split, r = best
-    print(f"\nbest within the bound: actor {split.actor_gpus}, critic {split.critic_gpus}, {split.engines} engines x "
-          f"{split.gpus_per_engine} GPUs: {r.tokens_per_s:,.0f} tokens/s, mean lag {r.lag_mean:.2f}")  # fmt: skip
+    print(
+        f"\nbest within the bound: actor {split.actor_gpus}, critic {split.critic_gpus}, {split.engines} engines x "
+        f"{split.gpus_per_engine} GPUs: {r.tokens_per_s:,.0f} tokens/s, mean lag {r.lag_mean:.2f}"
+    )
     return 0

@@ -25,8 +25,11 @@ def role_nodes(cfg: SAOConfig) -> dict[str, int]:
     """Nodes per role group. CPU-only (``gpus_per_node == 0``): the explicit counts when any is
     given (a multi-node CPU cluster, e.g. CI's), else 0 for every role (one shared node)."""
     c = cfg.cluster
-    gpus = {"actor": cfg.actor.parallel.world_size, "critic": cfg.critic.parallel.world_size if uses_critic(cfg) else 0,
-            "rollout": cfg.rollout.num_engines * cfg.rollout.tensor_parallel}  # fmt: skip
+    gpus = {
+        "actor": cfg.actor.parallel.world_size,
+        "critic": cfg.critic.parallel.world_size if uses_critic(cfg) else 0,
+        "rollout": cfg.rollout.num_engines * cfg.rollout.tensor_parallel,
+    }
     explicit = {"actor": c.actor_nodes, "critic": c.critic_nodes, "rollout": c.rollout_nodes}
     if not c.gpus_per_node:
         if not any(explicit.values()):
@@ -54,20 +57,26 @@ class Plan:
         out = []
         for r in self.roles:
             if r.total > cap:
-                out.append(f"{r.role} does not fit: {r.total / GiB:.1f} GB per GPU needed on {c.gpu_memory_gb:g} GB "
-                           f"GPUs (stage {r.stage}), short by {(r.total - cap) / GiB:.1f} GB; "
-                           f"{_advice(getattr(self.cfg, r.role).parallel, r.role)}")  # fmt: skip
+                out.append(
+                    f"{r.role} does not fit: {r.total / GiB:.1f} GB per GPU needed on {c.gpu_memory_gb:g} GB "
+                    f"GPUs (stage {r.stage}), short by {(r.total - cap) / GiB:.1f} GB; "
+                    f"{_advice(getattr(self.cfg, r.role).parallel, r.role)}"
+                )
         e, seq = self.engine, self.cfg.rollout.loop.max_context_tokens
         need = e.weights + seq * e.kv_bytes_per_token
         have = c.engine_mem_fraction * cap
         if need > have:
-            out.append(f"rollout does not fit: an engine GPU needs {need / GiB:.1f} GB (weights + one {seq}-token "
-                       f"context) of {have / GiB:.1f} GB (engine_mem_fraction x {c.gpu_memory_gb:g}), short by "
-                       f"{(need - have) / GiB:.1f} GB; raise rollout.tensor_parallel or lower "
-                       f"cluster.engine_dp_attention")  # fmt: skip
+            out.append(
+                f"rollout does not fit: an engine GPU needs {need / GiB:.1f} GB (weights + one {seq}-token "
+                f"context) of {have / GiB:.1f} GB (engine_mem_fraction x {c.gpu_memory_gb:g}), short by "
+                f"{(need - have) / GiB:.1f} GB; raise rollout.tensor_parallel or lower "
+                f"cluster.engine_dp_attention"
+            )
         elif self.cfg.rollout.max_total_tokens > e.tokens_per_engine:
-            out.append(f"rollout does not fit: rollout.max_total_tokens={self.cfg.rollout.max_total_tokens:,} "
-                       f"exceeds the {e.tokens_per_engine:,} KV-cache tokens an engine holds; lower it")  # fmt: skip
+            out.append(
+                f"rollout does not fit: rollout.max_total_tokens={self.cfg.rollout.max_total_tokens:,} "
+                f"exceeds the {e.tokens_per_engine:,} KV-cache tokens an engine holds; lower it"
+            )
         return out
 
 
@@ -84,8 +93,10 @@ def _advice(p: ParallelConfig, role: str) -> str:
 def make_plan(cfg: SAOConfig, analytic: bool = False) -> Plan:
     """Per-rank parameters (meta build unless ``analytic``) and memory of every role."""
     names = ["actor", "critic"] if uses_critic(cfg) else ["actor"]
-    jobs = [MetaJob(cfg.model, getattr(cfg, r).parallel, cfg.critic if r == "critic" else None, getattr(cfg, r).bf16)
-            for r in names]  # fmt: skip
+    jobs = [
+        MetaJob(cfg.model, getattr(cfg, r).parallel, cfg.critic if r == "critic" else None, getattr(cfg, r).bf16)
+        for r in names
+    ]
     stages = [analytic_parameters(j.model, j.parallel, j.critic) for j in jobs]
     mismatches = []
     method = "analytic"
@@ -94,9 +105,12 @@ def make_plan(cfg: SAOConfig, analytic: bool = False) -> Plan:
     elif not analytic:
         method = "meta-device build"
         built = meta_parameters(jobs)
-        mismatches = [f"{role} stage {s}: meta build {_summary(b)} vs analytic {_summary(a)}"
-                      for role, ours, theirs in zip(names, stages, built, strict=True)
-                      for s, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]  # fmt: skip
+        mismatches = [
+            f"{role} stage {s}: meta build {_summary(b)} vs analytic {_summary(a)}"
+            for role, ours, theirs in zip(names, stages, built, strict=True)
+            for s, (a, b) in enumerate(zip(ours, theirs, strict=True))
+            if a != b
+        ]
         stages = built
     roles = [role_memory(cfg, role, st) for role, st in zip(names, stages, strict=True)]
     return Plan(cfg, parameter_counts(cfg.model), roles, engine_memory(cfg), method, mismatches)

@@ -103,8 +103,10 @@ class RoleMemory:
 
 
 def _layout(p: ParallelConfig) -> str:
-    return (f"TP{p.tensor_parallel} PP{p.pipeline_parallel} CP{p.context_parallel} DP{p.data_parallel} "
-            f"EP{p.expert_parallel} ETP{p.expert_tensor_parallel}")  # fmt: skip
+    return (
+        f"TP{p.tensor_parallel} PP{p.pipeline_parallel} CP{p.context_parallel} DP{p.data_parallel} "
+        f"EP{p.expert_parallel} ETP{p.expert_tensor_parallel}"
+    )
 
 
 def micro_tokens(p: ParallelConfig, seq: int) -> int:
@@ -135,9 +137,7 @@ def role_memory(cfg: SAOConfig, role: str, stages: list[StageParams]) -> RoleMem
         dense = sum(trainable.values()) - expert
         opt_dist = state_bytes * (dense / dense_shard + expert / expert_shard)
         opt_full = state_bytes * (dense + expert)
-        layers = [
-            activation_bytes_per_layer(m, p, bool(pattern[s * per_stage + i]), seq) for i in range(per_stage)
-        ]
+        layers = [activation_bytes_per_layer(m, p, bool(pattern[s * per_stage + i]), seq) for i in range(per_stage)]
         layer_input = 2.0 * micro_tokens(p, seq) / p.context_parallel * m.hidden_size
         layer_input /= p.tensor_parallel if p.effective_sequence_parallel else 1
         in_flight = min(pp - s, micro)
@@ -145,19 +145,23 @@ def role_memory(cfg: SAOConfig, role: str, stages: list[StageParams]) -> RoleMem
         recompute = layer_input * per_stage * in_flight + max(layers)
         logits = 0.0
         if s == pp - 1 and role == "actor":
-            logits = (
-                LOGIT_BYTES * micro_tokens(p, seq) / p.context_parallel * m.vocab_size / p.tensor_parallel
-            )
+            logits = LOGIT_BYTES * micro_tokens(p, seq) / p.context_parallel * m.vocab_size / p.tensor_parallel
         mem = RoleMemory(
-            role=role, gpus=p.world_size, layout=_layout(p), stage=s, params=total,
-            trainable=sum(trainable.values()), weights=total * (2 if rc.bf16 else 4),
+            role=role,
+            gpus=p.world_size,
+            layout=_layout(p),
+            stage=s,
+            params=total,
+            trainable=sum(trainable.values()),
+            weights=total * (2 if rc.bf16 else 4),
             grads=4.0 * sum(trainable.values()),
             optimizer=opt_dist if p.use_distributed_optimizer else opt_full,
             optimizer_alt=opt_full if p.use_distributed_optimizer else opt_dist,
             activations=recompute if p.recompute_activations else full,
             activations_alt=full if p.recompute_activations else recompute,
-            logits=logits, reserved=RESERVED_GIB * GiB,
-        )  # fmt: skip
+            logits=logits,
+            reserved=RESERVED_GIB * GiB,
+        )
         if worst is None or mem.total > worst.total:
             worst = mem
     assert worst is not None, f"{role}: no pipeline stages"
@@ -198,7 +202,13 @@ def engine_memory(cfg: SAOConfig) -> EngineMemory:
     budget = c.engine_mem_fraction * c.gpu_memory_gb * GiB - weights
     total = parameter_counts(m)["total"]
     return EngineMemory(
-        engines=r.num_engines, gpus_per_engine=tp, layout=f"TP{tp} EP{r.expert_parallel} DP-attn{dp_attn}",
-        weights=weights, kv_budget=budget, kv_bytes_per_token=kv_per_token,
-        tokens_per_pool=max(0, int(budget // kv_per_token)), pools=dp_attn, sync_bytes=total * dtype_bytes,
-    )  # fmt: skip
+        engines=r.num_engines,
+        gpus_per_engine=tp,
+        layout=f"TP{tp} EP{r.expert_parallel} DP-attn{dp_attn}",
+        weights=weights,
+        kv_budget=budget,
+        kv_bytes_per_token=kv_per_token,
+        tokens_per_pool=max(0, int(budget // kv_per_token)),
+        pools=dp_attn,
+        sync_bytes=total * dtype_bytes,
+    )

@@ -44,8 +44,13 @@ def meta_parameters(jobs: list[MetaJob], timeout_s: float = 900.0) -> list[list[
         spec_path, result = Path(tmp) / "jobs.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run([sys.executable, "-m", "sao_megatron.plan", str(spec_path), str(result)],
-                              env=env, capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "sao_megatron.plan", str(spec_path), str(result)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if proc.returncode != 0 or not result.exists():
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             raise RuntimeError(f"meta-device build failed (exit {proc.returncode}):\n{tail}")
@@ -75,20 +80,19 @@ def _meta_build_main(spec_path: str, result_path: str) -> None:
             p = dataclasses.replace(p, context_parallel=1)
         stages = []
         for stage in range(p.pipeline_parallel):
-            rank = stage * (
-                p.world_size // p.pipeline_parallel
-            )  # Megatron order tp-cp-ep-dp-pp: PP outermost
+            rank = stage * (p.world_size // p.pipeline_parallel)  # Megatron order tp-cp-ep-dp-pp: PP outermost
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
             ps.initialize_model_parallel(
-                tensor_model_parallel_size=p.tensor_parallel, pipeline_model_parallel_size=p.pipeline_parallel,
-                context_parallel_size=p.context_parallel, expert_model_parallel_size=p.expert_parallel,
-                expert_tensor_parallel_size=p.expert_tensor_parallel, create_gloo_process_groups=False,
-            )  # fmt: skip
+                tensor_model_parallel_size=p.tensor_parallel,
+                pipeline_model_parallel_size=p.pipeline_parallel,
+                context_parallel_size=p.context_parallel,
+                expert_model_parallel_size=p.expert_parallel,
+                expert_tensor_parallel_size=p.expert_tensor_parallel,
+                create_gloo_process_groups=False,
+            )
             assert ps.get_pipeline_model_parallel_rank() == stage, "unexpected Megatron rank order"
             with torch.device("meta"):
-                model = (
-                    build_critic(m, p, critic) if critic is not None else build_gpt(m, p, bf16=job["bf16"])
-                )
+                model = build_critic(m, p, critic) if critic is not None else build_gpt(m, p, bf16=job["bf16"])
             stages.append({n: (t.numel(), t.requires_grad) for n, t in model.named_parameters()})
             del model
             ps.destroy_model_parallel()

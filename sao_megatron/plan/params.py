@@ -18,9 +18,7 @@ StageParams = dict[str, tuple[int, bool]]
 """Parameter name -> (elements on this rank, trainable)."""
 
 
-def stage_parameters(
-    m: ModelConfig, p: ParallelConfig, stage: int, critic: CriticConfig | None = None
-) -> StageParams:
+def stage_parameters(m: ModelConfig, p: ParallelConfig, stage: int, critic: CriticConfig | None = None) -> StageParams:
     """Every parameter a rank of pipeline ``stage`` holds (Megatron local-spec names, local layer indices)."""
     tp, ep, etp, pp = p.tensor_parallel, p.expert_parallel, p.expert_tensor_parallel, p.pipeline_parallel
     h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
@@ -71,7 +69,5 @@ def _frozen(names, critic: CriticConfig | None) -> set[str]:
     return {n for n in names if any(r.search(n) for r in freeze) and not any(r.search(n) for r in train)}
 
 
-def analytic_parameters(
-    m: ModelConfig, p: ParallelConfig, critic: CriticConfig | None = None
-) -> list[StageParams]:
+def analytic_parameters(m: ModelConfig, p: ParallelConfig, critic: CriticConfig | None = None) -> list[StageParams]:
     return [stage_parameters(m, p, s, critic) for s in range(p.pipeline_parallel)]

@@ -44,7 +44,7 @@ def render(plan: Plan) -> str:
             f"({_millions(r.trainable)} trainable) | {_gb(r.weights)} | {_gb(r.grads)} | "
             f"{_gb(r.optimizer)} {opt} ({_gb(r.optimizer_alt)}) | {_gb(r.activations)} {act} "
             f"({_gb(r.activations_alt)}) | {_gb(r.logits)} | {_gb(r.total)} | {fits} |"
-        )  # fmt: skip
+        )
     e = plan.engine
     seq = cfg.rollout.loop.max_context_tokens
     lines += [
@@ -62,12 +62,17 @@ def render(plan: Plan) -> str:
         "other use_distributed_optimizer / recompute_activations setting. Sync s/step: weight sync/step "
         f"at rollout.weight_sync_gb_per_s = {cfg.rollout.weight_sync_gb_per_s:g} GB/s (engines paused meanwhile; "
         "measure it with benchmarks/bench_weight_sync.py).",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 
 def to_json(plan: Plan) -> dict:
-    return {"counts": plan.counts, "method": plan.method, "mismatches": plan.mismatches,
-            "roles": [dataclasses.asdict(r) | {"total": r.total} for r in plan.roles],
-            "engine": dataclasses.asdict(plan.engine) | {"tokens_per_engine": plan.engine.tokens_per_engine},
-            "nodes": role_nodes(plan.cfg), "failures": plan.failures()}  # fmt: skip
+    return {
+        "counts": plan.counts,
+        "method": plan.method,
+        "mismatches": plan.mismatches,
+        "roles": [dataclasses.asdict(r) | {"total": r.total} for r in plan.roles],
+        "engine": dataclasses.asdict(plan.engine) | {"tokens_per_engine": plan.engine.tokens_per_engine},
+        "nodes": role_nodes(plan.cfg),
+        "failures": plan.failures(),
+    }

@@ -61,9 +61,7 @@ class EngineModel:
         """Fit ``step_s`` and ``per_seq_s`` to decode rates (tokens/s of the whole engine) measured at
         batch sizes ``n1`` < ``n2``: seconds per iteration are ``n / rate`` at each."""
         if not 0 < n1 < n2 or min(rate1, rate2) <= 0:
-            raise ValueError(
-                f"from_probe: need 0 < n1 < n2 and positive rates, got {n1}, {rate1}, {n2}, {rate2}"
-            )
+            raise ValueError(f"from_probe: need 0 < n1 < n2 and positive rates, got {n1}, {rate1}, {n2}, {rate2}")
         t1, t2 = n1 / rate1, n2 / rate2
         per_seq = max(0.0, (t2 - t1) / (n2 - n1))
         return cls(step_s=max(1e-6, t1 - per_seq * n1), per_seq_s=per_seq, request_s=request_s)
@@ -146,9 +144,18 @@ class _Engine:
 class Simulator:
     """One run of a scheme; see :func:`simulate`."""
 
-    def __init__(self, scheme: Scheme, engine: EngineModel, engines: int, learner: LearnerModel,
-                 shape: Callable[[int, int], Shape], batch_size: int, group_size: int, max_concurrent: int,
-                 max_lag: int | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        scheme: Scheme,
+        engine: EngineModel,
+        engines: int,
+        learner: LearnerModel,
+        shape: Callable[[int, int], Shape],
+        batch_size: int,
+        group_size: int,
+        max_concurrent: int,
+        max_lag: int | None,
+    ) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r}: use one of {SCHEMES}")
         if scheme == "sao" and group_size != 1:
@@ -373,17 +380,33 @@ class Simulator:
         self._advance_all()
         busy = statistics.fmean(e.busy_s for e in self.engines) / self.t if self.t else 0.0
         return SimResult(
-            scheme=self.scheme, steps=len(window), window_s=wall,
+            scheme=self.scheme,
+            steps=len(window),
+            window_s=wall,
             trajectories_per_s=sum(n for _, n, _, _ in window) / wall,
             tokens_per_s=sum(tok for _, _, tok, _ in window) / wall,
             generated_tokens_per_s=sum(n for t, n in self.generated if start < t <= end) / wall,
-            learner_idle=idle / wall, lag_hist=hist, dropped_stale=self.dropped, engine_generating=busy,
-        )  # fmt: skip
+            learner_idle=idle / wall,
+            lag_hist=hist,
+            dropped_stale=self.dropped,
+            engine_generating=busy,
+        )
 
 
-def simulate(scheme: Scheme, engine: EngineModel, learner: LearnerModel, shape: Callable[[int, int], Shape], *,
-             engines: int = 1, batch_size: int, group_size: int = 1, max_concurrent: int,
-             max_lag: int | None = 4, steps: int = 50, warmup: int = 5) -> SimResult:  # fmt: skip
+def simulate(
+    scheme: Scheme,
+    engine: EngineModel,
+    learner: LearnerModel,
+    shape: Callable[[int, int], Shape],
+    *,
+    engines: int = 1,
+    batch_size: int,
+    group_size: int = 1,
+    max_concurrent: int,
+    max_lag: int | None = 4,
+    steps: int = 50,
+    warmup: int = 5,
+) -> SimResult:
     """Simulate ``steps`` learner steps of ``scheme``; rates over the steps after ``warmup``.
 
     ``shape(i, g)``: the episode of member ``g`` of prompt ``i``'s group (``g`` = 0 for single rollouts)."""
@@ -391,8 +414,14 @@ def simulate(scheme: Scheme, engine: EngineModel, learner: LearnerModel, shape: 
     return sim.run(steps, warmup)
 
 
-def capacity(engine: EngineModel, shape: Callable[[int, int], Shape], *, engines: int = 1, max_concurrent: int,
-             seconds: float = 600.0) -> float:  # fmt: skip
+def capacity(
+    engine: EngineModel,
+    shape: Callable[[int, int], Shape],
+    *,
+    engines: int = 1,
+    max_concurrent: int,
+    seconds: float = 600.0,
+) -> float:
     """Generated tokens/s of the engines alone with ``max_concurrent`` episodes always in flight (no
     learner, no sync), over ``seconds`` after the first ``max_concurrent`` episodes finished."""
     free = LearnerModel(step_s=0.0)
@@ -403,8 +432,15 @@ def capacity(engine: EngineModel, shape: Callable[[int, int], Shape], *, engines
     return sum(n for t, n in sim.generated if start < t <= sim.t) / seconds
 
 
-def fit_prefill_s(engine: EngineModel, shape: Callable[[int, int], Shape], measured: float, *, engines: int = 1,
-                  max_concurrent: int, seconds: float = 600.0) -> EngineModel:  # fmt: skip
+def fit_prefill_s(
+    engine: EngineModel,
+    shape: Callable[[int, int], Shape],
+    measured: float,
+    *,
+    engines: int = 1,
+    max_concurrent: int,
+    seconds: float = 600.0,
+) -> EngineModel:
     """``engine`` with the per-turn engine time (``prefill_s``) at which :func:`capacity` equals the
     ``measured`` tokens/s on the same workload: what starting a turn costs the engine beyond
     decoding (prefill, scheduling, and on a shared CPU the agent loop's own work), which a decode

@@ -98,9 +98,7 @@ async def _bounded[T](call: Awaitable[T], timeout_s: float, reason: str) -> T:
             return await call
     except TimeoutError:
         if limit.expired():
-            raise _EnvTimeout(
-                f"{reason} timed out after {timeout_s:g}s (rollout.loop.env_step_timeout_s)"
-            ) from None
+            raise _EnvTimeout(f"{reason} timed out after {timeout_s:g}s (rollout.loop.env_step_timeout_s)") from None
         raise
 
 
@@ -139,11 +137,19 @@ class AgentLoop:
         Also tells ``env`` the tool format the template implies.
         """
         env.use_tool_format(self.tool_format)
-        return ChatFormat(self.tokenizer, tools=env.tools, system=env.system_prompt,
-                          enable_thinking=self.cfg.enable_thinking)  # fmt: skip
+        return ChatFormat(
+            self.tokenizer, tools=env.tools, system=env.system_prompt, enable_thinking=self.cfg.enable_thinking
+        )
 
-    async def run(self, env: Env, sample: Sample, split: str = "train", index: int | None = None,
-                  submitted_at: float | None = None, reroute: Reroute | None = None) -> Trajectory:  # fmt: skip
+    async def run(
+        self,
+        env: Env,
+        sample: Sample,
+        split: str = "train",
+        index: int | None = None,
+        submitted_at: float | None = None,
+        reroute: Reroute | None = None,
+    ) -> Trajectory:
         """One episode. ``reroute(reason)``, when given, is asked for another loop (engine) when a
         generation fails because of the engine: the failed turn is generated again there, with the
         same environment and tokens so far; None from it ends the episode as failed."""
@@ -156,8 +162,9 @@ class AgentLoop:
             chat = self.chat_format(env)
             question = await _bounded(env.areset(sample), self.cfg.env_step_timeout_s, "environment: reset")
             prompt_ids = chat.prompt_ids(question)
-            status, reason = await self._turns(env, sample, chat, chat.prompt_messages(question), prompt_ids, ep,
-                                               on, reroute)  # fmt: skip
+            status, reason = await self._turns(
+                env, sample, chat, chat.prompt_messages(question), prompt_ids, ep, on, reroute
+            )
             try:
                 result = await _bounded(env.areward(), self.cfg.env_step_timeout_s, "reward:")
             except EnvWorkerError:
@@ -180,27 +187,56 @@ class AgentLoop:
         finally:
             await _close(env, sample, self.cfg.env_step_timeout_s)
         return Trajectory(
-            prompt_id=sample.prompt_id, prompt_ids=prompt_ids, response_ids=ep.response_ids,
-            action_mask=ep.action_mask, behavior_logprobs=ep.behavior_logprobs, policy_versions=ep.policy_versions,
-            turns=ep.turns, reward=float(reward), status=status, status_reason=reason, correct=correct,
-            reward_details=details, split=split, sample_index=index,
-            submitted_at=submitted_at if submitted_at is not None else started, started_at=started,
-            finished_at=time.time(), engine=on[0].engine_name,
-        )  # fmt: skip
+            prompt_id=sample.prompt_id,
+            prompt_ids=prompt_ids,
+            response_ids=ep.response_ids,
+            action_mask=ep.action_mask,
+            behavior_logprobs=ep.behavior_logprobs,
+            policy_versions=ep.policy_versions,
+            turns=ep.turns,
+            reward=float(reward),
+            status=status,
+            status_reason=reason,
+            correct=correct,
+            reward_details=details,
+            split=split,
+            sample_index=index,
+            submitted_at=submitted_at if submitted_at is not None else started,
+            started_at=started,
+            finished_at=time.time(),
+            engine=on[0].engine_name,
+        )
 
-    async def _turns(self, env: Env, sample: Sample, chat: ChatFormat, messages: list[dict], prompt_ids: list[int],
-                     ep: _Episode, on: list[AgentLoop], reroute: Reroute | None) -> tuple[Status, str]:  # fmt: skip
+    async def _turns(
+        self,
+        env: Env,
+        sample: Sample,
+        chat: ChatFormat,
+        messages: list[dict],
+        prompt_ids: list[int],
+        ep: _Episode,
+        on: list[AgentLoop],
+        reroute: Reroute | None,
+    ) -> tuple[Status, str]:
         cfg = self.cfg
         stop_ids = set(chat.stop_token_ids)
         fixed = sample.meta.get("action_tokens")  # a synthetic workload's exact action lengths
         for turn in range(cfg.max_turns):
-            budget = min(cfg.max_new_tokens, cfg.max_response_tokens - len(ep.response_ids),
-                         cfg.max_context_tokens - len(prompt_ids) - len(ep.response_ids))  # fmt: skip
+            budget = min(
+                cfg.max_new_tokens,
+                cfg.max_response_tokens - len(ep.response_ids),
+                cfg.max_context_tokens - len(prompt_ids) - len(ep.response_ids),
+            )
             if budget <= 0:
                 return "truncated", "token budget exhausted"
             exact = min(budget, int(fixed[turn])) if fixed is not None and turn < len(fixed) else 0
-            sampling = SamplingParams(max_new_tokens=exact or budget, temperature=cfg.temperature, top_p=cfg.top_p,
-                                      stop_token_ids=chat.stop_token_ids, min_new_tokens=exact)  # fmt: skip
+            sampling = SamplingParams(
+                max_new_tokens=exact or budget,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                stop_token_ids=chat.stop_token_ids,
+                min_new_tokens=exact,
+            )
             gen = None
             while True:  # the turn, again on another engine after an engine fault (``reroute``)
                 try:
@@ -226,11 +262,7 @@ class AgentLoop:
             step = await _bounded(env.astep(action_text), cfg.env_step_timeout_s, "environment: tool")
             if step.done:
                 return "finished", ""
-            if (
-                gen.finish_reason == "length"
-                and gen.output_ids[-1] not in stop_ids
-                and len(ep.turns) >= cfg.max_turns
-            ):
+            if gen.finish_reason == "length" and gen.output_ids[-1] not in stop_ids and len(ep.turns) >= cfg.max_turns:
                 return "truncated", "action cut at max_new_tokens"
             messages.append(chat.assistant_message(action_text))
             observation = step.observation or ""

@@ -101,9 +101,7 @@ def parse_generation(body: dict, latency_s: float = 0.0) -> Generation:
     meta = body.get("meta_info") or {}
     entries = meta.get("output_token_logprobs")
     if entries is None:
-        raise EngineError(
-            "/generate", "response has no meta_info.output_token_logprobs; send return_logprob=true"
-        )
+        raise EngineError("/generate", "response has no meta_info.output_token_logprobs; send return_logprob=true")
     output_ids = [int(e[1]) for e in entries]
     if body.get("output_ids") is not None and list(body["output_ids"]) != output_ids:
         raise EngineError("/generate", "output_ids disagree with output_token_logprobs")
@@ -111,9 +109,7 @@ def parse_generation(body: dict, latency_s: float = 0.0) -> Generation:
     return Generation(
         output_ids=output_ids,
         behavior_logprobs=[float(e[0]) for e in entries],
-        weight_versions=expand_versions(
-            meta.get("weight_versions"), len(output_ids), str(meta.get("weight_version"))
-        ),
+        weight_versions=expand_versions(meta.get("weight_versions"), len(output_ids), str(meta.get("weight_version"))),
         finish_reason=str(reason.get("type", "unknown")) if isinstance(reason, dict) else str(reason),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         latency_s=latency_s,
@@ -199,14 +195,10 @@ class EngineClient:
     ) -> Any:
         """The parsed JSON answer: ``{}`` when empty, ``{"text": ...}`` when not JSON."""
         if self._session is None:
-            raise EngineError(
-                endpoint, "client is not open; use 'async with EngineClient(url)'", url=self.url
-            )
+            raise EngineError(endpoint, "client is not open; use 'async with EngineClient(url)'", url=self.url)
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self._session.request(
-                method, self.url + endpoint, json=payload, timeout=timeout
-            ) as resp:
+            async with self._session.request(method, self.url + endpoint, json=payload, timeout=timeout) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise EngineError(endpoint, text[:500], resp.status, url=self.url)
@@ -221,8 +213,9 @@ class EngineClient:
         except ValueError:  # a few control endpoints answer plain text (e.g. /flush_cache)
             return {"text": text}
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
-                       timeout_s: float | None = None) -> Generation:  # fmt: skip
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None, timeout_s: float | None = None
+    ) -> Generation:
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling.to_json(),
@@ -243,8 +236,12 @@ class EngineClient:
 
     async def score(self, input_ids: list[int], start: int) -> list[float]:
         """Prefill logprobs of ``input_ids[start:]`` given their prefixes (no sampling)."""
-        payload = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 0},
-                   "return_logprob": True, "logprob_start_len": max(0, start - 1)}  # fmt: skip
+        payload = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": max(0, start - 1),
+        }
         body = await self._call("POST", "/generate", payload)
         entries = body["meta_info"]["input_token_logprobs"]
         values = [e[0] for e in entries]
@@ -309,8 +306,9 @@ class EngineClient:
             await asyncio.sleep(0.2)
 
     async def update_weights_from_disk(self, model_path: str, version: str) -> dict:
-        return await self._load_update("/update_weights_from_disk",
-                                       {"model_path": model_path, "weight_version": version, "flush_cache": True})  # fmt: skip
+        return await self._load_update(
+            "/update_weights_from_disk", {"model_path": model_path, "weight_version": version, "flush_cache": True}
+        )
 
     async def begin_weight_update(self) -> None:
         await self._update("/begin_weight_update", {})
@@ -334,9 +332,14 @@ class EngineClient:
             raise
         await self.end_weight_update()
 
-    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: str,
-                                         flush_cache: bool = True, tp_size: int = 1,
-                                         timeout_s: float | None = None) -> dict:  # fmt: skip
+    async def update_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        version: str,
+        flush_cache: bool = True,
+        tp_size: int = 1,
+        timeout_s: float | None = None,
+    ) -> dict:
         """Load ``named_tensors`` (HF names, full unsharded tensors) into a same-host engine.
 
         Must run inside :meth:`weight_update_session` (the engine answers HTTP 400 otherwise);
@@ -351,29 +354,54 @@ class EngineClient:
         tensors = [(str(name), tensor) for name, tensor in named_tensors]
         # Serialization copies every storage into shared memory: off the event loop.
         blob = await asyncio.to_thread(serialize_named_tensors, tensors)
-        payload = {"serialized_named_tensors": [blob] * tp_size, "weight_version": str(version),
-                   "flush_cache": flush_cache}  # fmt: skip
+        payload = {
+            "serialized_named_tensors": [blob] * tp_size,
+            "weight_version": str(version),
+            "flush_cache": flush_cache,
+        }
         if not flush_cache:
             return await self._update("/update_weights_from_tensor", payload, timeout_s)
         return await self._load_update("/update_weights_from_tensor", payload, timeout_s)
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> dict:  # fmt: skip
-        return await self._update("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend,
-        })  # fmt: skip
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> dict:
+        return await self._update(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, version: str | None,
-                                              flush_cache: bool = True, flat: bool = False) -> dict:  # fmt: skip
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        version: str | None,
+        flush_cache: bool = True,
+        flat: bool = False,
+    ) -> dict:
         """Receive one bucket over ``group_name``'s broadcast: tensor by tensor, or (``flat``) as one
         byte buffer holding the tensors back to back (SGLang's ``flattened_bucket`` format)."""
-        return await self._update("/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "weight_version": version, "flush_cache": flush_cache,
-            "load_format": "flattened_bucket" if flat else None,
-        })  # fmt: skip
+        return await self._update(
+            "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": group_name,
+                "weight_version": version,
+                "flush_cache": flush_cache,
+                "load_format": "flattened_bucket" if flat else None,
+            },
+        )
 
     async def destroy_weights_update_group(self, group_name: str) -> dict:
         return await self._update("/destroy_weights_update_group", {"group_name": group_name})

@@ -86,12 +86,29 @@ def sglang_version() -> str:
 
 def _command(spec: EngineSpec, cpu: bool) -> list[str]:
     cmd = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path,
-        "--host", spec.host, "--port", str(spec.port), "--tp-size", str(spec.tensor_parallel),
-        "--ep-size", str(spec.expert_parallel), "--dtype", spec.dtype,
-        "--max-total-tokens", str(spec.max_total_tokens), "--random-seed", str(spec.random_seed),
-        "--watchdog-timeout", str(spec.watchdog_timeout_s), "--skip-server-warmup",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        spec.model_path,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--tp-size",
+        str(spec.tensor_parallel),
+        "--ep-size",
+        str(spec.expert_parallel),
+        "--dtype",
+        spec.dtype,
+        "--max-total-tokens",
+        str(spec.max_total_tokens),
+        "--random-seed",
+        str(spec.random_seed),
+        "--watchdog-timeout",
+        str(spec.watchdog_timeout_s),
+        "--skip-server-warmup",
+    ]
     if spec.load_format != "auto":
         cmd += ["--load-format", spec.load_format]
     if spec.mem_fraction_static is not None:
@@ -101,12 +118,24 @@ def _command(spec: EngineSpec, cpu: bool) -> list[str]:
     if spec.nnodes > 1:
         if not spec.dist_init_addr:
             raise ValueError(f"an engine over {spec.nnodes} nodes needs dist_init_addr (node 0's host:port)")
-        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
-                "--dist-init-addr", spec.dist_init_addr]  # fmt: skip
+        cmd += [
+            "--nnodes",
+            str(spec.nnodes),
+            "--node-rank",
+            str(spec.node_rank),
+            "--dist-init-addr",
+            spec.dist_init_addr,
+        ]
     if cpu:
         # Without --sleep-on-idle the CPU scheduler spins a whole core while idle.
-        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
-                "--sleep-on-idle"]  # fmt: skip
+        cmd += [
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--disable-overlap-schedule",
+            "--sleep-on-idle",
+        ]
     return cmd + list(spec.extra_args)
 
 
@@ -131,8 +160,10 @@ def _die_with_parent():
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    prctl.restype, prctl.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                                                  ctypes.c_ulong]  # fmt: skip
+    prctl.restype, prctl.argtypes = (
+        ctypes.c_int,
+        [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong],
+    )
     pr_set_pdeathsig, parent = 1, os.getpid()
 
     def preexec() -> None:
@@ -174,9 +205,14 @@ class _ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115  (owned by the child for its lifetime)
         self.proc = subprocess.Popen(
-            self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self._environment(), start_new_session=True, preexec_fn=_die_with_parent(),
-        )  # fmt: skip
+            self._command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self._environment(),
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
         log.close()
         return self
 
@@ -224,8 +260,9 @@ class _ServerProcess:
                 retries -= 1
                 clashed = self.port
                 self._use_port(free_port())
-                logging.getLogger(__name__).warning("%s: port %d was taken; restarting on %d", self.kind, clashed,
-                                                    self.port)  # fmt: skip
+                logging.getLogger(__name__).warning(
+                    "%s: port %d was taken; restarting on %d", self.kind, clashed, self.port
+                )
                 self.start()
                 continue
             if self.proc is not None and self.proc.poll() is not None:
@@ -278,8 +315,9 @@ class EngineProcess(_ServerProcess):
     kind = "SGLang engine"
 
     def __init__(self, spec: EngineSpec, cpu: bool | None = None):
-        super().__init__(spec.host, spec.port, spec.log_path or f"/tmp/sao-sglang-{spec.port}.log",
-                         spec.startup_timeout_s)  # fmt: skip
+        super().__init__(
+            spec.host, spec.port, spec.log_path or f"/tmp/sao-sglang-{spec.port}.log", spec.startup_timeout_s
+        )
         self.spec = spec
         self.cpu = (not torch.cuda.is_available()) if cpu is None else cpu
 
@@ -368,15 +406,32 @@ class RouterSpec:
 def _router_command(spec: RouterSpec, prometheus_port: int) -> list[str]:
     entry = ["-c", _FAST_ROUTER_MAIN] if spec.fast_launch else ["-m", "sglang_router.launch_router"]
     return [
-        sys.executable, *entry, "--worker-urls", *spec.worker_urls, "--host", spec.host,
-        "--port", str(spec.port), "--policy", spec.policy,
-        "--prometheus-host", spec.host, "--prometheus-port", str(prometheus_port),
-        "--request-timeout-secs", str(int(spec.request_timeout_s)),
-        "--health-check-timeout-secs", str(int(spec.health_check_timeout_s)),
-        "--shutdown-grace-period-secs", str(int(spec.shutdown_grace_s)),
-        "--worker-startup-check-interval", "1", "--log-level", spec.log_level,
+        sys.executable,
+        *entry,
+        "--worker-urls",
+        *spec.worker_urls,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--policy",
+        spec.policy,
+        "--prometheus-host",
+        spec.host,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--request-timeout-secs",
+        str(int(spec.request_timeout_s)),
+        "--health-check-timeout-secs",
+        str(int(spec.health_check_timeout_s)),
+        "--shutdown-grace-period-secs",
+        str(int(spec.shutdown_grace_s)),
+        "--worker-startup-check-interval",
+        "1",
+        "--log-level",
+        spec.log_level,
         *spec.extra_args,
-    ]  # fmt: skip
+    ]
 
 
 class RouterProcess(_ServerProcess):

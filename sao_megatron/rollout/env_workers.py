@@ -91,11 +91,19 @@ class EnvWorker:
     async def info(self) -> dict[str, Any]:
         """pid, host, episodes open now and at most so far, calls per method, calls in progress."""
         pid, host = self.where
-        return {"pid": pid, "host": host, "open": len(self._envs), "max_open": self.max_open,
-                "max_episodes": self.max_episodes, "calls": dict(self.calls), "running": self.running}  # fmt: skip
+        return {
+            "pid": pid,
+            "host": host,
+            "open": len(self._envs),
+            "max_open": self.max_open,
+            "max_episodes": self.max_episodes,
+            "calls": dict(self.calls),
+            "running": self.running,
+        }
 
-    async def open(self, env_name: str, env_kwargs: Mapping[str, Any],
-                   tool_format: ToolFormat) -> tuple[str, list[dict], str | None, Where]:  # fmt: skip
+    async def open(
+        self, env_name: str, env_kwargs: Mapping[str, Any], tool_format: ToolFormat
+    ) -> tuple[str, list[dict], str | None, Where]:
         """Build one episode's Env once a slot is free: ``(episode_id, tools, system_prompt, where)``."""
         await self._slots.acquire()
         env: Env | None = None
@@ -121,9 +129,7 @@ class EnvWorker:
         env = self._envs.get(episode_id)
         if env is None:
             pid, host = self.where
-            raise RuntimeError(
-                f"env worker pid {pid} on {host} has no open episode {episode_id!r} (closed already)"
-            )
+            raise RuntimeError(f"env worker pid {pid} on {host} has no open episode {episode_id!r} (closed already)")
         return env
 
     async def _running[T](self, call: Awaitable[T]) -> tuple[T, Where]:
@@ -163,8 +169,16 @@ class RemoteEnv(Env):
     Built by :meth:`open`; tools and system prompt are those the worker's Env reported then.
     The sync ``reset``/``step``/``reward``/``close`` raise: use the async forms."""
 
-    def __init__(self, call: WorkerCall, episode_id: str, tools: list[dict], system_prompt: str | None,
-                 tool_format: ToolFormat, where: Where, on_close: Callable[[], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        call: WorkerCall,
+        episode_id: str,
+        tools: list[dict],
+        system_prompt: str | None,
+        tool_format: ToolFormat,
+        where: Where,
+        on_close: Callable[[], None] | None = None,
+    ):
         self._call = call
         self.episode_id = episode_id
         self._tools, self._system = tools, system_prompt
@@ -175,8 +189,14 @@ class RemoteEnv(Env):
         self._closed = False
 
     @classmethod
-    async def open(cls, call: WorkerCall, env_name: str, env_kwargs: Mapping[str, Any], tool_format: ToolFormat,
-                   on_close: Callable[[], None] | None = None) -> RemoteEnv:  # fmt: skip
+    async def open(
+        cls,
+        call: WorkerCall,
+        env_name: str,
+        env_kwargs: Mapping[str, Any],
+        tool_format: ToolFormat,
+        on_close: Callable[[], None] | None = None,
+    ) -> RemoteEnv:
         """Open an episode on the worker behind ``call`` (waits while the worker's slots are taken).
 
         Cancelled while waiting, the episode the worker opens anyway is closed when it arrives."""
@@ -221,8 +241,10 @@ class RemoteEnv(Env):
     def use_tool_format(self, tool_format: ToolFormat) -> None:
         super().use_tool_format(tool_format)
         if tool_format != self.tool_format:
-            raise ValueError(f"this remote environment was opened with tool format {self.tool_format!r}, but the "
-                             f"agent loop uses {tool_format!r}; open it with the loop's tool format")  # fmt: skip
+            raise ValueError(
+                f"this remote environment was opened with tool format {self.tool_format!r}, but the "
+                f"agent loop uses {tool_format!r}; open it with the loop's tool format"
+            )
 
     @property
     def tools(self) -> list[dict]:

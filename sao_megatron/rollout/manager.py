@@ -145,18 +145,31 @@ class EngineStates:
     def metrics(self) -> dict[str, float]:
         """``rollout/engine_restarts``, ``rollout/engine_dropped``, ``rollout/episode_retries``: counts
         since this process started (like ``buffer/dropped_*``, not per step)."""
-        return {"rollout/engine_restarts": float(sum(self.restarts)),
-                "rollout/engine_dropped": float(len(self.dropped)),
-                "rollout/episode_retries": float(self.episode_retries)}  # fmt: skip
+        return {
+            "rollout/engine_restarts": float(sum(self.restarts)),
+            "rollout/engine_dropped": float(len(self.dropped)),
+            "rollout/episode_retries": float(self.episode_retries),
+        }
 
 
 class RolloutManager:
-    def __init__(self, loops: list[AgentLoop], task: Task, env_name: str, on_finished: Callable[[Trajectory], object],
-                 group_size: int = 1, max_concurrent: int = 64, env_kwargs: dict | None = None,
-                 cursor: PromptCursor | None = None, max_failed_fraction: float = 1.0,
-                 failure_window: int = 100, env_factory: EnvFactory | None = None,
-                 engines: EngineStates | None = None, episode_max_retries: int = 0,
-                 retry_from: str = "scratch"):  # fmt: skip
+    def __init__(
+        self,
+        loops: list[AgentLoop],
+        task: Task,
+        env_name: str,
+        on_finished: Callable[[Trajectory], object],
+        group_size: int = 1,
+        max_concurrent: int = 64,
+        env_kwargs: dict | None = None,
+        cursor: PromptCursor | None = None,
+        max_failed_fraction: float = 1.0,
+        failure_window: int = 100,
+        env_factory: EnvFactory | None = None,
+        engines: EngineStates | None = None,
+        episode_max_retries: int = 0,
+        retry_from: str = "scratch",
+    ):
         """Failed episodes (a reason in ``status_reason``) are handed on like any other and never
         stop the run, unless more than ``max_failed_fraction`` of the last ``failure_window``
         failed: then :meth:`run` raises :class:`TooManyFailures` naming the commonest reasons.
@@ -227,9 +240,7 @@ class RolloutManager:
     def busy_seconds(self) -> float:
         """Engine-seconds with at least one episode in flight (tool calls and pauses included), up to now."""
         now = time.monotonic()
-        return self.stats.busy_s + sum(
-            now - self._busy_since[i] for i in range(len(self.loops)) if self._load[i]
-        )
+        return self.stats.busy_s + sum(now - self._busy_since[i] for i in range(len(self.loops)) if self._load[i])
 
     async def _episode(self, sub: Submission) -> None:
         retries = [0]  # shared with the turn-level reroute of _attempt
@@ -322,9 +333,7 @@ class RolloutManager:
         self._in_flight.pop(sub, None)
         self._handed.discard(sub)
         if not task.cancelled() and task.exception() is not None and self._error is None:
-            self._error = (
-                task.exception()
-            )  # a bug, not an episode failure (those are trajectories): surface it
+            self._error = task.exception()  # a bug, not an episode failure (those are trajectories): surface it
 
     # ---- control ----------------------------------------------------------------------------
     def pause(self) -> None:
@@ -367,15 +376,12 @@ class RolloutManager:
                 if exhausted and not self._in_flight:
                     return
                 if exhausted or len(self._in_flight) + self.group_size > self.max_concurrent:
-                    await asyncio.wait(
-                        [stopping, *self._in_flight.values()], return_when=asyncio.FIRST_COMPLETED
-                    )
+                    await asyncio.wait([stopping, *self._in_flight.values()], return_when=asyncio.FIRST_COMPLETED)
                     continue
                 if not self._pending and self._capped():  # the learner is far enough behind
                     self._room.clear()
                     room = asyncio.ensure_future(self._room.wait())
-                    await asyncio.wait([stopping, room, *self._in_flight.values()],
-                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                    await asyncio.wait([stopping, room, *self._in_flight.values()], return_when=asyncio.FIRST_COMPLETED)
                     room.cancel()
                     continue
                 if not self._pending:
@@ -399,8 +405,11 @@ class RolloutManager:
         """Cursor plus every submission not yet finished (to be re-run on resume)."""
         running = [s for s in self._in_flight if s not in self._handed]
         unfinished = sorted({(s.split, s.index, s.group_index) for s in [*running, *self._pending]})
-        return {"split": self.cursor.split, "next_index": self.cursor.next_index,
-                "resubmit": [list(x) for x in unfinished]}  # fmt: skip
+        return {
+            "split": self.cursor.split,
+            "next_index": self.cursor.next_index,
+            "resubmit": [list(x) for x in unfinished],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = PromptCursor(state["split"], state["next_index"])
@@ -411,7 +420,20 @@ class RolloutManager:
 def _failed(sub: Submission, reason: str, prompt_id: str = "") -> Trajectory:
     """A failed episode that never reached an engine (its task record or environment broke)."""
     now = time.time()
-    return Trajectory(prompt_id=prompt_id or sub.group_id, prompt_ids=[], response_ids=[], action_mask=[],
-                      behavior_logprobs=[], policy_versions=[], turns=[], reward=0.0, status="failed",
-                      status_reason=reason, split=sub.split, sample_index=sub.index,
-                      submitted_at=sub.submitted_at, started_at=now, finished_at=now)  # fmt: skip
+    return Trajectory(
+        prompt_id=prompt_id or sub.group_id,
+        prompt_ids=[],
+        response_ids=[],
+        action_mask=[],
+        behavior_logprobs=[],
+        policy_versions=[],
+        turns=[],
+        reward=0.0,
+        status="failed",
+        status_reason=reason,
+        split=sub.split,
+        sample_index=sub.index,
+        submitted_at=sub.submitted_at,
+        started_at=now,
+        finished_at=now,
+    )

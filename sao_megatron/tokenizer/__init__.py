@@ -18,10 +18,17 @@ from typing import Any
 TOKENIZER_DIR = Path(__file__).resolve().parent / "assets"
 VOCAB_SIZE = 512
 TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
     "vocab.txt",
-)  # fmt: skip
+)
 """The files of an HF checkpoint that make up its tokenizer (those present are copied on export)."""
 
 
@@ -30,9 +37,7 @@ def is_tokenizer_dir(path: str | Path | None) -> bool:
     if not path:
         return False
     p = Path(path)
-    return p.is_dir() and any(
-        (p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    )
+    return p.is_dir() and any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
 def tokenizer_source(init_from: str | Path | None = None) -> Path:

@@ -87,8 +87,12 @@ class ActorWorker:
         return micro_batching(self.cfg.actor.parallel)
 
     def _logprobs(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return vocab_parallel_logprobs(logits, mb["labels"], parallel_state().get_tensor_model_parallel_group(),
-                                       temperature=self.cfg.rollout.loop.temperature)  # fmt: skip
+        return vocab_parallel_logprobs(
+            logits,
+            mb["labels"],
+            parallel_state().get_tensor_model_parallel_group(),
+            temperature=self.cfg.rollout.loop.temperature,
+        )
 
     def update(self, shard: BatchShard, advantages: torch.Tensor, version: int) -> dict[str, float]:
         """One optimizer step of the configured policy loss (DIS by default) on the whole batch.
@@ -100,8 +104,10 @@ class ActorWorker:
         lag = algo.policy_lag(version, b.policy_versions, b.action_mask)
         micro = micro_batches(shard, {"advantages": advantages, "lag": lag}, self._micro)
         token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
-        norm = {"num_tokens_global": shard.num_tokens_global if token_mean else None,
-                "num_seqs_global": None if token_mean else shard.num_seqs_global}  # fmt: skip
+        norm = {
+            "num_tokens_global": shard.num_tokens_global if token_mean else None,
+            "num_seqs_global": None if token_mean else shard.num_seqs_global,
+        }
         bounds = {"eps_low": a.eps_low, "eps_high": a.eps_high} if a.policy_loss != "vanilla" else {}
         extra = {"detach_ratio": a.detach_ratio} if a.policy_loss == "dis" else {}
 
@@ -110,9 +116,18 @@ class ActorWorker:
             mask = mb["action_mask"] > 0
             if not nonfinite_free(logprobs, mb["advantages"], mask=mask):
                 return nan_loss(logprobs, mask)  # the step is skipped on every rank (engine.step)
-            loss, metrics = algo.policy_loss(a.policy_loss, logprobs, mb["behavior_logprobs"], mb["advantages"], mask,
-                                             agg=a.loss_agg, segment_ids=mb.get("segment_ids"),
-                                             **bounds, **extra, **norm)  # fmt: skip
+            loss, metrics = algo.policy_loss(
+                a.policy_loss,
+                logprobs,
+                mb["behavior_logprobs"],
+                mb["advantages"],
+                mask,
+                agg=a.loss_agg,
+                segment_ids=mb.get("segment_ids"),
+                **bounds,
+                **extra,
+                **norm,
+            )
             metrics["entropy"] = algo.masked_mean(entropy, mask.float()).item()
             metrics["micro_tokens"] = float(mask.sum())
             kept = algo.dis_band(logprobs.detach(), mb["behavior_logprobs"], a.eps_low, a.eps_high)
@@ -121,8 +136,13 @@ class ActorWorker:
 
         out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()
-        return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr,
-                "updated": float(step.updated)}  # fmt: skip
+        return {
+            **reduce_metrics(out),
+            **step.group_norms,
+            "grad_norm": step.grad_norm,
+            "lr": step.lr,
+            "updated": float(step.updated),
+        }
 
     @torch.no_grad()
     def logprobs(self, shard: BatchShard) -> RowOutputs | None:
@@ -177,8 +197,9 @@ class ActorWorker:
             copy_tokenizer_files(getattr(self.cfg.actor, "init_from", ""), out_dir)
         return ExportReport(stats.tensors, stats.bytes, stats.seconds)
 
-    def sync_weights(self, engine_urls: list[str], version: int, addresses: str | list[str],
-                     master_port: int = 0) -> dict[str, float]:  # fmt: skip
+    def sync_weights(
+        self, engine_urls: list[str], version: int, addresses: str | list[str], master_port: int = 0
+    ) -> dict[str, float]:
         """Stream HF-named weights to the engines, tagged ``version`` (every rank calls it).
 
         Each pipeline stage's sender (the stage's lowest global rank) gathers its own stage's
@@ -216,9 +237,7 @@ class ActorWorker:
             results = [(0, 0, error) for error in formed]
         elif rank == 0:
             try:
-                nbytes, tensors, error, paused = asyncio.run(
-                    self._coordinate(stream, gate, engine_urls, version)
-                )
+                nbytes, tensors, error, paused = asyncio.run(self._coordinate(stream, gate, engine_urls, version))
             except Exception as err:  # a bug: the other ranks still get their word below
                 nbytes, tensors, error = 0, 0, f"{type(err).__name__}: {err}"
             gate.done()  # the engines were resumed
@@ -240,11 +259,17 @@ class ActorWorker:
             return {}
         seconds = time.perf_counter() - t0
         total = sum(b for b, _, _ in results)
-        return {"sync_s": seconds, "sync_pause_s": paused, "sync_gb_per_s": total / max(seconds, 1e-9) / 1e9,
-                "sync_tensors": float(sum(t for _, t, _ in results)), "sync_senders": float(len(stream.senders))}  # fmt: skip
+        return {
+            "sync_s": seconds,
+            "sync_pause_s": paused,
+            "sync_gb_per_s": total / max(seconds, 1e-9) / 1e9,
+            "sync_tensors": float(sum(t for _, t, _ in results)),
+            "sync_senders": float(len(stream.senders)),
+        }
 
-    def _connect_senders(self, senders: list[int], engine_urls: list[str], addresses: str | list[str],
-                         master_port: int, gate: SyncGate) -> str | None:  # fmt: skip
+    def _connect_senders(
+        self, senders: list[int], engine_urls: list[str], addresses: str | list[str], master_port: int, gate: SyncGate
+    ) -> str | None:
         """(Re-)form every sender's group, one at a time (an engine joins one group at a time; the
         next sender starts on the previous one's word in the store). Why this rank's group failed to
         form, or None (the update is skipped everywhere on any)."""
@@ -263,9 +288,15 @@ class ActorWorker:
                 address = addresses if isinstance(addresses, str) else addresses[rank]
                 port = master_port + stage if master_port else 0  # two stages' senders may share a node
                 where = f"{backend} group {name} at {address}:%s (trainer rank {rank}, stage {stage})"
-                sync = WeightSync(list(engine_urls), engine_tp=self.cfg.rollout.tensor_parallel, backend=backend,
-                                  master_address=address, master_port=port, group_name=name,
-                                  flat=self.cfg.rollout.weight_sync_flat)  # fmt: skip
+                sync = WeightSync(
+                    list(engine_urls),
+                    engine_tp=self.cfg.rollout.tensor_parallel,
+                    backend=backend,
+                    master_address=address,
+                    master_port=port,
+                    group_name=name,
+                    flat=self.cfg.rollout.weight_sync_flat,
+                )
                 try:
                     asyncio.run(sync.connect())  # bounded by the engines' HTTP and the group's timeouts
                     self._sync = sync
@@ -293,8 +324,10 @@ class ActorWorker:
         control = EngineControl(engine_urls)
         try:
             flat = self.cfg.rollout.weight_sync_flat
-            plan = [[BucketSpec.planned(b, flat) for b in stage]
-                    for stage in stream.bucket_plan(self.cfg.rollout.weight_sync_bucket_mb << 20)]  # fmt: skip
+            plan = [
+                [BucketSpec.planned(b, flat) for b in stage]
+                for stage in stream.bucket_plan(self.cfg.rollout.weight_sync_bucket_mb << 20)
+            ]
             names = [self._group_name(s, len(plan)) for s in range(len(plan))]
             await control.__aenter__()
         except Exception as err:  # nothing was sent: the other ranks are told to skip the update
@@ -328,8 +361,11 @@ class ActorWorker:
         return sent[0], sent[1], error, control.paused_s
 
     def _group_name(self, stage: int, stages: int) -> str:
-        return ("sao_weight_sync" + (f"_{self._sync_groups}" if self._sync_groups > 1 else "")
-                + (f"_pp{stage}" if stages > 1 else ""))  # fmt: skip
+        return (
+            "sao_weight_sync"
+            + (f"_{self._sync_groups}" if self._sync_groups > 1 else "")
+            + (f"_pp{stage}" if stages > 1 else "")
+        )
 
     def _data_plane(self, stream, gate) -> tuple[int, int, str | None]:
         """This rank's part of an update: gather its stage's buckets and, on the stage's sender, say
@@ -359,9 +395,7 @@ class ActorWorker:
             error = reason
             if declared < len(plan):  # the coordinator waits for that bucket's word
                 try:
-                    gate.failed(
-                        stream.stage, declared, f"trainer rank {rank} (stage {stream.stage}): {reason}"
-                    )
+                    gate.failed(stream.stage, declared, f"trainer rank {rank} (stage {stream.stage}): {reason}")
                 except Exception as err:  # the store is gone with rank 0: the final all-gather fails too
                     error += f"; telling the coordinator failed: {err}"
 

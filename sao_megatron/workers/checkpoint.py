@@ -55,15 +55,11 @@ def save_role(role, directory: str | Path) -> Path:
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         if not stepped:
-            (directory / NOT_STEPPED).write_text(
-                "the optimizer had not stepped; it has no state to restore\n"
-            )
+            (directory / NOT_STEPPED).write_text("the optimizer had not stepped; it has no state to restore\n")
         else:
             (directory / NOT_STEPPED).unlink(missing_ok=True)
     dist.barrier()
-    dist_checkpointing.save(
-        _role_sharded_state(role, is_loading=False, with_optimizer=stepped), str(directory)
-    )
+    dist_checkpointing.save(_role_sharded_state(role, is_loading=False, with_optimizer=stepped), str(directory))
     extra = {"scheduler": role.scheduler.state_dict(), "steps": role.steps, "rng": torch.get_rng_state()}
     torch.save(extra, directory / f"extra_rank{dist.get_rank()}.pt")
     dist.barrier()

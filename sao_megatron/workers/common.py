@@ -47,9 +47,14 @@ class RankCoordinates:
 
 def coordinates() -> RankCoordinates:
     ps = parallel_state()
-    return RankCoordinates(rank=dist.get_rank(), dp_rank=ps.get_data_parallel_rank(),
-                           dp_size=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                           pp_last=ps.is_pipeline_last_stage(), cp_rank=ps.get_context_parallel_rank())  # fmt: skip
+    return RankCoordinates(
+        rank=dist.get_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_last=ps.is_pipeline_last_stage(),
+        cp_rank=ps.get_context_parallel_rank(),
+    )
 
 
 def seq_multiple(parallel: ParallelConfig) -> int:
@@ -62,9 +67,13 @@ def seq_multiple(parallel: ParallelConfig) -> int:
 
 def micro_batching(parallel: ParallelConfig) -> MicroBatching:
     """How a role with layout ``parallel`` cuts its shards into micro-batches."""
-    return MicroBatching(rows=parallel.micro_batch_size, max_tokens=parallel.max_tokens_per_micro_batch,
-                         multiple=seq_multiple(parallel), segment_multiple=cp_multiple(parallel.context_parallel),
-                         pack=parallel.pack_sequences)  # fmt: skip
+    return MicroBatching(
+        rows=parallel.micro_batch_size,
+        max_tokens=parallel.max_tokens_per_micro_batch,
+        multiple=seq_multiple(parallel),
+        segment_multiple=cp_multiple(parallel.context_parallel),
+        pack=parallel.pack_sequences,
+    )
 
 
 def micro_batches(shard: BatchShard, per_row: dict[str, torch.Tensor], how: MicroBatching) -> list[dict]:
@@ -76,9 +85,7 @@ def micro_batches(shard: BatchShard, per_row: dict[str, torch.Tensor], how: Micr
     ps = parallel_state()
     if ps.get_data_parallel_world_size() > 1:
         count = torch.tensor([len(plan)], device=device())
-        dist.all_reduce(
-            count, op=dist.ReduceOp.MAX, group=cast(dist.ProcessGroup, ps.get_data_parallel_group())
-        )
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=cast(dist.ProcessGroup, ps.get_data_parallel_group()))
         plan = spread(plan, int(count.item()))
     return [split_context(shard.batch.micro_batch(rows, how, per_row)) for rows in plan]
 
@@ -95,8 +102,9 @@ def split_context(mb: dict) -> dict:
     cu = mb.get("cu_seqlens")
     lengths = (cu[1:] - cu[:-1]).tolist() if cu is not None else [mb["tokens"].shape[1]]
     rank = ps.get_context_parallel_rank()
-    out = {k: cp_split(v, lengths, cp, rank) if isinstance(v, torch.Tensor) and v.dim() == 2 else v
-           for k, v in mb.items()}  # fmt: skip
+    out = {
+        k: cp_split(v, lengths, cp, rank) if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in mb.items()
+    }
     return {**out, "cp_lengths": lengths}
 
 
@@ -182,9 +190,7 @@ def _metric_keys(per_micro: list[dict], weight_key: str) -> list[str]:
     return sorted({k for m in per_micro for k in m if k != weight_key and not k.endswith(WEIGHT_SUFFIX)})
 
 
-def reduce_metrics(
-    per_micro: list[dict], weight_key: str = "micro_tokens", *, dp: bool = True
-) -> dict[str, float]:
+def reduce_metrics(per_micro: list[dict], weight_key: str = "micro_tokens", *, dp: bool = True) -> dict[str, float]:
     """Combine per-micro-batch metrics over the micro-batches and (``dp``) the data-parallel
     replicas and context-parallel ranks (each holding a share of every sequence).
 
@@ -270,13 +276,22 @@ def init_rank(parallel: ParallelConfig, seed: int) -> None:
     initialize_model_parallel(parallel)
     seed_everything(seed)
     # Where this rank runs, for anyone reading its log (tests/launch/test_slurm_multinode.py).
-    print(f"[sao-rank] rank {dist.get_rank()} of {dist.get_world_size()} on host {socket.gethostname()} "
-          f"addresses {','.join(node_addresses()) or '-'}", flush=True)  # fmt: skip
+    print(
+        f"[sao-rank] rank {dist.get_rank()} of {dist.get_world_size()} on host {socket.gethostname()} "
+        f"addresses {','.join(node_addresses()) or '-'}",
+        flush=True,
+    )
 
 
 def node_addresses() -> list[str]:
     """This node's IPv4 addresses other than loopback."""
     import psutil
 
-    return sorted({a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                   if a.family == socket.AF_INET and not a.address.startswith("127.")})  # fmt: skip
+    return sorted(
+        {
+            a.address
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")
+        }
+    )

@@ -55,8 +55,7 @@ class CriticWorker:
     def update(self, shard: BatchShard, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the value loss on the whole batch (``returns``, ``old_values``: ``[b, T]``)."""
         a = self.cfg.algo
-        micro = micro_batches(shard, {"returns": returns, "old_values": old_values},
-                              self._micro)  # fmt: skip
+        micro = micro_batches(shard, {"returns": returns, "old_values": old_values}, self._micro)
         token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
 
         def loss_fn(values, mb):
@@ -64,19 +63,29 @@ class CriticWorker:
             if not nonfinite_free(values.squeeze(-1), mb["returns"], mask=mask):
                 return nan_loss(values.squeeze(-1), mask)  # the step is skipped on every rank (engine.step)
             clipped = a.value_clip > 0
-            loss, metrics = algo.value_loss(values.squeeze(-1).float(), mb["returns"], mask, agg=a.loss_agg,
-                                            old_values=mb["old_values"] if clipped else None,
-                                            clip_range=a.value_clip if clipped else None,
-                                            num_tokens_global=shard.num_tokens_global if token_mean else None,
-                                            num_seqs_global=None if token_mean else shard.num_seqs_global,
-                                            segment_ids=mb.get("segment_ids"))  # fmt: skip
+            loss, metrics = algo.value_loss(
+                values.squeeze(-1).float(),
+                mb["returns"],
+                mask,
+                agg=a.loss_agg,
+                old_values=mb["old_values"] if clipped else None,
+                clip_range=a.value_clip if clipped else None,
+                num_tokens_global=shard.num_tokens_global if token_mean else None,
+                num_seqs_global=None if token_mean else shard.num_seqs_global,
+                segment_ids=mb.get("segment_ids"),
+            )
             metrics["micro_tokens"] = float(mask.sum())
             return loss, metrics
 
         out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()
-        return {**reduce_metrics(out), **step.group_norms, "grad_norm": step.grad_norm, "lr": step.lr,
-                "updated": float(step.updated)}  # fmt: skip
+        return {
+            **reduce_metrics(out),
+            **step.group_norms,
+            "grad_norm": step.grad_norm,
+            "lr": step.lr,
+            "updated": float(step.updated),
+        }
 
     def save(self, directory: str) -> None:
         checkpoint.save_role(self.role, Path(directory))

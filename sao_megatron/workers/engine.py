@@ -60,8 +60,14 @@ def _megatron_optimizer_config(o: OptimizerConfig, p: ParallelConfig, bf16: bool
 class MegatronRole:
     """A model chunk wrapped in Megatron DDP with its optimizer and schedule (this rank's share)."""
 
-    def __init__(self, model: torch.nn.Module, parallel: ParallelConfig, optim: OptimizerConfig,
-                 bf16: bool = False, total_steps: int = 1_000_000):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        parallel: ParallelConfig,
+        optim: OptimizerConfig,
+        bf16: bool = False,
+        total_steps: int = 1_000_000,
+    ):
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -76,24 +82,27 @@ class MegatronRole:
         config.finalize_model_grads_func = finalize_model_grads
         if ddp_config.overlap_grad_reduce:  # reduce in the last micro-batch's backward only
             config.no_sync_func = self.model.no_sync
-        self.optimizer = get_megatron_optimizer(
-            _megatron_optimizer_config(optim, parallel, bf16), [self.model]
-        )
+        self.optimizer = get_megatron_optimizer(_megatron_optimizer_config(optim, parallel, bf16), [self.model])
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
-            min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
-            lr_decay_steps=max(total_steps, optim.warmup_steps + 1), lr_decay_style="constant",
-            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
-        )  # fmt: skip
+            self.optimizer,
+            init_lr=0.0 if optim.warmup_steps else optim.lr,
+            max_lr=optim.lr,
+            min_lr=optim.min_lr,
+            lr_warmup_steps=optim.warmup_steps,
+            lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
+            lr_decay_style="constant",
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
         self.steps = 0
 
     @property
     def module(self) -> torch.nn.Module:
         return self.model.module
 
-    def forward_backward(
-        self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool = False
-    ) -> list[dict]:
+    def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool = False) -> list[dict]:
         """Run the (pipelined) schedule over ``micro_batches``; returns per-micro-batch metrics
         on the last pipeline stage (empty elsewhere). Each micro-batch dict needs ``tokens``
         and ``positions`` ``[b, t]`` (this context-parallel rank's share of the sequence);
@@ -128,10 +137,14 @@ class MegatronRole:
         rows = max(b for b, _ in shapes)
         seq_length = max(t for _, t in shapes) * ps.get_context_parallel_world_size()
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
-            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=rows,
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=rows,
             forward_only=forward_only,
-        )  # fmt: skip
+        )
 
     def step(self) -> StepResult:
         """One optimizer step, skipped (``updated`` False, weights and optimizer state untouched)
@@ -150,9 +163,7 @@ class MegatronRole:
         if updated:
             self.scheduler.step(increment=1)
             self.steps += 1
-        return StepResult(
-            grad_norm=float(grad_norm or 0.0), lr=float(lr), updated=bool(updated), group_norms=groups
-        )
+        return StepResult(grad_norm=float(grad_norm or 0.0), lr=float(lr), updated=bool(updated), group_norms=groups)
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], fn: Callable[[torch.Tensor, dict], torch.Tensor]) -> list:
@@ -194,8 +205,9 @@ def attention_inputs(micro: dict) -> dict:
 
         cu = micro["cu_seqlens"].to(torch.int32)
         longest = int((cu[1:] - cu[:-1]).max())
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
         return {"attention_mask": None, "packed_seq_params": params}
     seg = micro["segment_ids"][0]
     t = seg.shape[0]
@@ -203,8 +215,14 @@ def attention_inputs(micro: dict) -> dict:
     return {"attention_mask": ((seg[:, None] != seg[None, :]) | future)[None, None]}
 
 
-MODULE_GROUPS = (("attention", ".self_attention."), ("experts", ".experts."), ("router", ".router."),
-                 ("shared_experts", ".shared_experts."), ("head", "output_layer."), ("embedding", "embedding."))  # fmt: skip
+MODULE_GROUPS = (
+    ("attention", ".self_attention."),
+    ("experts", ".experts."),
+    ("router", ".router."),
+    ("shared_experts", ".shared_experts."),
+    ("head", "output_layer."),
+    ("embedding", "embedding."),
+)
 
 
 def _group_of(name: str) -> str:
@@ -225,8 +243,10 @@ def _named_optimizer_grads(
         opt.prepare_grads()  # idempotent: copies the reduced grads where the optimizer reads them
         if hasattr(opt, "shard_fp32_groups"):  # DistributedOptimizer: this rank's shard of each param
             sharded = True
-            pairs = [*zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True),
-                     *zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True)]  # fmt: skip
+            pairs = [
+                *zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True),
+                *zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True),
+            ]
         elif hasattr(opt, "float16_groups"):
             pairs = list(zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True))
         else:
@@ -340,8 +360,14 @@ def build_actor_role(m: ModelConfig, actor: ActorConfig, total_steps: int = 1_00
     return MegatronRole(build_actor_model(m, actor), actor.parallel, actor.optim, actor.bf16, total_steps)
 
 
-def build_critic_role(m: ModelConfig, critic: CriticConfig, actor_state: dict | None = None,
-                      total_steps: int = 1_000_000, *, source: str | Path = "") -> MegatronRole:  # fmt: skip
+def build_critic_role(
+    m: ModelConfig,
+    critic: CriticConfig,
+    actor_state: dict | None = None,
+    total_steps: int = 1_000_000,
+    *,
+    source: str | Path = "",
+) -> MegatronRole:
     """The critic role, its trunk from ``source`` (see :func:`build_critic_model`).
 
     ``actor_state`` (a full-layout state dict, every tensor whole on this rank) is the older

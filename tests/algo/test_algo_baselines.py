@@ -44,10 +44,7 @@ def test_prompt_running_mean_excludes_own_reward_and_round_trips():
     assert b.baseline("a") == 0.5  # window 2 keeps [0, 1]
     c = PromptRunningMeanBaseline(window=2)
     c.load_state_dict(b.state_dict())
-    assert (
-        c.advantages(torch.tensor([2.0]), ["a"])[0].tolist()
-        == b.advantages(torch.tensor([2.0]), ["a"])[0].tolist()
-    )
+    assert c.advantages(torch.tensor([2.0]), ["a"])[0].tolist() == b.advantages(torch.tensor([2.0]), ["a"])[0].tolist()
     # another window (an arm continuing a shared start with its own running_mean_window): the most
     # recent rewards of each prompt, up to the new window
     narrow = PromptRunningMeanBaseline(window=1)

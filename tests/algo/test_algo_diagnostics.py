@@ -39,8 +39,7 @@ def test_explained_variance_hand_computed():
 def test_explained_variance_is_nan_without_variance_or_tokens():
     r = torch.tensor([[2.0, 2.0, 2.0]])
     assert math.isnan(explained_variance(torch.zeros(1, 3), r, torch.ones(1, 3)))  # Var[R] = 0
-    assert math.isnan(explained_variance(torch.zeros(1, 3), torch.tensor([[1.0, 2.0, 3.0]]),
-                                         torch.tensor([[0, 1, 0]])))  # fmt: skip
+    assert math.isnan(explained_variance(torch.zeros(1, 3), torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[0, 1, 0]])))
     assert math.isnan(explained_variance(torch.zeros(1, 3), r, torch.zeros(1, 3)))
 
 

@@ -78,9 +78,7 @@ def test_length_adaptive_lambda_hand_computed():
     _, _, m = gae(torch.ones(2, dtype=F64), torch.zeros(2, 5, dtype=F64), mask, lam=lam)
     assert m["lambda/mean"] == pytest.approx((5 / 6 + 1 / 3) / 2)
     # packed: one row, trajectories of 2 and 1 action tokens -> [B, T], constant per trajectory
-    packed = length_adaptive_lambda(
-        torch.tensor([[1, 1, 0, 1]]), 1.5, segment_ids=torch.tensor([[0, 0, 1, 1]])
-    )
+    packed = length_adaptive_lambda(torch.tensor([[1, 1, 0, 1]]), 1.5, segment_ids=torch.tensor([[0, 0, 1, 1]]))
     assert torch.allclose(packed, torch.tensor([[2 / 3, 2 / 3, 0.0, 1 / 3]], dtype=F64))
 
 
@@ -240,9 +238,7 @@ def test_step_gae_matches_loop(seed, mode):
     values = torch.randn(mask.shape, generator=g, dtype=F64)
     rewards = torch.randn(mask.shape, generator=g, dtype=F64) * (torch.rand(mask.shape, generator=g) < 0.1)
     gamma, lam, lam_c = rng.choice([1.0, 0.99]), rng.random(), rng.choice([1.0, 0.7])
-    adv, ret, _ = step_gae(
-        rewards, values, mask, mode=mode, gamma=gamma, lam=lam, lam_critic=lam_c, segment_ids=seg
-    )
+    adv, ret, _ = step_gae(rewards, values, mask, mode=mode, gamma=gamma, lam=lam, lam_critic=lam_c, segment_ids=seg)
     adv_ref, ret_ref = _step_reference(rewards, values, mask, seg, mode, gamma, lam, lam_c)
     assert (adv - adv_ref).abs().max().item() <= 1e-9
     assert (ret - ret_ref).abs().max().item() <= 1e-9

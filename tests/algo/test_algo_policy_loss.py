@@ -175,11 +175,7 @@ def test_micro_batches_sum_to_full_batch(name, agg):
     kw = {} if name == "vanilla" else {"eps_low": 0.3, "eps_high": 0.5}
     full, _ = policy_loss(name, lp, beh, adv, mask, agg=agg, **kw)
     (g_full,) = torch.autograd.grad(full, lp)
-    norm = (
-        {"num_tokens_global": int(mask.sum())}
-        if agg == "token_mean"
-        else {"num_seqs_global": count_sequences(mask)}
-    )
+    norm = {"num_tokens_global": int(mask.sum())} if agg == "token_mean" else {"num_seqs_global": count_sequences(mask)}
     total = 0.0
     for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
         part, _ = policy_loss(name, lp[rows], beh[rows], adv[rows], mask[rows], agg=agg, **norm, **kw)

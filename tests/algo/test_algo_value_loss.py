@@ -47,11 +47,7 @@ def test_value_loss_micro_batches_sum_to_full_batch(agg):
     kw = {"old_values": old, "clip_range": 0.2, "agg": agg}
     full, _ = value_loss(v, ret, mask, **kw)
     (g_full,) = torch.autograd.grad(full, v)
-    norm = (
-        {"num_tokens_global": mask.sum()}
-        if agg == "token_mean"
-        else {"num_seqs_global": count_sequences(mask)}
-    )
+    norm = {"num_tokens_global": mask.sum()} if agg == "token_mean" else {"num_seqs_global": count_sequences(mask)}
     total = sum(
         value_loss(v[s], ret[s], mask[s], old_values=old[s], clip_range=0.2, agg=agg, **norm)[0]
         for s in (slice(0, 1), slice(1, 4), slice(4, 5))

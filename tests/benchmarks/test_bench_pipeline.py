@@ -24,9 +24,7 @@ def _affinities(pid: int) -> dict[int, set[int]]:
     return {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
-@pytest.mark.skipif(
-    len(os.sched_getaffinity(0)) < 2, reason="needs two cores to give the roles disjoint ones"
-)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to give the roles disjoint ones")
 def test_pinner_moves_every_engine_thread_and_child_and_leaves_the_rest():
     before = os.sched_getaffinity(0)
     engine_core, rest_core = sorted(before)[:2]
@@ -34,8 +32,9 @@ def test_pinner_moves_every_engine_thread_and_child_and_leaves_the_rest():
     try:
         with CorePinner({engine_core}, {rest_core}, period_s=0.1) as pinner:
             other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            engine = subprocess.Popen([sys.executable, "-c", ENGINE, "-m", CorePinner.ENGINE_MARK],
-                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
+            engine = subprocess.Popen(
+                [sys.executable, "-c", ENGINE, "-m", CorePinner.ENGINE_MARK], stdout=subprocess.PIPE, text=True
+            )
             procs = [other, engine]
             assert engine.stdout is not None
             child = int(engine.stdout.readline())

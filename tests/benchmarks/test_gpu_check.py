@@ -24,9 +24,7 @@ RUN_SH = ROOT / "benchmarks" / "gpu" / "run.sh"
 
 def _run_sh(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHON": sys.executable, **(env or {})}
-    return subprocess.run(
-        ["bash", str(RUN_SH), *args], capture_output=True, text=True, env=full, timeout=timeout
-    )
+    return subprocess.run(["bash", str(RUN_SH), *args], capture_output=True, text=True, env=full, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,8 +85,9 @@ def test_carry_list_is_megatron_core_at_the_venv_version_and_nothing_heavy():
     assert not names & {"ray", "sglang", "transformers", "transformer-engine", "safetensors"}
     assert {"megatron.core", "yaml", "torch"} <= set(carry.import_names())
     assert carry.missing_imports() == []
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu/carry.py"), "--list"], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu/carry.py"), "--list"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and f"megatron-core=={version('megatron-core')}" in out.stdout, out
 
 
@@ -135,9 +134,7 @@ def test_the_1b_moe_is_about_a_billion_parameters_counted_two_ways():
     assert sum(n for n, _ in per_name.values()) == parameter_counts(m)["total"] == p["total"]
     # Megatron accepts the shape and builds exactly that many (meta device, local spec), and the
     # critic's frozen share is what the FLOP count assumes
-    actor, critic = meta_parameters(
-        [MetaJob(m, ParallelConfig()), MetaJob(m, ParallelConfig(), CriticConfig())]
-    )
+    actor, critic = meta_parameters([MetaJob(m, ParallelConfig()), MetaJob(m, ParallelConfig(), CriticConfig())])
     assert sum(n for stage in actor for n, _ in stage.values()) == p["total"]
     frozen = sum(n for stage in critic for n, trainable in stage.values() if not trainable)
     assert frozen == workload.parameter_summary(m, CriticConfig())["matmul_frozen"] > 0
@@ -145,8 +142,19 @@ def test_the_1b_moe_is_about_a_billion_parameters_counted_two_ways():
     assert 4096 <= sum(lengths) <= 8192, sum(lengths)
 
 
-SMALL = ModelConfig(name="hand", num_layers=2, hidden_size=4, num_attention_heads=2, num_query_groups=1, head_dim=2,
-                    ffn_hidden_size=8, vocab_size=10, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=3)  # fmt: skip
+SMALL = ModelConfig(
+    name="hand",
+    num_layers=2,
+    hidden_size=4,
+    num_attention_heads=2,
+    num_query_groups=1,
+    head_dim=2,
+    ffn_hidden_size=8,
+    vocab_size=10,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=3,
+)
 
 
 def test_parameter_counts_and_flops_by_hand():
@@ -181,8 +189,15 @@ def test_mfu_and_matmul_arithmetic():
 
 
 def test_throughput_figures_on_known_numbers():
-    data = {"lengths": [3, 5], "tokens": 8, "actor_step_s": [2.0, 1.0, 3.0], "plain_step_s": [1.8],
-            "critic_step_s": [0.5, 0.5], "logprobs_s": 0.25, "values_s": 0.0}  # fmt: skip
+    data = {
+        "lengths": [3, 5],
+        "tokens": 8,
+        "actor_step_s": [2.0, 1.0, 3.0],
+        "plain_step_s": [1.8],
+        "critic_step_s": [0.5, 0.5],
+        "logprobs_s": 0.25,
+        "values_s": 0.0,
+    }
     out = check.throughput_figures(SMALL, data, peak_tflops=1e-8)  # a 10 kFLOP/s "peak"
     actor = out["rates"]["actor_step"]
     assert actor["seconds"] == 2.0  # the median
@@ -299,8 +314,9 @@ def test_cpu_smoke_throughput_reports_rates_flops_and_the_plain_ratio(smoke):
 
 @pytest.mark.gpu
 def test_the_check_runs_on_a_gpu(tmp_path):
-    out = _run_sh("--out", str(tmp_path), "--sections", "environment,matmul_peak,layout", "--budget-s", "300",
-                  timeout=400)  # fmt: skip
+    out = _run_sh(
+        "--out", str(tmp_path), "--sections", "environment,matmul_peak,layout", "--budget-s", "300", timeout=400
+    )
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert out.returncode == 0, out.stdout[-3000:]
     assert doc["sections"]["matmul_peak"]["data"]["tflops"] > 100

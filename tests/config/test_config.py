@@ -91,8 +91,7 @@ def test_saved_config_round_trips(tmp_path):
         ("algo.max_batches_ahead=0", "algo.max_batches_ahead=0; use null (no cap) or >= 1"),
         (
             "rollout.weight_sync_every=6",
-            "rollout.weight_sync_every=6 with algo.max_policy_lag=4: episodes run on "
-            "weights up to 5 versions old",
+            "rollout.weight_sync_every=6 with algo.max_policy_lag=4: episodes run on weights up to 5 versions old",
         ),
         ("rollout.max_turns=2", "unknown config key 'rollout.max_turns'; it is 'rollout.loop.max_turns'"),
         ("rollout.loop.max_turns=0", "rollout.loop.max_turns must be >= 1"),

@@ -33,8 +33,10 @@ def test_every_new_field_has_a_docstring():
     from sao_megatron.config import schema
 
     source = inspect.getsource(schema)
-    for cls, names in ((DataConfig, [f.name for f in dataclasses.fields(DataConfig)]),
-                       (TrainConfig, ["eval_temperature", "eval_samples", "eval_sample_temperature"])):  # fmt: skip
+    for cls, names in (
+        (DataConfig, [f.name for f in dataclasses.fields(DataConfig)]),
+        (TrainConfig, ["eval_temperature", "eval_samples", "eval_sample_temperature"]),
+    ):
         body = inspect.getsource(cls)
         for name in names:
             after = body.split(f"\n    {name}:", 1)[1].split("\n", 2)[1]
@@ -60,8 +62,15 @@ def test_bad_data_and_eval_settings_fail_in_one_line(overrides, message):
 
 
 def test_data_section_round_trips_through_the_run_config(tmp_path):
-    overrides = ["data.train=t.jsonl", "data.eval=e.jsonl", "data.prompt_format=messages", "data.prompt_field=msgs",
-                 "data.meta_fields=[level, solution]", "data.seed=3", "train.eval_samples=16"]  # fmt: skip
+    overrides = [
+        "data.train=t.jsonl",
+        "data.eval=e.jsonl",
+        "data.prompt_format=messages",
+        "data.prompt_field=msgs",
+        "data.meta_fields=[level, solution]",
+        "data.seed=3",
+        "train.eval_samples=16",
+    ]
     cfg = load_config(None, overrides)
     again = load_config(save_config(cfg, tmp_path))
     assert again.data == cfg.data and again.train == cfg.train

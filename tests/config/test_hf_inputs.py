@@ -20,12 +20,8 @@ from sao_megatron.config.tokenizer_files import chat_template_source, check_hf_t
 from sao_megatron.tokenizer import TOKENIZER_DIR
 from tests.config.test_init_from import EMPTY_SAFETENSORS
 
-TOOLS_TEMPLATE = (
-    "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-)
-PLAIN_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
-)
+TOOLS_TEMPLATE = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
 
 
 def _hf_dir(path, tokenizer: str | None = "tiny", template: str | None = None, size: int | None = None):
@@ -39,11 +35,15 @@ def _hf_dir(path, tokenizer: str | None = "tiny", template: str | None = None, s
             shutil.copy(f, path / f.name)
     elif tokenizer == "synthetic":
         vocab = {f"t{i}": i for i in range((size or 100) - 1)}
-        (path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab}, "added_tokens": [
-            {"id": (size or 100) - 1, "content": "<|im_end|>", "special": True}]}))  # fmt: skip
-        (path / "tokenizer_config.json").write_text(
-            json.dumps({"eos_token": "<|im_end|>", "chat_template": template})
+        (path / "tokenizer.json").write_text(
+            json.dumps(
+                {
+                    "model": {"type": "BPE", "vocab": vocab},
+                    "added_tokens": [{"id": (size or 100) - 1, "content": "<|im_end|>", "special": True}],
+                }
+            )
         )
+        (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
     return path
 
 

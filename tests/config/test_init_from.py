@@ -64,9 +64,7 @@ def test_model_shape_comes_from_a_megatron_checkpoint(tmp_path):
 
 def test_a_given_model_that_agrees_is_kept(tmp_path):
     hf = _hf_dir(tmp_path / "ckpt")
-    cfg = load_config(
-        _run(tmp_path, "model: tiny_moe\n"), [f"actor.init_from={hf}", f"critic.init_from={hf}"]
-    )
+    cfg = load_config(_run(tmp_path, "model: tiny_moe\n"), [f"actor.init_from={hf}", f"critic.init_from={hf}"])
     assert cfg.model.name == "tiny_moe"
 
 

@@ -32,17 +32,35 @@ def indices(batch: TrainBatch) -> list[int]:
     return [int(i) for i in batch.tokens[:, 1]]
 
 
-def trajectory(index: int, split: str, version: int, reward: float, status: str = "finished",
-               submitted_at: float = 0.0, started_at: float = 0.0) -> Trajectory:  # fmt: skip
+def trajectory(
+    index: int,
+    split: str,
+    version: int,
+    reward: float,
+    status: str = "finished",
+    submitted_at: float = 0.0,
+    started_at: float = 0.0,
+) -> Trajectory:
     """Two turns with an observation token between them; every action token at ``version``."""
     obs = OBSERVATION_VERSION
     return Trajectory(
-        prompt_id=f"{split}-{index}", prompt_ids=[PROMPT_TOKEN, index], response_ids=[5, 6, 7, 8],
-        action_mask=[1, 1, 0, 1], behavior_logprobs=[-0.1, -0.2, 0.0, -0.3], policy_versions=[version, version, obs, version],
-        turns=[Turn(0, 2), Turn(3, 4)], reward=reward, status=status,  # type: ignore[arg-type]
-        status_reason="engine: boom" if status == "failed" else "", correct=reward > 0.5, split=split,
-        sample_index=index, submitted_at=submitted_at, started_at=started_at, finished_at=time.time(),
-    )  # fmt: skip
+        prompt_id=f"{split}-{index}",
+        prompt_ids=[PROMPT_TOKEN, index],
+        response_ids=[5, 6, 7, 8],
+        action_mask=[1, 1, 0, 1],
+        behavior_logprobs=[-0.1, -0.2, 0.0, -0.3],
+        policy_versions=[version, version, obs, version],
+        turns=[Turn(0, 2), Turn(3, 4)],
+        reward=reward,
+        status=status,  # type: ignore[arg-type]
+        status_reason="engine: boom" if status == "failed" else "",
+        correct=reward > 0.5,
+        split=split,
+        sample_index=index,
+        submitted_at=submitted_at,
+        started_at=started_at,
+        finished_at=time.time(),
+    )
 
 
 @dataclass
@@ -60,9 +78,13 @@ class ScriptedLoop:
 
     ``version`` (set by :meth:`FakeSession.manager`) reads the current policy version."""
 
-    def __init__(self, duration: Callable[[int], float] = lambda i: 0.01,
-                 reward: Callable[[int], float] = lambda i: (i % 997) / 997,
-                 failed: Callable[[int], bool] = lambda i: False, name: str = "engine0"):  # fmt: skip
+    def __init__(
+        self,
+        duration: Callable[[int], float] = lambda i: 0.01,
+        reward: Callable[[int], float] = lambda i: (i % 997) / 997,
+        failed: Callable[[int], bool] = lambda i: False,
+        name: str = "engine0",
+    ):
         self.duration, self.reward, self.failed = duration, reward, failed
         self.engine_name = name
         self.version: Callable[[], int] = lambda: 0
@@ -93,9 +115,7 @@ class ScriptedLoop:
         episode.end = time.monotonic()
         self.finished.append(index)
         status = "failed" if self.failed(index) else "finished"
-        t = trajectory(
-            index, split, episode.version, self.reward(index), status, submitted_at or 0.0, started
-        )
+        t = trajectory(index, split, episode.version, self.reward(index), status, submitted_at or 0.0, started)
         t.prompt_id = sample.prompt_id
         return t
 
@@ -155,16 +175,12 @@ class FakeCritic:
 
     async def values(self, placed: TrainBatch, size: int, width: int) -> torch.Tensor:
         assert (size, width) == tuple(placed.tokens.shape)
-        self.values_calls.append(
-            Call(indices(placed), None, time.monotonic(), step=len(self.values_calls) + 1)
-        )
+        self.values_calls.append(Call(indices(placed), None, time.monotonic(), step=len(self.values_calls) + 1))
         if self.accurate_after is not None and len(self.updates) >= self.accurate_after:
             return placed.rewards[:, None].expand(size, width).clone()
         return torch.zeros(size, width)
 
-    async def update(
-        self, placed: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor
-    ) -> dict[str, float]:
+    async def update(self, placed: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         call = Call(indices(placed), None, time.monotonic(), step=len(self.values_calls))
         await asyncio.sleep(self.update_s)
         call.end = time.monotonic()
@@ -224,9 +240,7 @@ class FakeSession:
             critic = self.critic
             self.actor.steps = lambda: len(critic.values_calls)
 
-    def manager(
-        self, buffer: ReadyBuffer, version: Callable[[], int], cursor: PromptCursor
-    ) -> RolloutManager:
+    def manager(self, buffer: ReadyBuffer, version: Callable[[], int], cursor: PromptCursor) -> RolloutManager:
         """As ``Session.manager``: finished trajectories go to ``buffer.admit(t, version())`` (recorded)."""
         self.loop.version = lambda: self.version  # as an engine: the weights it was last synced to
         self.buffer = buffer
@@ -243,9 +257,16 @@ class FakeSession:
             return ok
 
         c = self.cfg
-        self.rollout_manager = RolloutManager([self.loop], self.task, c.rollout.env, on_finished,  # type: ignore[list-item]
-                                              group_size=c.algo.group_size, max_concurrent=c.rollout.max_concurrent,
-                                              env_kwargs=c.rollout.env_kwargs, cursor=cursor)  # fmt: skip
+        self.rollout_manager = RolloutManager(
+            [self.loop],
+            self.task,
+            c.rollout.env,
+            on_finished,  # type: ignore[list-item]
+            group_size=c.algo.group_size,
+            max_concurrent=c.rollout.max_concurrent,
+            env_kwargs=c.rollout.env_kwargs,
+            cursor=cursor,
+        )
         return self.rollout_manager
 
     async def sync_weights(self, version: int) -> dict[str, float]:
@@ -268,5 +289,13 @@ class FakeSession:
             state.buffer = buffer.state_dict()
         if advantages is not None:
             state.advantages = advantages.state_dict()
-        self.checkpoints.append(Checkpoint(state.step, state.version, [list(x) for x in state.trained_prompts],
-                                           state.cursor or None, state.buffer or None, time.monotonic()))  # fmt: skip
+        self.checkpoints.append(
+            Checkpoint(
+                state.step,
+                state.version,
+                [list(x) for x in state.trained_prompts],
+                state.cursor or None,
+                state.buffer or None,
+                time.monotonic(),
+            )
+        )

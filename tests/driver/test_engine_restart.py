@@ -47,8 +47,17 @@ def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(tmp_path
     two steps after the third restart, ``train.steps`` being only an upper bound."""
     from tests.test_pipeline import SMALL, engine_vs_actor
 
-    cfg = load_config(None, [*SMALL, "train.steps=30", "algo.max_policy_lag=null", "train.sft_steps=0",
-                             "rollout.engine_check_s=1", "rollout.loop.generate_timeout_s=120"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            "train.steps=30",
+            "algo.max_policy_lag=null",
+            "train.sft_steps=0",
+            "rollout.engine_check_s=1",
+            "rollout.loop.generate_timeout_s=120",
+        ],
+    )
     finished = []  # every trajectory a manager handed on (retries happen before that)
     kills: list[tuple[int, int]] = []  # (pid, step at the kill)
     served: list[tuple[str, int]] = []  # after each restart: the engine's weight label, the session's version
@@ -99,8 +108,10 @@ def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(tmp_path
             await session.shutdown()
 
     state, after, engine_states, elapsed = asyncio.run(go())
-    print(f"run with {KILLS} kills: {elapsed:.0f} s, {state.step} steps; kills (pid, step) {kills}; "
-          f"served (label, version) {served}; retries {engine_states.episode_retries}")  # fmt: skip
+    print(
+        f"run with {KILLS} kills: {elapsed:.0f} s, {state.step} steps; kills (pid, step) {kills}; "
+        f"served (label, version) {served}; retries {engine_states.episode_retries}"
+    )
     assert len(after_last) == 2 and state.step < 30 and state.version == state.step  # every step trained
     assert len(kills) == KILLS and len({pid for pid, _ in kills}) == KILLS  # a new server each time
     assert all(label == str(version) for label, version in served), served  # current policy once up
@@ -130,9 +141,7 @@ def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(tmp_path
 class EngineLoop:
     """An agent loop whose engine fails the first ``failures`` episodes (``engine:`` reason)."""
 
-    def __init__(
-        self, failures: int, name: str = "engine0", reason: str = "engine: /generate: ClientOSError"
-    ):
+    def __init__(self, failures: int, name: str = "engine0", reason: str = "engine: /generate: ClientOSError"):
         self.failures, self.engine_name, self.reason, self.calls = failures, name, reason, 0
 
     async def run(self, env, sample, split="train", index=-1, submitted_at=None):
@@ -148,8 +157,15 @@ class EngineLoop:
 def _manage(loops, prompts: int, retries: int, states: EngineStates | None = None):
     async def go():
         got = []
-        manager = RolloutManager(loops, CountingTask(), "arith_tool", got.append, max_concurrent=1,
-                                 engines=states, episode_max_retries=retries)  # fmt: skip
+        manager = RolloutManager(
+            loops,
+            CountingTask(),
+            "arith_tool",
+            got.append,
+            max_concurrent=1,
+            engines=states,
+            episode_max_retries=retries,
+        )
         await manager.run(asyncio.Event(), max_prompts=prompts)
         return got, manager
 
@@ -164,9 +180,7 @@ def test_an_engine_failure_is_retried_within_the_budget_then_counts_as_failed():
     assert states.episode_retries == 2 and reports == [0, 0] and manager.stats.failed == 0
     got, manager = _manage([EngineLoop(failures=5)], prompts=2, retries=2)
     assert [(t.sample_index, t.status) for t in got] == [(0, "failed"), (1, "finished")]
-    assert (
-        manager.engines.episode_retries == 4
-    )  # prompt 0: 3 runs, failed; prompt 1: 2 failures, then a success
+    assert manager.engines.episode_retries == 4  # prompt 0: 3 runs, failed; prompt 1: 2 failures, then a success
     assert manager.stats.failed == 1  # only the episode whose budget ran out counts (once)
     # not the engine's fault: no retry
     got, manager = _manage([EngineLoop(failures=1, reason="environment: boom")], prompts=1, retries=2)
@@ -179,8 +193,9 @@ def test_episodes_go_only_to_engines_that_are_up_and_wait_while_none_is():
         states.mark_down(0)
         loops = [EngineLoop(0, "engine0"), EngineLoop(0, "engine1")]
         got = []
-        manager = RolloutManager(cast(list[AgentLoop], loops), CountingTask(), "arith_tool", got.append,
-                                 max_concurrent=2, engines=states)  # fmt: skip
+        manager = RolloutManager(
+            cast(list[AgentLoop], loops), CountingTask(), "arith_tool", got.append, max_concurrent=2, engines=states
+        )
         await manager.run(asyncio.Event(), max_prompts=3)
         assert loops[0].calls == 0 and loops[1].calls == 3
         states.mark_down(1)
@@ -247,8 +262,14 @@ def fake_session(tmp_path: Path, monkeypatch, max_restarts: int, engines: int = 
     import sao_megatron.driver.engines as engines_mod
     import sao_megatron.driver.session as session_mod
 
-    cfg = load_config(None, [f"rollout.engine_max_restarts={max_restarts}", f"rollout.num_engines={engines}",
-                             "rollout.engine_check_s=0.05"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"rollout.engine_max_restarts={max_restarts}",
+            f"rollout.num_engines={engines}",
+            "rollout.engine_check_s=0.05",
+        ],
+    )
     s = Session.__new__(Session)
     s.cfg, s.run_dir = cfg, tmp_path
     fakes = [FakeEngine(f"http://e{i}") for i in range(engines)]
@@ -292,15 +313,16 @@ def test_a_dead_engine_is_restarted_and_synced_then_dropped_after_max_restarts(t
             await asyncio.sleep(0.5)
             assert states.restarts == [k + 1, 0] and states.up == [True, True]
             assert await s.clients[0].weight_version() == "1" and s.loops[0].client is s.clients[0]
-        async with (
-            s.weights_lock
-        ):  # a sync that fails on a dead engine restarts it; its budget is spent: dropped
+        async with s.weights_lock:  # a sync that fails on a dead engine restarts it; its budget is spent: dropped
             s.engines[0].stop()
             await s.sync_weights(2)
         assert states.dropped == {0} and states.up == [False, True]
         assert await s.clients[1].weight_version() == "2"
-        assert states.metrics() == {"rollout/engine_restarts": 2.0, "rollout/engine_dropped": 1.0,
-                                    "rollout/episode_retries": 0.0}  # fmt: skip
+        assert states.metrics() == {
+            "rollout/engine_restarts": 2.0,
+            "rollout/engine_dropped": 1.0,
+            "rollout/episode_retries": 0.0,
+        }
         s._episode_failed(1, "engine: /generate: ServerDisconnectedError: Server disconnected")
         assert states.up == [False, False]  # marked down at once, before the retry picks an engine
         s.engines[1].stop()

@@ -30,9 +30,7 @@ def test_the_engine_directory_holds_the_exports_config_and_tokenizer_without_wei
     out = engine_model_dir(cfg, tmp_path)
     assert out == tmp_path / "hf" / "engine"
     config = json.loads((out / "config.json").read_text())
-    assert config == hf_config_from_model(
-        cfg.model, "bfloat16" if bf16 else "float32"
-    )  # as the export writes
+    assert config == hf_config_from_model(cfg.model, "bfloat16" if bf16 else "float32")  # as the export writes
     assert {p.name for p in out.iterdir()} == {"config.json"} | {p.name for p in TOKENIZER_DIR.iterdir()}
     assert not list(out.glob("*.safetensors"))
     engine_model_dir(cfg, tmp_path)  # a resumed run rewrites it in place

@@ -65,9 +65,7 @@ def scripted(monkeypatch):
 
 
 def test_greedy_pass1_and_mean_accuracy_over_k_samples() -> None:
-    session = make_session(
-        ["train.eval_prompts=8", "train.eval_samples=4", "train.eval_sample_temperature=0.7"]
-    )
+    session = make_session(["train.eval_prompts=8", "train.eval_samples=4", "train.eval_sample_temperature=0.7"])
     metrics = asyncio.run(session.evaluate())
     assert metrics["eval/accuracy"] == 0.5 and metrics["eval/reward"] == 0.5
     # prompts 0..7: i % 4 correct samples of 4, except prompt 5 whose first (correct) sample failed
@@ -97,11 +95,25 @@ def test_report_and_plots_show_the_sampled_figures(tmp_path) -> None:
 
     from sao_megatron.report import summary, write_report
 
-    records = [{"stage": "eval", "step": 0, "time": 0.0, "eval/accuracy": 0.5, "eval/mean_accuracy@16": 0.25,
-                "eval/pass@16": 0.75},
-               {"stage": "rl", "step": 1, "time": 1.0, "rollout/reward": 0.5},
-               {"stage": "rl", "step": 2, "time": 2.0, "eval/accuracy": 0.625, "eval/mean_accuracy@16": 0.375,
-                "eval/pass@16": 0.875}]  # fmt: skip
+    records = [
+        {
+            "stage": "eval",
+            "step": 0,
+            "time": 0.0,
+            "eval/accuracy": 0.5,
+            "eval/mean_accuracy@16": 0.25,
+            "eval/pass@16": 0.75,
+        },
+        {"stage": "rl", "step": 1, "time": 1.0, "rollout/reward": 0.5},
+        {
+            "stage": "rl",
+            "step": 2,
+            "time": 2.0,
+            "eval/accuracy": 0.625,
+            "eval/mean_accuracy@16": 0.375,
+            "eval/pass@16": 0.875,
+        },
+    ]
     text = summary(records)
     assert "held-out accuracy: 0.500 (start of RL, step 0) -> 0.625 (step 2)" in text
     assert "held-out mean accuracy over 16 samples: 0.250 (step 0) -> 0.375 (step 2)" in text

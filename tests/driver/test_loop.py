@@ -21,9 +21,18 @@ from tests.rollout.fakes import CountingTask
 pytestmark = pytest.mark.timeout(30)
 
 # No staleness bound unless the test is about it (the buffer order and synchronous tests set one).
-BASE = ["algo.batch_size=4", "algo.group_size=1", "rollout.max_concurrent=8", "algo.critic_warmup_steps=0",
-        "algo.max_policy_lag=null", "algo.synchronous=false", "critic.updates_per_step=2", "train.eval_every=0",
-        "train.save_every=0", "train.sample_trajectories=0"]  # fmt: skip
+BASE = [
+    "algo.batch_size=4",
+    "algo.group_size=1",
+    "rollout.max_concurrent=8",
+    "algo.critic_warmup_steps=0",
+    "algo.max_policy_lag=null",
+    "algo.synchronous=false",
+    "critic.updates_per_step=2",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.sample_trajectories=0",
+]
 
 
 def config(*overrides: str) -> SAOConfig:
@@ -51,9 +60,7 @@ async def _finish(task: asyncio.Task) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
-def run(
-    s: FakeSession, stage: Stage, run_dir: Path, state: RunState | None = None
-) -> tuple[RunState, list[dict]]:
+def run(s: FakeSession, stage: Stage, run_dir: Path, state: RunState | None = None) -> tuple[RunState, list[dict]]:
     """One stage to its end (deadline 10 s); the state and the metrics lines written."""
     state = state if state is not None else RunState(stage="rl")
     log = RunLog(run_dir, tensorboard=False, console=False)
@@ -194,9 +201,7 @@ def test_critic_warmup(tmp_path):
 
 def test_value_pretraining_stops_at_target_explained_variance(tmp_path):
     """Values exact from the critic's 3rd update on (K = 1): EV 0, 0, 0, then 1 at step 4 -> stop."""
-    cfg = config(
-        "train.value_pretrain_steps=10", "train.value_pretrain_target_ev=0.5", "critic.updates_per_step=1"
-    )
+    cfg = config("train.value_pretrain_steps=10", "train.value_pretrain_target_ev=0.5", "critic.updates_per_step=1")
     s = FakeSession(cfg, critic=FakeCritic(accurate_after=3))
     state = RunState(stage="value_pretrain")
     state, rows = run(s, value_pretraining(cfg), tmp_path, state)
@@ -265,10 +270,12 @@ def test_stop_while_waiting_for_a_batch(tmp_path):
 
 @pytest.mark.parametrize(
     ("failing", "expected"),
-    [(None, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]),
-     # 2 fails: 4 completes step 1's batch; 5-7 were submitted before update 1, so are dropped (lag 0)
-     (2, [[0, 1, 3, 4], [8, 9, 10, 11], [12, 13, 14, 15]])],
-)  # fmt: skip
+    [
+        (None, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]),
+        # 2 fails: 4 completes step 1's batch; 5-7 were submitted before update 1, so are dropped (lag 0)
+        (2, [[0, 1, 3, 4], [8, 9, 10, 11], [12, 13, 14, 15]]),
+    ],
+)
 def test_synchronous_batches_are_the_prompts_submitted_after_the_last_update(tmp_path, failing, expected):
     cfg = config("algo.synchronous=true", "algo.max_policy_lag=0", "train.steps=3")
     loop = ScriptedLoop(duration=lambda i: 0.01 * (1 + i % 4), failed=lambda i: i == failing)
@@ -455,8 +462,11 @@ def test_flow_control_keeps_the_engines_at_most_n_batches_ahead_of_a_slow_learne
     assert s.buffer is not None and s.buffer.stats.dropped_stale == 0
     assert max(r["lag/max"] for r in rows) <= ahead
 
-    free = FakeSession(config("train.steps=4", "algo.max_policy_lag=1", "rollout.max_concurrent=16"),
-                       ScriptedLoop(duration=lambda i: 0.01), actor=FakeActor(update_s=0.2))  # fmt: skip
+    free = FakeSession(
+        config("train.steps=4", "algo.max_policy_lag=1", "rollout.max_concurrent=16"),
+        ScriptedLoop(duration=lambda i: 0.01),
+        actor=FakeActor(update_s=0.2),
+    )
     run(free, rl(free.cfg, True), tmp_path / "free")
     assert len(free.loop.episodes) > 3 * len(s.loop.episodes)  # no cap: generated, then dropped as stale
     assert free.buffer is not None and free.buffer.stats.dropped_stale > 0

@@ -38,9 +38,18 @@ def test_engine_nodes():
 
 
 def test_engine_command_spans_nodes_with_dp_attention():
-    spec = EngineSpec(model_path="/m", port=30000, host="10.0.0.2", tensor_parallel=32, expert_parallel=32,
-                      mem_fraction_static=0.85, dp_attention=4, nnodes=4, node_rank=2,
-                      dist_init_addr="10.0.0.1:5000")  # fmt: skip
+    spec = EngineSpec(
+        model_path="/m",
+        port=30000,
+        host="10.0.0.2",
+        tensor_parallel=32,
+        expert_parallel=32,
+        mem_fraction_static=0.85,
+        dp_attention=4,
+        nnodes=4,
+        node_rank=2,
+        dist_init_addr="10.0.0.1:5000",
+    )
     cmd = _command(spec, cpu=False)
     joined = " ".join(cmd)
     assert "--nnodes 4 --node-rank 2 --dist-init-addr 10.0.0.1:5000" in joined

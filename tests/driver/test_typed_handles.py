@@ -23,14 +23,17 @@ async def calls(actor: ActorGroup, critic: CriticGroup, shard: BatchShard, adv) 
 """
 
 
-@pytest.mark.skipif(
-    not PYRIGHT.exists() or shutil.which("node") is None, reason="pyright or node not installed"
-)
+@pytest.mark.skipif(not PYRIGHT.exists() or shutil.which("node") is None, reason="pyright or node not installed")
 def test_wrong_keyword_to_a_worker_method_is_a_static_error(tmp_path):
     src = tmp_path / "calls.py"
     src.write_text(SNIPPET)
-    out = subprocess.run([str(PYRIGHT), "--pythonpath", sys.executable, str(src)], capture_output=True, text=True,
-                         timeout=300, env={"PYRIGHT_PYTHON_IGNORE_WARNINGS": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+    out = subprocess.run(
+        [str(PYRIGHT), "--pythonpath", sys.executable, str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYRIGHT_PYTHON_IGNORE_WARNINGS": "1", "PATH": "/usr/bin:/bin"},
+    )
     errors = [line for line in out.stdout.splitlines() if " - error: " in line]
     lines = sorted({int(line.split(":")[1]) for line in errors})
     assert lines == [9, 10, 11], out.stdout

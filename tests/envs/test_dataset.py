@@ -17,9 +17,7 @@ FAST = SandboxLimits(wall_s=5.0, cpu_s=5, memory_bytes=256 << 20)
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text(
-        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8"
-    )
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
     return path
 
 
@@ -29,10 +27,20 @@ def data(tmp_path: Path, train: list, eval_rows: list | None = None, **kw) -> Da
 
 
 def test_text_mapping_ids_tools_and_meta(tmp_path: Path) -> None:
-    rows = [{"q": "What is 2+2?", "gt": 4, "uid": "a", "tools": [{"name": "python"}], "level": 1, "x": 0},
-            {"q": "What is 3*3?", "gt": "9", "uid": "b", "level": 2}]  # fmt: skip
-    d = data(tmp_path, rows, rows[:1], prompt_field="q", answer_field="gt", id_field="uid", tools_field="tools",
-             meta_fields=["level"])  # fmt: skip
+    rows = [
+        {"q": "What is 2+2?", "gt": 4, "uid": "a", "tools": [{"name": "python"}], "level": 1, "x": 0},
+        {"q": "What is 3*3?", "gt": "9", "uid": "b", "level": 2},
+    ]
+    d = data(
+        tmp_path,
+        rows,
+        rows[:1],
+        prompt_field="q",
+        answer_field="gt",
+        id_field="uid",
+        tools_field="tools",
+        meta_fields=["level"],
+    )
     task = DatasetTask(d)
     assert task.size("train") == 2 and task.size("heldout") == 1
     by_id = {task.get("train", i).prompt_id: task.get("train", i) for i in range(2)}
@@ -49,10 +57,13 @@ def test_text_mapping_ids_tools_and_meta(tmp_path: Path) -> None:
 
 
 def test_messages_mapping_and_default_ids(tmp_path: Path) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"},
-                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "What is 6*7?"}]  # fmt: skip
-    d = data(tmp_path, ["", {"messages": messages, "answer": "42"}], prompt_field="messages",
-             prompt_format="messages")  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "What is 6*7?"},
+    ]
+    d = data(tmp_path, ["", {"messages": messages, "answer": "42"}], prompt_field="messages", prompt_format="messages")
     sample = DatasetTask(d).get("train", 0)
     assert sample.question == "What is 6*7?" and sample.answer == "42"
     assert sample.meta["messages"] == messages
@@ -62,17 +73,47 @@ def test_messages_mapping_and_default_ids(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("rows", "kw", "line", "needle"),
     [
-        ([{"prompt": "p", "answer": "1"}, {"prompt": "p"}], {}, 2, "no field 'answer' (the row has: prompt); set data.answer_field"),
-        ([{"question": "p", "answer": "1"}], {}, 1, "no field 'prompt' (the row has: answer, question); set data.prompt_field"),
-        ([{"prompt": "p", "answer": "1"}, '{"prompt": "p", "answer": 1'], {}, 2, "bad JSON (Expecting ',' delimiter at column 28); write one JSON object per line"),
+        (
+            [{"prompt": "p", "answer": "1"}, {"prompt": "p"}],
+            {},
+            2,
+            "no field 'answer' (the row has: prompt); set data.answer_field",
+        ),
+        (
+            [{"question": "p", "answer": "1"}],
+            {},
+            1,
+            "no field 'prompt' (the row has: answer, question); set data.prompt_field",
+        ),
+        (
+            [{"prompt": "p", "answer": "1"}, '{"prompt": "p", "answer": 1'],
+            {},
+            2,
+            "bad JSON (Expecting ',' delimiter at column 28); write one JSON object per line",
+        ),
         (['["p", 1]'], {}, 1, "the row is a JSON list, not an object"),
         ([{"prompt": ["a"], "answer": "1"}], {}, 1, "set data.prompt_format=messages"),
         ([{"prompt": "p", "answer": None}], {}, 1, "data.answer_field='answer' is None, not a string or number"),
-        ([{"prompt": [{"role": "bot", "content": "x"}], "answer": "1"}], {"prompt_format": "messages"}, 1, "message 0 of data.prompt_field='prompt'"),
-        ([{"prompt": [{"role": "system", "content": "x"}], "answer": "1"}], {"prompt_format": "messages"}, 1, "no non-empty user message"),
-        ([{"prompt": "p", "answer": "1", "id": 3}, {"prompt": "q", "answer": "2", "id": 3}], {"id_field": "id"}, 2, "id '3' (data.id_field='id') repeats line 1"),
+        (
+            [{"prompt": [{"role": "bot", "content": "x"}], "answer": "1"}],
+            {"prompt_format": "messages"},
+            1,
+            "message 0 of data.prompt_field='prompt'",
+        ),
+        (
+            [{"prompt": [{"role": "system", "content": "x"}], "answer": "1"}],
+            {"prompt_format": "messages"},
+            1,
+            "no non-empty user message",
+        ),
+        (
+            [{"prompt": "p", "answer": "1", "id": 3}, {"prompt": "q", "answer": "2", "id": 3}],
+            {"id_field": "id"},
+            2,
+            "id '3' (data.id_field='id') repeats line 1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_row_errors_name_file_line_and_fix(tmp_path: Path, rows, kw, line, needle) -> None:
     d = data(tmp_path, rows, **kw)
     with pytest.raises(ConfigError) as err:
@@ -114,8 +155,12 @@ def test_config_section_checks(tmp_path: Path) -> None:
 
 def test_cycling_is_a_deterministic_shuffle_per_epoch(tmp_path: Path) -> None:
     n = 7
-    d = data(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(n)],
-             [{"prompt": f"h{i}", "answer": str(i)} for i in range(3)], seed=5)  # fmt: skip
+    d = data(
+        tmp_path,
+        [{"prompt": f"q{i}", "answer": str(i)} for i in range(n)],
+        [{"prompt": f"h{i}", "answer": str(i)} for i in range(3)],
+        seed=5,
+    )
     task = DatasetTask(d)
     order = [task.get("train", i).answer for i in range(4 * n)]
     epochs = [order[e * n : (e + 1) * n] for e in range(4)]
@@ -140,14 +185,29 @@ def test_make_task_uses_the_files_only_when_set(tmp_path: Path) -> None:
 
 
 def test_math_python_run_on_a_tiny_jsonl(tmp_path: Path) -> None:
-    rows = [{"id": "m1", "problem": "What is 2**10?", "solution": "print(2**10)", "final": "1024"},
-            {"id": "m2", "problem": "What is 1/4 + 1/4?", "solution": "from fractions import Fraction as F\n"
-             "print(F(1, 4) + F(1, 4))", "final": "1/2"}]  # fmt: skip
+    rows = [
+        {"id": "m1", "problem": "What is 2**10?", "solution": "print(2**10)", "final": "1024"},
+        {
+            "id": "m2",
+            "problem": "What is 1/4 + 1/4?",
+            "solution": "from fractions import Fraction as F\nprint(F(1, 4) + F(1, 4))",
+            "final": "1/2",
+        },
+    ]
     train = write_jsonl(tmp_path / "math.jsonl", rows)
     heldout = write_jsonl(tmp_path / "math_eval.jsonl", rows[1:])
-    cfg = load_config(None, ["rollout.env=math_python", f"data.train={train}", f"data.eval={heldout}",
-                             "data.prompt_field=problem", "data.answer_field=final", "data.id_field=id",
-                             "data.meta_fields=[solution]"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "rollout.env=math_python",
+            f"data.train={train}",
+            f"data.eval={heldout}",
+            "data.prompt_field=problem",
+            "data.answer_field=final",
+            "data.id_field=id",
+            "data.meta_fields=[solution]",
+        ],
+    )
     assert check_data(cfg.data) == {"train": 2, "heldout": 1}
     task = make_task(cfg.rollout.env, dataset=cfg.data, **cfg.rollout.task_kwargs)
     cases: list[tuple[Split, int]] = [("train", 0), ("train", 1), ("train", 2), ("heldout", 0)]
@@ -202,8 +262,9 @@ def test_parquet_rows_map_like_jsonl_rows(tmp_path):
     ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    d = DataConfig(train=str(tmp_path / "train.parquet"), prompt_field="problem", answer_field="final",
-                   meta_fields=["topic"])  # fmt: skip
+    d = DataConfig(
+        train=str(tmp_path / "train.parquet"), prompt_field="problem", answer_field="final", meta_fields=["topic"]
+    )
     from_parquet = read_rows(tmp_path / "train.parquet", d)
     from_jsonl = read_rows(tmp_path / "train.jsonl", d)
     assert [(s.question, s.answer) for s in from_parquet] == [(s.question, s.answer) for s in from_jsonl]

@@ -17,12 +17,36 @@ from tests.rollout.fakes import ScriptedClient
 
 
 def test_shapes_are_seeded_clipped_and_heavy_tailed():
-    task = LongTailTask(turns_median=3, turns_sigma=1.0, max_turns=12, tokens_median=24, tokens_sigma=1.0,
-                        max_tokens=128, tool_latency_s=0.3, tool_sigma=1.0, max_tool_latency_s=5.0, seed=7)  # fmt: skip
+    task = LongTailTask(
+        turns_median=3,
+        turns_sigma=1.0,
+        max_turns=12,
+        tokens_median=24,
+        tokens_sigma=1.0,
+        max_tokens=128,
+        tool_latency_s=0.3,
+        tool_sigma=1.0,
+        max_tool_latency_s=5.0,
+        seed=7,
+    )
     shapes = [task.get("train", i).meta for i in range(2000)]
-    assert shapes[5] == LongTailTask(turns_median=3, turns_sigma=1.0, max_turns=12, tokens_median=24,
-                                     tokens_sigma=1.0, max_tokens=128, tool_latency_s=0.3, tool_sigma=1.0,
-                                     max_tool_latency_s=5.0, seed=7).get("train", 5).meta  # fmt: skip
+    assert (
+        shapes[5]
+        == LongTailTask(
+            turns_median=3,
+            turns_sigma=1.0,
+            max_turns=12,
+            tokens_median=24,
+            tokens_sigma=1.0,
+            max_tokens=128,
+            tool_latency_s=0.3,
+            tool_sigma=1.0,
+            max_tool_latency_s=5.0,
+            seed=7,
+        )
+        .get("train", 5)
+        .meta
+    )
     assert task.get("heldout", 5).prompt_id != task.get("train", 5).prompt_id
     turns = [len(s["action_tokens"]) for s in shapes]
     tokens = [n for s in shapes for n in s["action_tokens"]]
@@ -35,8 +59,9 @@ def test_shapes_are_seeded_clipped_and_heavy_tailed():
     assert statistics.mean(tokens) > 1.4 * statistics.median(tokens)  # lognormal: mean well above median
 
     flat = LongTailTask(turns_median=3, tokens_median=24, tool_latency_s=0.3)  # sigma 0: identical episodes
-    assert {(str(m["action_tokens"]), str(m["tool_latency_s"])) for m in (flat.get("train", i).meta for i in range(50))
-            } == {(str([24] * 3), str([0.3] * 2))}  # fmt: skip
+    assert {
+        (str(m["action_tokens"]), str(m["tool_latency_s"])) for m in (flat.get("train", i).meta for i in range(50))
+    } == {(str([24] * 3), str([0.3] * 2))}
 
     # GRPO members: each its own draw, member 0 the sample itself, deterministic
     sample = task.get("train", 9)
@@ -45,8 +70,16 @@ def test_shapes_are_seeded_clipped_and_heavy_tailed():
     assert sample.meta["action_tokens"] not in members and len({str(m) for m in members}) == 3
 
 
-@pytest.mark.parametrize("kwargs", [{"turns_median": 0.5}, {"turns_median": 9, "max_turns": 8},
-                                    {"tokens_median": 300}, {"tool_sigma": -1}, {"tool_latency_s": 40}])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"turns_median": 0.5},
+        {"turns_median": 9, "max_turns": 8},
+        {"tokens_median": 300},
+        {"tool_sigma": -1},
+        {"tool_latency_s": 40},
+    ],
+)
 def test_bad_shapes_are_refused(kwargs):
     with pytest.raises(ValueError, match="longtail"):
         LongTailTask(**kwargs)
@@ -77,8 +110,9 @@ def test_env_runs_its_turns_awaits_the_tool_and_flips_a_seeded_coin():
 
 def test_the_agent_loop_generates_each_turns_exact_length_with_stop_tokens_masked():
     tokenizer = load_tokenizer()
-    sample = LongTailTask(turns_median=3, turns_sigma=1.0, tokens_median=5, tokens_sigma=1.0, max_tokens=40,
-                          seed=3).get("train", 11)  # fmt: skip
+    sample = LongTailTask(
+        turns_median=3, turns_sigma=1.0, tokens_median=5, tokens_sigma=1.0, max_tokens=40, seed=3
+    ).get("train", 11)
     lengths = sample.meta["action_tokens"]
     client = ScriptedClient([[40 + k] * 64 for k in range(len(lengths))])
     cfg = AgentLoopConfig(max_turns=12, max_new_tokens=64, max_response_tokens=1024, max_context_tokens=2048)
@@ -86,5 +120,4 @@ def test_the_agent_loop_generates_each_turns_exact_length_with_stop_tokens_maske
     assert traj.status == "finished", traj.status_reason
     assert [t.end - t.start for t in traj.turns] == lengths
     assert [s.max_new_tokens for s in client.sampling] == lengths
-    assert all(s.min_new_tokens == s.max_new_tokens and s.stop_token_ids and not s.ignore_eos
-               for s in client.sampling)  # fmt: skip
+    assert all(s.min_new_tokens == s.max_new_tokens and s.stop_token_ids and not s.ignore_eos for s in client.sampling)

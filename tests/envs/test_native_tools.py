@@ -13,24 +13,41 @@ from sao_megatron.envs.format import tool_format_of
 from sao_megatron.envs.tool_env import ToolEnv
 from sao_megatron.envs.tool_parse import Answer, Malformed, NativeCall, parse_native_action
 
-CALC = [{"type": "function", "function": {"name": "calculator", "parameters": {
-    "type": "object", "required": ["expression"], "properties": {"expression": {"type": "string"}}}}}]  # fmt: skip
+CALC = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {
+                "type": "object",
+                "required": ["expression"],
+                "properties": {"expression": {"type": "string"}},
+            },
+        },
+    }
+]
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>',
-         NativeCall("calculator", {"expression": "2+3"})),
-        ('<think>\nplan\n</think>\n\n<tool_call>{"name":"calculator","arguments":{"expression":"2"}}</tool_call>',
-         NativeCall("calculator", {"expression": "2"})),
-        ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"7\\"}"}</tool_call>',
-         NativeCall("calculator", {"expression": "7"})),
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>',
+            NativeCall("calculator", {"expression": "2+3"}),
+        ),
+        (
+            '<think>\nplan\n</think>\n\n<tool_call>{"name":"calculator","arguments":{"expression":"2"}}</tool_call>',
+            NativeCall("calculator", {"expression": "2"}),
+        ),
+        (
+            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"7\\"}"}</tool_call>',
+            NativeCall("calculator", {"expression": "7"}),
+        ),
         ("<think>\nr\n</think>\n\n<answer>5</answer><|im_end|>", Answer("5")),
         ("The answer is 5.<|im_end|><|endoftext|>", Answer("The answer is 5.")),
         ("<think>\n<answer>4</answer>?\n</think>\n\nIt is 5", Answer("It is 5")),
     ],
-)  # fmt: skip
+)
 def test_native_valid(text, expected):
     assert parse_native_action(text, CALC) == expected
 
@@ -63,8 +80,25 @@ def test_native_malformed(text, reason):
 
 def test_native_never_raises_on_noise():
     rng = random.Random(0)
-    pieces = ["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", '"calculator"', '"arguments"', "<answer>",
-              "</answer>", "</think>", "<|im_end|>", "x", "\n", "[", "null", "1e999"]  # fmt: skip
+    pieces = [
+        "<tool_call>",
+        "</tool_call>",
+        "{",
+        "}",
+        '"name"',
+        ":",
+        '"calculator"',
+        '"arguments"',
+        "<answer>",
+        "</answer>",
+        "</think>",
+        "<|im_end|>",
+        "x",
+        "\n",
+        "[",
+        "null",
+        "1e999",
+    ]
     for _ in range(2000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         assert isinstance(parse_native_action(text, CALC), NativeCall | Answer | Malformed)
@@ -77,8 +111,9 @@ def test_tool_format_follows_the_template():
     assert tool_format_of("... <tool_call> ...") == "json"
 
 
-@pytest.mark.parametrize(("env_name", "tool", "arg"), [("arith_tool", "calculator", "expression"),
-                                                       ("math_python", "python", "code")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("env_name", "tool", "arg"), [("arith_tool", "calculator", "expression"), ("math_python", "python", "code")]
+)
 def test_envs_declare_json_schemas(env_name, tool, arg):
     env = make_env(env_name)
     (schema,) = env.tools
@@ -104,9 +139,7 @@ def test_arith_json_episode_and_tool_errors():
     step = env.step(env.call_text(expr) + "<|im_end|>")
     assert not step.done and step.observation == sample.answer and step.info["kind"] == "toolcall"
     step = asyncio.run(env.astep('<tool_call>{"name": "calc", "arguments": {}}</tool_call>'))
-    assert (
-        not step.done and step.observation == "Error: malformed action: unknown tool 'calc', use calculator"
-    )
+    assert not step.done and step.observation == "Error: malformed action: unknown tool 'calc', use calculator"
     step = env.step(f"<answer>{sample.answer}</answer><|im_end|>")
     assert step.done
     result = env.reward()

@@ -92,9 +92,7 @@ def _stdout_has(text: str) -> Callable[[SandboxResult], None]:
 
 
 SLEEP_ORPHAN = "import subprocess\nsubprocess.Popen(['sleep', '1000'])\nprint('spawned')"
-SETSID_ORPHAN = (
-    "import subprocess\nsubprocess.Popen(['sleep', '1000'], start_new_session=True)\nprint('spawned')"
-)
+SETSID_ORPHAN = "import subprocess\nsubprocess.Popen(['sleep', '1000'], start_new_session=True)\nprint('spawned')"
 DOUBLE_FORK = """
 import os, time
 if os.fork() == 0:
@@ -138,9 +136,7 @@ CASES: dict[str, Case] = {
     "double_fork_daemon": Case(DOUBLE_FORK, ("ok",), check=_stdout_has("daemonized")),
     "multiprocessing_bomb": Case(MP_BOMB, ("timeout",), needs=("mountns",)),
     "memory_big_list": Case("x = [0] * (10**9)", ("memory",), SMALL_MEMORY),
-    "memory_bytearray_growth": Case(
-        "b = []\nwhile True:\n    b.append(bytearray(10**7))", ("memory",), SMALL_MEMORY
-    ),
+    "memory_bytearray_growth": Case("b = []\nwhile True:\n    b.append(bytearray(10**7))", ("memory",), SMALL_MEMORY),
     "huge_output_loop": Case("while True:\n    print('x' * 100)", ("output_limit",)),
     "huge_single_line": Case("import sys\nsys.stdout.write('y' * 10**7)", ("output_limit",)),
     "huge_stderr": Case("import sys\nwhile True:\n    sys.stderr.write('e' * 1000)", ("output_limit",)),
@@ -150,9 +146,7 @@ CASES: dict[str, Case] = {
         check=_host_file_absent(HOST_TMP_FILE),
         needs=("mountns",),
     ),
-    "write_repo": Case(
-        f"open({str(REPO_FILE)!r}, 'w').write('x')", ("error",), check=_host_file_absent(REPO_FILE)
-    ),
+    "write_repo": Case(f"open({str(REPO_FILE)!r}, 'w').write('x')", ("error",), check=_host_file_absent(REPO_FILE)),
     "write_root_home": Case(
         f"open('/root/owned_{TAG}', 'w').write('x')",
         ("error",),
@@ -190,13 +184,10 @@ CASES: dict[str, Case] = {
     "read_shadow": Case("print(open('/etc/shadow').read())", ("error",), needs=("uid_drop",)),
     "socket_connect_localhost": Case("", ("error",)),  # code filled in with the listener's port
     "dns_lookup": Case("import socket\nprint(socket.getaddrinfo('example.com', 80))", ("error",)),
-    "kill_parent": Case(
-        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", ("error",), needs=("uid_drop",)
-    ),
+    "kill_parent": Case("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", ("error",), needs=("uid_drop",)),
     "killpg_self": Case("import os, signal\nos.killpg(0, signal.SIGKILL)", ("error",), detail="SIGKILL"),
     "kill_everything": Case(
-        "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
-        "print('still here')",
+        "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\nprint('still here')",
         ("ok",),
         needs=("unique_uids",),
     ),
@@ -217,22 +208,14 @@ CASES: dict[str, Case] = {
     "stdin_input_eof": Case("input()", ("error",), detail="EOFError"),
     "ctypes_segfault": Case("import ctypes\nctypes.string_at(0)", ("error",), detail="SIGSEGV"),
     "os_exit_code": Case("import os\nos._exit(42)", ("error",), detail="exit code 42"),
-    "os_exit_zero": Case(
-        "import os\nprint('bye', flush=True)\nos._exit(0)", ("ok",), check=_stdout_has("bye")
-    ),
+    "os_exit_zero": Case("import os\nprint('bye', flush=True)\nos._exit(0)", ("ok",), check=_stdout_has("bye")),
     "close_stdout": Case("import os\nos.close(1)\nprint('x')", ("error",)),
     "exception": Case("raise ValueError('boom')", ("error",), detail="ValueError: boom"),
-    "very_long_code": Case(
-        "x = 1\n" * 50_000 + "print(x)", ("ok",), replace(LIMITS, wall_s=8.0), _stdout_has("1")
-    ),
+    "very_long_code": Case("x = 1\n" * 50_000 + "print(x)", ("ok",), replace(LIMITS, wall_s=8.0), _stdout_has("1")),
     "code_over_limit": Case("#" * (2 * MIB), ("error",), detail="code longer"),
     "many_files": Case("for i in range(200000):\n    open(f'f{i}', 'w').close()", ("ok", "error", "timeout")),
-    "many_open_fds": Case(
-        "fs = [open('/dev/null') for _ in range(1000)]", ("error",), detail="Too many open files"
-    ),
-    "large_file_write": Case(
-        "open('big', 'wb').write(b'0' * (4 * 2**20))", ("error",), detail="File too large"
-    ),
+    "many_open_fds": Case("fs = [open('/dev/null') for _ in range(1000)]", ("error",), detail="Too many open files"),
+    "large_file_write": Case("open('big', 'wb').write(b'0' * (4 * 2**20))", ("error",), detail="File too large"),
     "time_bomb_thread": Case(TIME_BOMB, ("timeout",), check=_stdout_has("armed")),
     "fullwidth_identifiers": Case("ｐｒｉｎｔ('nfkc')", ("ok",), check=_stdout_has("nfkc")),
 }
@@ -266,9 +249,7 @@ def battery() -> dict:
     listener.setblocking(False)
     cases = dict(CASES)
     port = listener.getsockname()[1]
-    cases["socket_connect_localhost"] = replace(
-        cases["socket_connect_localhost"], code=CONNECT.format(port=port)
-    )
+    cases["socket_connect_localhost"] = replace(cases["socket_connect_localhost"], code=CONNECT.format(port=port))
     tmp_before = set(Path(tempfile.gettempdir()).glob("sao_sandbox_*"))
 
     async def run_all() -> tuple[dict[str, SandboxResult], SandboxResult, float]:
@@ -391,9 +372,7 @@ def test_degraded_isolation_modes_still_run(monkeypatch: pytest.MonkeyPatch, mod
     if mode == "no_uid_drop":
         iso = replace(iso, uid_drop=False, unique_uids=False)
     monkeypatch.setattr(sandbox, "detect_isolation", lambda: iso)
-    code = (
-        "import os, fractions\nopen('out.txt', 'w').write('w')\nprint(os.getuid(), fractions.Fraction(8, 6))"
-    )
+    code = "import os, fractions\nopen('out.txt', 'w').write('w')\nprint(os.getuid(), fractions.Fraction(8, 6))"
     result = run_python(code, LIMITS)
     assert result.status == "ok", result
     uid, value = result.stdout.split()  # 8/6 prints reduced

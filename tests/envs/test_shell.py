@@ -58,9 +58,7 @@ def _live_pids(uid: int) -> list[int]:
             continue
         try:
             fields = dict(
-                line.split(":", 1)
-                for line in Path(f"/proc/{entry}/status").read_text().splitlines()
-                if ":" in line
+                line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines() if ":" in line
             )
         except OSError:
             continue
@@ -75,10 +73,7 @@ def test_basics_exit_codes_and_merged_stderr(session: ShellSession) -> None:
     assert res.observation().endswith("[Command finished with exit code 3]")
     ok = session.run_sync("true")
     assert (ok.status, ok.returncode, ok.output) == ("ok", 0, "")
-    assert (
-        ok.observation()
-        == f"[Current working directory: {session.workdir}]\n[Command finished with exit code 0]"
-    )
+    assert ok.observation() == f"[Current working directory: {session.workdir}]\n[Command finished with exit code 0]"
     syntax = session.run_sync("if then fi")
     assert syntax.status == "error" and "syntax error" in syntax.output
     assert session.run_sync("echo a\nnosuchcmd").output == "a\nbash: line 2: nosuchcmd: command not found\n"
@@ -107,8 +102,10 @@ def test_cwd_and_exported_env_persist(session: ShellSession) -> None:
 def test_python_pytest_git_and_files_on_host(session: ShellSession, tmp_path: Path) -> None:
     res = session.run_sync("python -c 'import pytest, sys; print(pytest.__version__, sys.prefix)'")
     assert res.status == "ok" and res.output.split()[1] == sys.prefix, res.output
-    git = session.run_sync("echo new > made.txt && git status --short && git add -A && "
-                           "git -c user.name=a -c user.email=a@b commit -qm x && git log --oneline | wc -l")  # fmt: skip
+    git = session.run_sync(
+        "echo new > made.txt && git status --short && git add -A && "
+        "git -c user.name=a -c user.email=a@b commit -qm x && git log --oneline | wc -l"
+    )
     assert git.status == "ok" and git.output.splitlines() == ["?? README", "?? made.txt", "1"], git.output
     made = tmp_path / "ws" / "made.txt"
     assert made.read_text() == "new\n"
@@ -125,8 +122,10 @@ def test_outside_the_workspace_is_hidden_or_read_only(session: ShellSession, tmp
     secret, content = Path(tempfile.gettempdir(), f"sao_shell_{uuid.uuid4().hex}"), uuid.uuid4().hex
     secret.write_text(content)
     try:
-        cmd = (f"cat {secret} {REPO_ROOT}/Makefile /root/.bashrc; touch /etc/x /usr/x {tmp_path}/x; "
-               f"ls -A {REPO_ROOT}; echo > /tmp/private && ls /tmp")  # fmt: skip
+        cmd = (
+            f"cat {secret} {REPO_ROOT}/Makefile /root/.bashrc; touch /etc/x /usr/x {tmp_path}/x; "
+            f"ls -A {REPO_ROOT}; echo > /tmp/private && ls /tmp"
+        )
         res = session.run_sync(cmd)
     finally:
         secret.unlink()
@@ -134,9 +133,7 @@ def test_outside_the_workspace_is_hidden_or_read_only(session: ShellSession, tmp
     assert set(res.output.split("\n")) >= {f"cat: {secret}: No such file or directory"}
     assert not Path("/etc/x").exists() and not (tmp_path / "x").exists()
     listing = res.output.split(f"'{tmp_path}/x': No such file or directory\n")[1].split()
-    under_tmp = (
-        [REPO_ROOT.parts[2]] if REPO_ROOT.parts[1:2] == ("tmp",) else []
-    )  # a clone in /tmp: its bind's path
+    under_tmp = [REPO_ROOT.parts[2]] if REPO_ROOT.parts[1:2] == ("tmp",) else []  # a clone in /tmp: its bind's path
     assert listing == [
         ".venv",
         *sorted(["private", "work", *under_tmp]),
@@ -198,9 +195,7 @@ def test_huge_output_is_cut(session: ShellSession) -> None:
     res = session.run_sync("yes")
     assert res.status == "output_limit" and len(res.output) == LIMITS.max_output_bytes
     obs = res.observation(max_chars=1000)
-    assert "characters cut" in obs and obs.endswith(
-        f"[Command was killed: output exceeded {32 * 1024} bytes]"
-    )
+    assert "characters cut" in obs and obs.endswith(f"[Command was killed: output exceeded {32 * 1024} bytes]")
     assert len(obs) < 1200
 
 

@@ -57,12 +57,38 @@ def test_command_lines_of_both_runtimes():
     binds = [("/host/ws", "/testbed")]
     env = {"PATH": "/opt/env/bin:/usr/bin"}
     app = ContainerSpec("docker://swebench/x:latest").argv(binds, env, ["/bin/bash", "-c", "ls"])
-    assert app == ["apptainer", "exec", "--containall", "--writable-tmpfs", "--net", "--network", "none",
-                   "--bind", "/host/ws:/testbed", "--pwd", "/tmp/.sao_cmd", "docker://swebench/x:latest",
-                   "/usr/bin/env", "-i", "PATH=/opt/env/bin:/usr/bin", "/bin/bash", "-c", "ls"]  # fmt: skip
+    assert app == [
+        "apptainer",
+        "exec",
+        "--containall",
+        "--writable-tmpfs",
+        "--net",
+        "--network",
+        "none",
+        "--bind",
+        "/host/ws:/testbed",
+        "--pwd",
+        "/tmp/.sao_cmd",
+        "docker://swebench/x:latest",
+        "/usr/bin/env",
+        "-i",
+        "PATH=/opt/env/bin:/usr/bin",
+        "/bin/bash",
+        "-c",
+        "ls",
+    ]
     enroot = ContainerSpec("swe-x", runtime="enroot").argv(binds, env, ["/bin/bash"])
-    assert enroot == ["enroot", "start", "--mount", "/host/ws:/testbed", "swe-x", "/usr/bin/env", "-i",
-                      "PATH=/opt/env/bin:/usr/bin", "/bin/bash"]  # fmt: skip
+    assert enroot == [
+        "enroot",
+        "start",
+        "--mount",
+        "/host/ws:/testbed",
+        "swe-x",
+        "/usr/bin/env",
+        "-i",
+        "PATH=/opt/env/bin:/usr/bin",
+        "/bin/bash",
+    ]
     with pytest.raises(ValueError, match="use 'apptainer' or 'enroot'"):
         ContainerSpec("img", runtime="docker")
     with pytest.raises(ValueError, match="unknown key"):
@@ -91,8 +117,13 @@ def test_shell_through_the_runtime_keeps_state_and_sees_the_workspace(tmp_path, 
 
 def test_swe_episode_in_a_container_gets_the_reference_reward(apptainer):
     task = TASKS[0]
-    env = SWEEnv(container={"image": "docker://swebench/sweb.eval.x86_64.{instance_id}:latest",
-                            "executable": apptainer, "env": {"PATH": f"{sys.prefix}/bin:/usr/bin:/bin"}})  # fmt: skip
+    env = SWEEnv(
+        container={
+            "image": "docker://swebench/sweb.eval.x86_64.{instance_id}:latest",
+            "executable": apptainer,
+            "env": {"PATH": f"{sys.prefix}/bin:/usr/bin:/bin"},
+        }
+    )
     env.use_tool_format("tags")
 
     async def go():
@@ -100,8 +131,10 @@ def test_swe_episode_in_a_container_gets_the_reference_reward(apptainer):
         assert env.shell is not None and env.shell.container is not None
         image = env.shell.container.image
         observations = []
-        for action in [env.call_text("execute_bash", {"command": "pwd && git status --short | wc -l"}),
-                       *reference_actions(task, env)]:  # fmt: skip
+        for action in [
+            env.call_text("execute_bash", {"command": "pwd && git status --short | wc -l"}),
+            *reference_actions(task, env),
+        ]:
             step = await env.astep(action)
             observations.append(step.observation)
         result = await env.areward()

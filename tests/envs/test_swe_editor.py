@@ -26,9 +26,7 @@ def test_view_numbers_lines_ranges_and_lists_directories(ws):
     assert "     3\tc" in ed("view", "notes.txt", view_range=[2, -1])
     tree = ed("view", ".")
     assert "pkg/" in tree and "pkg/core.py" in tree and "notes.txt" in tree and ".git" not in tree
-    assert ed("view", "notes.txt", view_range=[0, 9]).startswith(
-        "ERROR: view_range [0, 9] is outside lines 1..3"
-    )
+    assert ed("view", "notes.txt", view_range=[0, 9]).startswith("ERROR: view_range [0, 9] is outside lines 1..3")
     assert ed("view", "missing.py") == "ERROR: missing.py does not exist"
 
 
@@ -43,9 +41,7 @@ def test_create_replace_insert_and_undo(ws):
     ed("insert", "notes.txt", insert_line=0, new_str="top")
     ed("insert", "notes.txt", insert_line=4, new_str="end")
     assert (ws / "notes.txt").read_text() == "top\na\nb\nc\nend"
-    assert ed("insert", "notes.txt", insert_line=9, new_str="x").startswith(
-        "ERROR: insert_line 9 is outside 0..5"
-    )
+    assert ed("insert", "notes.txt", insert_line=9, new_str="x").startswith("ERROR: insert_line 9 is outside 0..5")
     assert ed("undo_edit", "notes.txt") == "Last edit to notes.txt undone."
     assert (ws / "notes.txt").read_text() == "top\na\nb\nc"
     ed("undo_edit", "notes.txt")
@@ -61,8 +57,7 @@ def test_escapes_and_bad_calls_are_refused_as_observations(ws, tmp_path):
     secret.write_text("key")
     os.symlink(secret, ws / "link.txt")
     os.symlink(tmp_path, ws / "outside")  # a directory link out of the workspace
-    for path in ("../secret.txt", str(secret), "link.txt", "/etc/passwd", "pkg/../../secret.txt",
-                 "outside/secret.txt"):  # fmt: skip
+    for path in ("../secret.txt", str(secret), "link.txt", "/etc/passwd", "pkg/../../secret.txt", "outside/secret.txt"):
         assert "is outside the workspace" in ed("view", path), path
         assert "is outside the workspace" in ed("str_replace", path, old_str="key", new_str="x"), path
     for path in ("../evil.py", "outside/evil.py", str(tmp_path / "evil.py")):

@@ -87,9 +87,7 @@ def test_reference_fix_nothing_and_broken_pass_to_pass(task):
         fixed.details,
         obs,
     )
-    assert (
-        fixed.details["patch"] and fixed.details["finished"] and fixed.details["tool_str_replace_editor"] >= 1
-    )
+    assert fixed.details["patch"] and fixed.details["finished"] and fixed.details["tool_str_replace_editor"] >= 1
     assert all(o is None or not o.startswith("ERROR") for o in obs), obs
     assert (nothing.reward, nothing.correct, nothing.details["patch"]) == (0.0, False, "")
     assert broken.reward == 0.0 and broken.correct is False
@@ -99,12 +97,11 @@ def test_reference_fix_nothing_and_broken_pass_to_pass(task):
 
 def test_native_json_format_and_bash_replay():
     task = TASKS[0]
-    result, obs = asyncio.run(episode(lambda env: reference_actions(task, env, via="bash"), task.instance_id,
-                                      tool_format="json"))  # fmt: skip
-    assert result.reward == 1.0, (result.details, obs)
-    assert result.details["tool_execute_bash"] == 1 and "[Command finished with exit code 0]" in (
-        obs[0] or ""
+    result, obs = asyncio.run(
+        episode(lambda env: reference_actions(task, env, via="bash"), task.instance_id, tool_format="json")
     )
+    assert result.reward == 1.0, (result.details, obs)
+    assert result.details["tool_execute_bash"] == 1 and "[Command finished with exit code 0]" in (obs[0] or "")
 
 
 def test_malformed_calls_turn_limit_and_path_mapping():
@@ -155,10 +152,12 @@ def test_hostile_calls_are_contained_while_8_episodes_run():
         return actions
 
     async def go():
-        return await asyncio.gather(*(
-            episode(actions_for(kind, task), task.instance_id, command_timeout_s=5.0)
-            for kind, task in zip(names, tasks, strict=True)
-        ))  # fmt: skip
+        return await asyncio.gather(
+            *(
+                episode(actions_for(kind, task), task.instance_id, command_timeout_s=5.0)
+                for kind, task in zip(names, tasks, strict=True)
+            )
+        )
 
     results = dict(zip(names, asyncio.run(go()), strict=True))
     assert not Path("/etc/sao_pwned").exists()
@@ -169,9 +168,7 @@ def test_hostile_calls_are_contained_while_8_episodes_run():
         assert result.reward == 1.0, (kind, result.details, obs)
     first = {kind: results[kind][1][0] or "" for kind in HOSTILE}
     assert "timed out" in first["never_ends"].lower(), first["never_ends"]
-    assert "output" in first["huge_output"].lower() and len(first["huge_output"]) <= 9000, first[
-        "huge_output"
-    ][-300:]
+    assert "output" in first["huge_output"].lower() and len(first["huge_output"]) <= 9000, first["huge_output"][-300:]
     assert "exit code 0" not in first["network"], first["network"]
     assert "started" in first["background"]
     assert "root/.bashrc" in first["escape"] or "No such file" in first["escape"], first["escape"]

@@ -84,9 +84,7 @@ def test_task_set_is_large_varied_and_well_formed():
         assert all(not p.startswith("tests/") for p in patched_paths(t.patch)), "the fix must not touch tests"
         assert all(p.startswith("tests/") for p in patched_paths(t.test_patch))
         assert t.base_commit == snapshot_commit(t.files)
-        added = [
-            line[1:].strip() for line in t.patch.splitlines() if line.startswith("+") and line[1:].strip()
-        ]
+        added = [line[1:].strip() for line in t.patch.splitlines() if line.startswith("+") and line[1:].strip()]
         leaked = [line for line in added if len(line) > 12 and line in t.problem_statement]
         assert not leaked, f"{t.instance_id}: the issue text gives the fix away: {leaked}"
 
@@ -174,9 +172,7 @@ def test_unified_diff_applies_with_git(tmp_path):
     root = materialise(task, tmp_path / "repo")
     apply(root, unified_diff(before, after))
     files = {
-        p.relative_to(root).as_posix(): p.read_text()
-        for p in root.rglob("*")
-        if p.is_file() and ".git" not in p.parts
+        p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*") if p.is_file() and ".git" not in p.parts
     }
     assert files == after
 

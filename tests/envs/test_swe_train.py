@@ -21,16 +21,31 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 def test_sao_train_on_swe_with_env_workers(tmp_path):
     workspaces = tmp_path / "workspaces"
     out = tmp_path / "out"
-    rc = main([
-        "train", "rollout.env=swe",
-        f"rollout.env_kwargs={{max_turns: 3, max_observation_chars: 160, command_timeout_s: 10, "
-        f"test_timeout_s: 60, workspace_root: {workspaces}}}",
-        "rollout.env_workers=2", "rollout.env_worker_episodes=2", "rollout.env_worker_cpus=0.1",
-        "model.num_layers=2", "algo.batch_size=4", "algo.critic_warmup_steps=0", "rollout.max_concurrent=4",
-        "rollout.loop.max_turns=3", "rollout.loop.max_new_tokens=24", "rollout.loop.max_response_tokens=512",
-        "rollout.loop.max_context_tokens=1000", "train.sft_steps=0", "train.value_pretrain_steps=0",
-        "train.steps=2", "train.eval_prompts=2", "train.sample_trajectories=4", f"run.output_dir={out}",
-    ])  # fmt: skip
+    rc = main(
+        [
+            "train",
+            "rollout.env=swe",
+            f"rollout.env_kwargs={{max_turns: 3, max_observation_chars: 160, command_timeout_s: 10, "
+            f"test_timeout_s: 60, workspace_root: {workspaces}}}",
+            "rollout.env_workers=2",
+            "rollout.env_worker_episodes=2",
+            "rollout.env_worker_cpus=0.1",
+            "model.num_layers=2",
+            "algo.batch_size=4",
+            "algo.critic_warmup_steps=0",
+            "rollout.max_concurrent=4",
+            "rollout.loop.max_turns=3",
+            "rollout.loop.max_new_tokens=24",
+            "rollout.loop.max_response_tokens=512",
+            "rollout.loop.max_context_tokens=1000",
+            "train.sft_steps=0",
+            "train.value_pretrain_steps=0",
+            "train.steps=2",
+            "train.eval_prompts=2",
+            "train.sample_trajectories=4",
+            f"run.output_dir={out}",
+        ]
+    )
     assert rc == 0
     (run_dir,) = [p.parent for p in out.rglob("metrics.jsonl")]
     records = read_metrics(run_dir)

@@ -18,8 +18,14 @@ from sao_megatron.envs.writing_shift import (
 def test_schedule_switches_three_times() -> None:
     sched = StyleSchedule()
     assert [sched.style_at(p) for p in (0, 99, 100, 199, 200, 300, 10**6)] == [
-        "concise", "concise", "verbose", "verbose", "formal", "casual", "casual",
-    ]  # fmt: skip
+        "concise",
+        "concise",
+        "verbose",
+        "verbose",
+        "formal",
+        "casual",
+        "casual",
+    ]
     with pytest.raises(ValueError):
         StyleSchedule(boundaries=(10,), styles=("concise",))
     with pytest.raises(ValueError):
@@ -34,9 +40,7 @@ def test_each_example_scores_best_under_its_own_style() -> None:
         sample = task.get("train", i)
         for style in STYLES:
             own = judge.score(sample.question, example_response(sample, style), style)
-            others = [
-                judge.score(sample.question, example_response(sample, s), style) for s in STYLES if s != style
-            ]
+            others = [judge.score(sample.question, example_response(sample, s), style) for s in STYLES if s != style]
             assert own >= 0.8 and own > max(others), (style, own, others)
 
 

@@ -73,9 +73,7 @@ def test_checkpoint_directory_without_state_is_incomplete(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoint" / "actor").mkdir(parents=True)
     (run / "checkpoint.old").mkdir()
-    RunState(step=1).save(
-        run, run / "checkpoint.old"
-    )  # a stale old copy is not used while checkpoint/ exists
+    RunState(step=1).save(run, run / "checkpoint.old")  # a stale old copy is not used while checkpoint/ exists
     assert RunState.complete_checkpoint(run) is None
 
 

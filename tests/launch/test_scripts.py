@@ -32,9 +32,7 @@ def test_bash_syntax(script):
     reason="shellcheck not installed (.ci/run installs it; apt-get install shellcheck)",
 )
 def test_shellcheck_clean():
-    out = subprocess.run(
-        ["shellcheck", "-x", *map(str, SCRIPTS)], cwd=REPO_ROOT, capture_output=True, text=True
-    )
+    out = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], cwd=REPO_ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -70,8 +68,14 @@ def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
     script = f'source launch/common.sh; sao_run_driver - "{sys.executable}" "{STUB}" "{marker}" cfg.yaml; echo "rc=$?"'
     # A shell started with SIGINT ignored cannot trap it (POSIX), as under a pytest run in a background
     # job (`nohup pytest &`); a Slurm batch shell, like a terminal's, starts with the default.
-    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         _wait_for(marker, "started")
         _wait_for_traps(proc.pid)  # the traps are set right after the driver starts
@@ -88,8 +92,14 @@ def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
 
 def _submit_dry_run(*args: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
-    out = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "submit", *args, "--dry-run"], cwd=REPO_ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "sao_megatron.cli", "submit", *args, "--dry-run"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -138,8 +148,14 @@ def test_local_launcher_without_a_head_passes_the_arguments_unchanged(tmp_path):
     """Without ``SAO_RAY_HEAD=1`` the driver starts its own Ray: no ``cluster.ray_address`` is added."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
     env.update(SAO_TRAIN="echo driver-args:", SAO_LOG_DIR=str(tmp_path))
-    out = subprocess.run(["bash", "launch/local.sh", "cfg.yaml", "train.steps=2"], cwd=REPO_ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        ["bash", "launch/local.sh", "cfg.yaml", "train.steps=2"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "driver-args: cfg.yaml train.steps=2"
 
@@ -157,12 +173,24 @@ def test_local_launcher_starts_a_ray_head_and_stops_it_by_pid(tmp_path):
     """``SAO_RAY_HEAD=1 launch/local.sh``: head on 127.0.0.1, SIGTERM -> driver SIGINT -> head stopped."""
     marker, ray_tmp, port = tmp_path / "marker", f"/tmp/ray-sao-t{os.getpid()}", _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
-    env.update(SAO_RAY_HEAD="1", SAO_RAY_PORT=str(port), SAO_RAY_TMP=ray_tmp, SAO_LOG_DIR=str(tmp_path),
-               SAO_RAY_ARGS=f"--ray-client-server-port={_free_port()} --dashboard-agent-listen-port={_free_port()} "
-                            f"--num-cpus=1 --object-store-memory={128 << 20}",
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", SAO_TRAIN=f"{sys.executable} {STUB} {marker}")  # fmt: skip
-    proc = subprocess.Popen(["bash", "launch/local.sh", "cfg.yaml"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    env.update(
+        SAO_RAY_HEAD="1",
+        SAO_RAY_PORT=str(port),
+        SAO_RAY_TMP=ray_tmp,
+        SAO_LOG_DIR=str(tmp_path),
+        SAO_RAY_ARGS=f"--ray-client-server-port={_free_port()} --dashboard-agent-listen-port={_free_port()} "
+        f"--num-cpus=1 --object-store-memory={128 << 20}",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        SAO_TRAIN=f"{sys.executable} {STUB} {marker}",
+    )
+    proc = subprocess.Popen(
+        ["bash", "launch/local.sh", "cfg.yaml"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for(marker, "started", timeout_s=240)
         time.sleep(0.2)
@@ -180,11 +208,7 @@ def test_local_launcher_starts_a_ray_head_and_stops_it_by_pid(tmp_path):
         assert list(tmp_path.glob("*/ray-head.log"))
         import psutil
 
-        alive = [
-            p.pid
-            for p in psutil.process_iter(["cmdline"])
-            if any(ray_tmp in a for a in p.info["cmdline"] or [])
-        ]
+        alive = [p.pid for p in psutil.process_iter(["cmdline"]) if any(ray_tmp in a for a in p.info["cmdline"] or [])]
         assert not alive, f"Ray head processes left: {alive}"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -27,8 +27,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 STUB = Path(__file__).with_name("stub_driver.py")
-TINY = ["configs/tiny_cpu.yaml", "train.sft_steps=2", "train.value_pretrain_steps=0", "train.eval_prompts=4",
-        "train.eval_every=0", "train.sample_trajectories=1", "cluster.cpus_per_rank=0.5"]  # fmt: skip
+TINY = [
+    "configs/tiny_cpu.yaml",
+    "train.sft_steps=2",
+    "train.value_pretrain_steps=0",
+    "train.eval_prompts=4",
+    "train.eval_every=0",
+    "train.sample_trajectories=1",
+    "cluster.cpus_per_rank=0.5",
+]
 JOB_TIMEOUT_S = float(os.environ.get("SAO_SLURM_JOB_TIMEOUT_S", "1500"))
 
 
@@ -48,7 +55,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
         SAO_RAY_ARGS=(
             f"--ray-client-server-port={ports[1]} --dashboard-agent-listen-port={ports[2]} "
             f"--metrics-export-port={ports[3]} --object-store-memory={256 << 20}"
-        ),  # fmt: skip
+        ),
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # Ray advertises 127.0.0.1, not the host's address
         **extra,
     )
@@ -56,8 +63,14 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _submit(args: list[str], env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "submit", *args], cwd=REPO_ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "sao_megatron.cli", "submit", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     match = re.search(r"submitted job (\d+)", out.stdout)
     assert match, out.stdout
@@ -65,9 +78,7 @@ def _submit(args: list[str], env: dict[str, str]) -> str:
 
 
 def _job(job_id: str) -> dict[str, str]:
-    out = subprocess.run(
-        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30
-    )
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
     return dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
 
 
@@ -89,9 +100,7 @@ def _wait(job_id: str, timeout_s: float, until=lambda job: False) -> dict[str, s
             return job
         time.sleep(2)
     subprocess.run(["scancel", job_id], timeout=30)
-    raise AssertionError(
-        f"job {job_id} still {_job(job_id).get('JobState')} after {timeout_s:.0f} s; cancelled"
-    )
+    raise AssertionError(f"job {job_id} still {_job(job_id).get('JobState')} after {timeout_s:.0f} s; cancelled")
 
 
 def _logs(run_dir: Path, job_id: str) -> str:
@@ -121,9 +130,7 @@ def test_tiny_run_finishes_and_writes_its_report(tmp_path):
     job = _wait(job_id, JOB_TIMEOUT_S)
     wall = time.monotonic() - t0
     logs = _logs(run_dir, job_id)
-    assert job["JobState"] == "COMPLETED", (
-        f"job {job_id}: {job.get('JobState')} {job.get('ExitCode')}\n{logs}"
-    )
+    assert job["JobState"] == "COMPLETED", f"job {job_id}: {job.get('JobState')} {job.get('ExitCode')}\n{logs}"
     job_dir = run_dir / "slurm" / f"job-{job_id}"
     assert (run_dir / "report.md").exists(), logs
     assert "report.md" in (job_dir / "train.log").read_text()

@@ -34,9 +34,15 @@ pytestmark = pytest.mark.skipif(
 NET = "10.200.0."
 NODE_IP = {f"n{i}": f"{NET}{i}" for i in range(1, 6)}
 # The actor in two pipeline stages, one per node: each stage's rank sends its own weights.
-GROUPS = ["cluster.actor_nodes=2", "cluster.critic_nodes=2", "cluster.rollout_nodes=1",
-          "actor.parallel.world_size=2", "actor.parallel.pipeline_parallel=2", "critic.parallel.world_size=2",
-          "cluster.cpus_per_rank=1"]  # fmt: skip
+GROUPS = [
+    "cluster.actor_nodes=2",
+    "cluster.critic_nodes=2",
+    "cluster.rollout_nodes=1",
+    "actor.parallel.world_size=2",
+    "actor.parallel.pipeline_parallel=2",
+    "critic.parallel.world_size=2",
+    "cluster.cpus_per_rank=1",
+]
 # Synchronous and lag 0: the prompt sequence per step is deterministic (the requeue test compares it).
 RUN = [
     *TINY,
@@ -91,9 +97,7 @@ def finished_run(tmp_path_factory) -> tuple[Path, str, str]:
     job_id = _submit([*RUN, f"run.run_dir={run_dir}"], env)
     job = _wait(job_id, JOB_TIMEOUT_S)
     logs = _logs(run_dir, job_id)
-    assert job["JobState"] == "COMPLETED", (
-        f"job {job_id}: {job.get('JobState')} {job.get('ExitCode')}\n{logs}"
-    )
+    assert job["JobState"] == "COMPLETED", f"job {job_id}: {job.get('JobState')} {job.get('ExitCode')}\n{logs}"
     _assert_ray_gone(env)
     print(f"\nslurm multi-node run: job {job_id} wall {time.monotonic() - t0:.0f} s (submit to COMPLETED)")
     return run_dir, job_id, logs
@@ -120,8 +124,13 @@ def test_every_node_ran_its_own_ray_daemon(finished_run):
     """Ray's own per-node logs: the head on n1, a worker on each other node, each at its address."""
     run_dir, job_id, logs = finished_run
     job_dir = run_dir / "slurm" / f"job-{job_id}"
-    expected = {"ray-head-n1.log": "n1", "ray-actor-n2.log": "n2", "ray-critic-n3.log": "n3",
-                "ray-critic-n4.log": "n4", "ray-rollout-n5.log": "n5"}  # fmt: skip
+    expected = {
+        "ray-head-n1.log": "n1",
+        "ray-actor-n2.log": "n2",
+        "ray-critic-n3.log": "n3",
+        "ray-critic-n4.log": "n4",
+        "ray-rollout-n5.log": "n5",
+    }
     for name, node in expected.items():
         text = (job_dir / name).read_text(errors="replace")
         assert f"Local node IP: {NODE_IP[node]}" in text, f"{name}:\n{text[-2000:]}"
@@ -153,9 +162,7 @@ def test_engine_on_the_rollout_node_and_weights_synced_across_nodes(finished_run
     assert f"Uvicorn running on http://{NODE_IP['n5']}:" in engine_log, engine_log[-2000:]
     for master, rank, _, engines in syncs:
         assert master == NODE_IP[ranks[int(rank)][0]], (syncs, ranks)  # the group meets on its sender's node
-        assert re.fullmatch(rf"http://{re.escape(NODE_IP['n5'])}:\d+", engines.strip()), (
-            syncs
-        )  # ... engine on n5
+        assert re.fullmatch(rf"http://{re.escape(NODE_IP['n5'])}:\d+", engines.strip()), syncs  # ... engine on n5
         assert f"init custom process group: master_address={master}," in engine_log, engine_log[-2000:]
     assert {m for m, *_ in syncs} == {NODE_IP["n1"], NODE_IP["n2"]}, syncs  # two nodes sent
     coordinator = NODE_IP[ranks[0][0]]
@@ -170,8 +177,13 @@ def test_engine_on_the_rollout_node_and_weights_synced_across_nodes(finished_run
 
 def _auto_resume() -> bool:
     """Whether ``sao submit`` makes jobs requeueable and resumes them (``--requeue``, issue 13)."""
-    out = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "submit", "--help"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "sao_megatron.cli", "submit", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return "--requeue" in out.stdout
 
 

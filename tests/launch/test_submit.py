@@ -16,9 +16,7 @@ from sao_megatron.plan import GiB
 
 BIG = "configs/moe_750b_a40b.yaml"
 TINY = "configs/tiny_cpu.yaml"
-PYXIS = (
-    'cluster.container={runtime: pyxis, image: "nvcr.io#nvidia/pytorch:25.01-py3", mounts: [/lustre:/lustre]}'
-)
+PYXIS = 'cluster.container={runtime: pyxis, image: "nvcr.io#nvidia/pytorch:25.01-py3", mounts: [/lustre:/lustre]}'
 APPTAINER = "cluster.container={runtime: apptainer, image: /images/sao.sif, mounts: ['/scratch:/scratch:ro']}"
 
 
@@ -77,9 +75,7 @@ def test_signal_grace_is_the_floor_plus_the_checkpoint_write_time(tmp_path):
     assert submit.signal_grace_s(cfg, nodes) == 120 + math.ceil(write_s) == 419
     job, lines = _dry(tmp_path, BIG)
     assert " --signal=B:USR1@419 " in _line(lines, " sbatch ")
-    assert _line(lines, "# signal:").startswith(
-        "# signal: SIGUSR1 419 s before the time limit = 120 s + checkpoint"
-    )
+    assert _line(lines, "# signal:").startswith("# signal: SIGUSR1 419 s before the time limit = 120 s + checkpoint")
     faster = submit.render(BIG, ["cluster.checkpoint_gb_per_s=8"])
     assert faster.grace_s == 120 + math.ceil(write_s / 4)
 
@@ -97,9 +93,7 @@ def test_sbatch_args_come_last_and_override(tmp_path):
 
 
 def test_cluster_env_is_exported_to_every_node_and_printed(tmp_path):
-    env = (
-        "cluster.env={NCCL_IB_HCA: mlx5, NCCL_SOCKET_IFNAME: ib0, NCCL_IB_TIMEOUT: 22, NCCL_DEBUG: 'WARN x'}"
-    )
+    env = "cluster.env={NCCL_IB_HCA: mlx5, NCCL_SOCKET_IFNAME: ib0, NCCL_IB_TIMEOUT: 22, NCCL_DEBUG: 'WARN x'}"
     job, lines = _dry(tmp_path, TINY, env)
     assert job.env["NCCL_IB_HCA"] == "mlx5" and job.env["NCCL_IB_TIMEOUT"] == "22"
     assert "export NCCL_IB_HCA=mlx5" in lines and "export NCCL_SOCKET_IFNAME=ib0" in lines
@@ -111,37 +105,38 @@ def test_cluster_env_is_exported_to_every_node_and_printed(tmp_path):
 
 
 # ray start, with the CPU count read on each node inside its srun step
-RAY_START = """bash -c 'exec ray start --num-cpus="${SAO_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-$(nproc)}}" "$@"' ray-start"""
+RAY_START = (
+    """bash -c 'exec ray start --num-cpus="${SAO_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-$(nproc)}}" "$@"' ray-start"""
+)
 
 
 def test_pyxis_wraps_every_srun_and_runs_the_driver_as_a_step(tmp_path):
     job, lines = _dry(tmp_path, BIG, PYXIS)
-    opts = ("'--container-image=nvcr.io#nvidia/pytorch:25.01-py3' "
-            f"--container-workdir={REPO_ROOT} --container-mounts=/lustre:/lustre,{REPO_ROOT},{tmp_path}/run")  # fmt: skip
+    opts = (
+        "'--container-image=nvcr.io#nvidia/pytorch:25.01-py3' "
+        f"--container-workdir={REPO_ROOT} --container-mounts=/lustre:/lustre,{REPO_ROOT},{tmp_path}/run"
+    )
     sruns = [line for line in lines if line.startswith("srun ")]
     assert len(sruns) == 4 and all(f" {opts} {RAY_START} " in line for line in sruns)
     driver = _line(lines, "env --default-signal=INT ")
-    assert driver.startswith(f"env --default-signal=INT srun --nodes=1 --ntasks=1 --overlap --nodelist=node01 {opts} "
-                             "sao train --resume-if-present ")  # fmt: skip
-    assert f"until srun --nodes=1 --ntasks=1 --overlap --nodelist=node01 {opts} ray status " in _line(
-        lines, "# wait"
+    assert driver.startswith(
+        f"env --default-signal=INT srun --nodes=1 --ntasks=1 --overlap --nodelist=node01 {opts} "
+        "sao train --resume-if-present "
     )
+    assert f"until srun --nodes=1 --ntasks=1 --overlap --nodelist=node01 {opts} ray status " in _line(lines, "# wait")
     assert "# on SIGUSR1/SIGTERM/SIGINT: kill -USR1 <driver pid>; wait for it" in lines  # srun relays USR1
     assert "SAO_CONTAINER_RUNTIME=pyxis " in _line(lines, " sbatch ")
-    assert _line(lines, "# container:").startswith(
-        "# container: pyxis image nvcr.io#nvidia/pytorch:25.01-py3"
-    )
+    assert _line(lines, "# container:").startswith("# container: pyxis image nvcr.io#nvidia/pytorch:25.01-py3")
 
 
 def test_apptainer_prefixes_every_command_with_gpus_on_gpu_nodes(tmp_path):
     _, lines = _dry(tmp_path, BIG, APPTAINER)
-    prefix = (f"apptainer exec --nv --bind /scratch:/scratch:ro,{REPO_ROOT},{tmp_path}/run --pwd {REPO_ROOT} "
-              "/images/sao.sif")  # fmt: skip
+    prefix = (
+        f"apptainer exec --nv --bind /scratch:/scratch:ro,{REPO_ROOT},{tmp_path}/run --pwd {REPO_ROOT} /images/sao.sif"
+    )
     sruns = [line for line in lines if line.startswith("srun ")]
     assert len(sruns) == 4 and all(f" {prefix} {RAY_START} " in line for line in sruns)
-    assert _line(lines, "env --default-signal=INT ").startswith(
-        f"env --default-signal=INT {prefix} sao train "
-    )
+    assert _line(lines, "env --default-signal=INT ").startswith(f"env --default-signal=INT {prefix} sao train ")
     _, cpu = _dry(tmp_path, TINY, APPTAINER)
     assert " --nv " not in "\n".join(cpu)  # CPU-only nodes: no GPU passthrough
 
@@ -156,35 +151,62 @@ def test_no_container_leaves_the_commands_on_the_host(tmp_path):
 def test_sbatch_rejects_an_unknown_runtime_or_a_missing_image(tmp_path):
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SAO_", "SLURM_"))}
     base.update(SAO_DRY_RUN="1", SAO_NODES="n1", SAO_LOG_DIR=str(tmp_path))
-    for extra, message in (({"SAO_CONTAINER_RUNTIME": "docker"}, "use none, pyxis or apptainer"),
-                           ({"SAO_CONTAINER_RUNTIME": "pyxis"}, "needs SAO_CONTAINER_IMAGE")):  # fmt: skip
-        out = subprocess.run(["bash", str(submit.SBATCH_SCRIPT), "cfg.yaml"], env={**base, **extra},
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    for extra, message in (
+        ({"SAO_CONTAINER_RUNTIME": "docker"}, "use none, pyxis or apptainer"),
+        ({"SAO_CONTAINER_RUNTIME": "pyxis"}, "needs SAO_CONTAINER_IMAGE"),
+    ):
+        out = subprocess.run(
+            ["bash", str(submit.SBATCH_SCRIPT), "cfg.yaml"],
+            env={**base, **extra},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
 def test_a_restarted_job_logs_into_its_own_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAO_", "SLURM_"))}
-    env.update(
-        SAO_DRY_RUN="1", SAO_NODES="n1", SAO_LOG_DIR=str(tmp_path), SLURM_JOB_ID="42", SLURM_RESTART_COUNT="2"
+    env.update(SAO_DRY_RUN="1", SAO_NODES="n1", SAO_LOG_DIR=str(tmp_path), SLURM_JOB_ID="42", SLURM_RESTART_COUNT="2")
+    out = subprocess.run(
+        ["bash", str(submit.SBATCH_SCRIPT), "cfg.yaml"], env=env, capture_output=True, text=True, timeout=60
     )
-    out = subprocess.run(["bash", str(submit.SBATCH_SCRIPT), "cfg.yaml"], env=env, capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert f"export SAO_JOB_LOG_DIR={tmp_path}/job-42-restart2" in out.stdout.splitlines()
 
 
 def test_cli_dry_run_prints_everything_and_config_errors_exit_2(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAO_", "SLURM_"))}
-    cmd = [sys.executable, "-m", "sao_megatron.cli", "submit", BIG, PYXIS, "cluster.env={NCCL_IB_HCA: mlx5}",
-           f"run.run_dir={tmp_path}/run", "--dry-run"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sao_megatron.cli",
+        "submit",
+        BIG,
+        PYXIS,
+        "cluster.env={NCCL_IB_HCA: mlx5}",
+        f"run.run_dir={tmp_path}/run",
+        "--dry-run",
+    ]
     out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for needle in ("--requeue", "--signal=B:USR1@419", "--container-image=", "export NCCL_IB_HCA=mlx5",
-                   "--nodes=96", "sao train --resume-if-present"):  # fmt: skip
+    for needle in (
+        "--requeue",
+        "--signal=B:USR1@419",
+        "--container-image=",
+        "export NCCL_IB_HCA=mlx5",
+        "--nodes=96",
+        "sao train --resume-if-present",
+    ):
         assert needle in out.stdout, needle
-    bad = subprocess.run([*cmd[:4], "cluster.container.runtime=pyxis", "--dry-run"], cwd=REPO_ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    bad = subprocess.run(
+        [*cmd[:4], "cluster.container.runtime=pyxis", "--dry-run"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2
     assert "config error: cluster.container.runtime=pyxis needs cluster.container.image" in bad.stderr
 

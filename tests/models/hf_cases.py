@@ -26,39 +26,154 @@ VOCAB, SEQ, BATCH = 128, 16, 2
 _COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
 # name -> (HF config kwargs, save_pretrained max_shard_size or None for one file)
 SHAPES: dict[str, tuple[dict, str | None]] = {
-    "moe_gqa2": (dict(arch="moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                      num_hidden_layers=2, rope_theta=10000.0), "60KB"),
-    "moe_step2_top3": (dict(arch="moe", hidden_size=48, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
-                            intermediate_size=80, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3,
-                            num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3],
-                            rope_theta=1000000.0), None),
-    "dense_tied": (dict(arch="dense", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                        intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True), "40KB"),
-    "dense_gqa3": (dict(arch="dense", hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                        intermediate_size=64, num_hidden_layers=2), None),
+    "moe_gqa2": (
+        dict(
+            arch="moe",
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            rope_theta=10000.0,
+        ),
+        "60KB",
+    ),
+    "moe_step2_top3": (
+        dict(
+            arch="moe",
+            hidden_size=48,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=12,
+            intermediate_size=80,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=3,
+            num_hidden_layers=4,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            rope_theta=1000000.0,
+        ),
+        None,
+    ),
+    "dense_tied": (
+        dict(
+            arch="dense",
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+        ),
+        "40KB",
+    ),
+    "dense_gqa3": (
+        dict(
+            arch="dense",
+            hidden_size=48,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            num_hidden_layers=2,
+        ),
+        None,
+    ),
     # Routing variants (issue 11): one 2-rank layout each besides the single rank.
-    "moe_no_renorm": (dict(arch="moe", norm_topk_prob=False, hidden_size=32, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
-                           num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, layouts=["ep2"]), None),
-    "moe_top1": (dict(arch="moe", norm_topk_prob=False, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
-                      num_experts_per_tok=1, num_hidden_layers=2, layouts=["ep2"]), None),
-    "moe_top1_renorm": (dict(arch="moe", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                             intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1,
-                             num_hidden_layers=2, layouts=["tp2"]), None),
+    "moe_no_renorm": (
+        dict(
+            arch="moe",
+            norm_topk_prob=False,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            layouts=["ep2"],
+        ),
+        None,
+    ),
+    "moe_top1": (
+        dict(
+            arch="moe",
+            norm_topk_prob=False,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            num_hidden_layers=2,
+            layouts=["ep2"],
+        ),
+        None,
+    ),
+    "moe_top1_renorm": (
+        dict(
+            arch="moe",
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            num_hidden_layers=2,
+            layouts=["tp2"],
+        ),
+        None,
+    ),
     # Qwen2-MoE: q/k/v biases, no q/k norm, gated shared expert, no renormalisation (its default).
-    "qwen2_moe": (dict(arch="qwen2_moe", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                       num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, decoder_sparse_step=1,
-                       layouts=["tp2", "ep2"]), "20KB"),
-    "qwen2_moe_renorm_top1": (dict(arch="qwen2_moe", norm_topk_prob=True, hidden_size=32, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=48, moe_intermediate_size=16,
-                                   shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=1,
-                                   num_hidden_layers=2, mlp_only_layers=[0], layouts=["ep2"]), None),
-}  # fmt: skip
-LAYOUTS = {"single": {}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2},
-           "pp2": {"pipeline_parallel": 2}}  # fmt: skip
+    "qwen2_moe": (
+        dict(
+            arch="qwen2_moe",
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            decoder_sparse_step=1,
+            layouts=["tp2", "ep2"],
+        ),
+        "20KB",
+    ),
+    "qwen2_moe_renorm_top1": (
+        dict(
+            arch="qwen2_moe",
+            norm_topk_prob=True,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            num_hidden_layers=2,
+            mlp_only_layers=[0],
+            layouts=["ep2"],
+        ),
+        None,
+    ),
+}
+LAYOUTS = {"single": {}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2}, "pp2": {"pipeline_parallel": 2}}
 
 
 def layouts_of(shape: str) -> list[str]:
@@ -70,9 +185,7 @@ def layouts_of(shape: str) -> list[str]:
     if "layouts" in kw:
         return ["single", *kw["layouts"]]
     return [
-        k
-        for k in LAYOUTS
-        if (k != "ep2" or kw["arch"] == "moe") and (k != "pp2" or not kw.get("tie_word_embeddings"))
+        k for k in LAYOUTS if (k != "ep2" or kw["arch"] == "moe") and (k != "pp2" or not kw.get("tie_word_embeddings"))
     ]
 
 
@@ -145,9 +258,7 @@ def write_big_checkpoint(directory: Path, m: ModelConfig, shard_bytes: int = 48 
     """A random HF checkpoint of ``m`` (float32, sharded) written without transformers; returns bytes."""
     directory.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
-    specs = [
-        hf_io.TensorSpec(n, hf_bridge.hf_shape(n, m), torch.float32) for n in hf_bridge.expected_hf_names(m)
-    ]
+    specs = [hf_io.TensorSpec(n, hf_bridge.hf_shape(n, m), torch.float32) for n in hf_bridge.expected_hf_names(m)]
     writer = hf_io.ShardWriter(directory, specs, shard_bytes)
     for spec in specs:
         writer.write(spec.name, torch.randn(spec.shape, generator=g) * 0.05)
@@ -157,10 +268,20 @@ def write_big_checkpoint(directory: Path, m: ModelConfig, shard_bytes: int = 48 
 
 
 MEMORY_MODEL = ModelConfig(
-    name="mem", num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, head_dim=64,
-    ffn_hidden_size=512, vocab_size=1024, num_experts=16, moe_router_topk=2, moe_ffn_hidden_size=1024,
-    max_position_embeddings=256, rope_theta=10000.0,
-)  # fmt: skip
+    name="mem",
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=64,
+    ffn_hidden_size=512,
+    vocab_size=1024,
+    num_experts=16,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=1024,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,9 +340,18 @@ def case_memory(rank, world, hf_dir: str) -> dict:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     checksum = float(sum(q.detach().double().sum() for q in model.parameters()))
     del model
-    return {"base": base, "build_peak": build_peak, "after_build": after_build, "peak": peak.peak, "shard": shard,
-            "maxrss_before": maxrss_before, "maxrss": maxrss, "bytes_read": stats.extra["bytes_read"],
-            "checksum": checksum, "load_s": stats.seconds}  # fmt: skip
+    return {
+        "base": base,
+        "build_peak": build_peak,
+        "after_build": after_build,
+        "peak": peak.peak,
+        "shard": shard,
+        "maxrss_before": maxrss_before,
+        "maxrss": maxrss,
+        "bytes_read": stats.extra["bytes_read"],
+        "checksum": checksum,
+        "load_s": stats.seconds,
+    }
 
 
 def _forward_logits(model, p: ParallelConfig, toks: torch.Tensor) -> torch.Tensor | None:
@@ -243,9 +373,15 @@ def _forward_logits(model, p: ParallelConfig, toks: torch.Tensor) -> torch.Tenso
 
             return output, loss_func
 
-        get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[model],
-                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH,
-                                    forward_only=True)  # fmt: skip
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter([None]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            forward_only=True,
+        )
         logits = captured[0] if captured else None
     else:
         logits = model(toks, positions, attention_mask=None).detach()
@@ -276,8 +412,9 @@ def case_parity(rank, world, root: str, shape: str, layout_name: str) -> dict:
     if logits is not None:
         reference = torch.load(root_path / "reference.pt")[shape]
         out["logits"] = (logits - reference).abs().max().item()
-    save_hf_checkpoint(model, m, root_path / "export" / f"{shape}-{layout_name}", template=hf_dir,
-                       max_shard_bytes=50_000)  # fmt: skip
+    save_hf_checkpoint(
+        model, m, root_path / "export" / f"{shape}-{layout_name}", template=hf_dir, max_shard_bytes=50_000
+    )
     if layout_name == "pp2":  # the parallel weight sync's stream: each stage to its own sender
         out["per_stage"] = _per_stage_stream(model, m, root_path / "per_stage" / f"{shape}-rank{rank}.pt")
     if layout_name in ("ep2", "tp2"):
@@ -286,8 +423,13 @@ def case_parity(rank, world, root: str, shape: str, layout_name: str) -> dict:
         sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
         over = [s for s in sizes if s > bucket_bytes]
         names = [n for b in buckets for n, _ in b]
-        out["buckets"] = {"count": len(buckets), "nonempty": sum(1 for b in buckets if b), "over": over,
-                          "names": names, "unique": len(set(names)) == len(names)}  # fmt: skip
+        out["buckets"] = {
+            "count": len(buckets),
+            "nonempty": sum(1 for b in buckets if b),
+            "over": over,
+            "names": names,
+            "unique": len(set(names)) == len(names),
+        }
     return out
 
 
@@ -303,10 +445,13 @@ def _per_stage_stream(model, m, out_file: Path) -> dict:
     got = list(prefetched(stream.buckets(bucket_bytes)))
     out_file.parent.mkdir(parents=True, exist_ok=True)
     torch.save({n: t.clone() for b in got for n, t in b}, out_file)
-    return {"senders": stream.senders, "stage": stream.stage,
-            "planned": [[(t.name, list(t.shape), str(t.dtype)) for t in b] for b in plan[stream.stage]],
-            "got": [[(n, list(t.shape), str(t.dtype)) for n, t in b] for b in got],
-            "other_stages": [[t.name for b in stage for t in b] for stage in plan]}  # fmt: skip
+    return {
+        "senders": stream.senders,
+        "stage": stream.stage,
+        "planned": [[(t.name, list(t.shape), str(t.dtype)) for t in b] for b in plan[stream.stage]],
+        "got": [[(n, list(t.shape), str(t.dtype)) for n, t in b] for b in got],
+        "other_stages": [[t.name for b in stage for t in b] for stage in plan],
+    }
 
 
 def case_corrupt(rank, world, hf_dir: str) -> dict:

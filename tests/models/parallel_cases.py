@@ -171,9 +171,7 @@ def case_pp(rank, world):
     setup(world, pipeline_parallel=2)
     model = build_gpt(m, ParallelConfig(world_size=world, pipeline_parallel=2))
     layout.load_full(model, full)
-    micro = iter(
-        [(tokens[i * mbs : (i + 1) * mbs], positions[i * mbs : (i + 1) * mbs]) for i in range(n_micro)]
-    )
+    micro = iter([(tokens[i * mbs : (i + 1) * mbs], positions[i * mbs : (i + 1) * mbs]) for i in range(n_micro)])
 
     def forward_step(data_iterator, model):
         t, pos = next(data_iterator)
@@ -197,8 +195,12 @@ def case_pp(rank, world):
     )
     grads = layout.gather_full(model, select=lambda p: p.grad)
     grad_diff, where = max_diff(grads, ref_grads)
-    out = {"grads": grad_diff, "worst_grad": where, "stage": ps.get_pipeline_model_parallel_rank(),
-           "n_params": len(grads)}  # fmt: skip
+    out = {
+        "grads": grad_diff,
+        "worst_grad": where,
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "n_params": len(grads),
+    }
     if ps.is_pipeline_last_stage():
         out["loss"] = abs(sum(x["loss"].item() for x in losses) / n_micro - ref_loss)
     return out

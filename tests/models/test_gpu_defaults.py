@@ -51,8 +51,9 @@ def test_none_knobs_follow_transformer_engine(monkeypatch, te):
 
 def test_explicit_values_override_transformer_engine(monkeypatch):
     _te(monkeypatch, True)
-    off = ParallelConfig(fusions=False, selective_recompute=False, overlap_grad_reduce=False,
-                         overlap_param_gather=False)  # fmt: skip
+    off = ParallelConfig(
+        fusions=False, selective_recompute=False, overlap_grad_reduce=False, overlap_param_gather=False
+    )
     assert resolved(off) == builder.PerfKnobs(True, False, False, False, False)
     _te(monkeypatch, False)
     on = ParallelConfig(selective_recompute=True, overlap_grad_reduce=True, overlap_param_gather=True)
@@ -69,10 +70,16 @@ def test_fusion_kwargs_under_transformer_engine(monkeypatch):
     m = _model()
     _te(monkeypatch, True)
     assert fusion_kwargs(m, resolved(ParallelConfig())) == dict(
-        apply_rope_fusion=True, bias_activation_fusion=True, bias_dropout_fusion=True,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        moe_grouped_gemm=True, moe_permute_fusion=True, moe_router_fusion=True,
-    )  # fmt: skip
+        apply_rope_fusion=True,
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        moe_grouped_gemm=True,
+        moe_permute_fusion=True,
+        moe_router_fusion=True,
+    )
     _te(monkeypatch, True, te_version="2.5.0", apex=True)  # router fusion needs TE >= 2.7
     k = fusion_kwargs(m, resolved(ParallelConfig()))
     assert k["gradient_accumulation_fusion"] and k["moe_permute_fusion"] and not k["moe_router_fusion"]
@@ -99,9 +106,17 @@ def test_recompute_modules(monkeypatch):
 
 def test_transformer_config_fields(monkeypatch):
     m = _model()
-    fused = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
-             "gradient_accumulation_fusion", "persist_layer_norm", "moe_grouped_gemm", "moe_permute_fusion",
-             "moe_router_fusion")  # fmt: skip
+    fused = (
+        "apply_rope_fusion",
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "masked_softmax_fusion",
+        "gradient_accumulation_fusion",
+        "persist_layer_norm",
+        "moe_grouped_gemm",
+        "moe_permute_fusion",
+        "moe_router_fusion",
+    )
     _te(monkeypatch, False)  # CPU defaults: as before these knobs existed
     c = builder.transformer_config(m, ParallelConfig())
     assert not any(getattr(c, f) for f in fused) and c.recompute_granularity is None
@@ -131,18 +146,17 @@ def test_ddp_config(monkeypatch, te):
 
 
 def test_config_rejects_impossible_combinations():
-    with pytest.raises(ConfigError, match=r"actor\.parallel\.overlap_param_gather=true needs "
-                                          r"actor\.parallel\.use_distributed_optimizer=true"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"actor\.parallel\.overlap_param_gather=true needs "
+        r"actor\.parallel\.use_distributed_optimizer=true",
+    ):
         load_config(
             None,
             ["actor.parallel.overlap_param_gather=true", "actor.parallel.use_distributed_optimizer=false"],
         )
-    with pytest.raises(
-        ConfigError, match=r"critic\.parallel\.selective_recompute=true with recompute_activations"
-    ):
-        load_config(
-            None, ["critic.parallel.selective_recompute=true", "critic.parallel.recompute_activations=true"]
-        )
+    with pytest.raises(ConfigError, match=r"critic\.parallel\.selective_recompute=true with recompute_activations"):
+        load_config(None, ["critic.parallel.selective_recompute=true", "critic.parallel.recompute_activations=true"])
     load_config(None, ["actor.parallel.overlap_param_gather=true", "actor.parallel.fusions=false"])
 
 
@@ -180,7 +194,7 @@ def test_canonical_names_map_te_specs_onto_the_local_spec():
         CriticConfig(),
         CriticConfig(freeze_patterns=[r"\.self_attention\.", r"\.experts\."], train_patterns=["fc2"]),
         CriticConfig(freeze_patterns=["layernorm"]),
-    ],  # fmt: skip
+    ],
     ids=["default", "experts_fc2", "norms"],
 )
 def test_frozen_set_is_the_same_on_both_specs(critic):
@@ -243,8 +257,12 @@ def _weights_after_steps(overlap: bool, sizes: tuple[int, ...]) -> tuple[list[di
     from sao_megatron.workers.common import coordinates
     from tests.workers.worker_cases import config, trajectories
 
-    knobs = {"micro_batch_size": 1, "use_distributed_optimizer": True, "overlap_grad_reduce": overlap,
-             "overlap_param_gather": overlap}  # fmt: skip
+    knobs = {
+        "micro_batch_size": 1,
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": overlap,
+        "overlap_param_gather": overlap,
+    }
     cfg = config(2, **{f"actor.parallel.{k}": v for k, v in knobs.items()}, **{"actor.optim.clip_grad": 1e6})
     actor = ActorWorker(cfg)
     wired = actor.role.config.no_sync_func is not None
@@ -275,8 +293,11 @@ def _overlap_world(rank, world):
     def diff(a, b):
         return max((a[k] - b[k]).abs().max().item() for k in a)
 
-    return {"synced": [diff(s, r) for s, r in zip(synced, ref, strict=True)],
-            "raw": [diff(s, r) for s, r in zip(raw, ref, strict=True)], "wired": wired}  # fmt: skip
+    return {
+        "synced": [diff(s, r) for s, r in zip(synced, ref, strict=True)],
+        "raw": [diff(s, r) for s, r in zip(raw, ref, strict=True)],
+        "wired": wired,
+    }
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,21 @@ from sao_megatron.models import hf_bridge as bridge
 from sao_megatron.models import layout
 
 MOE = ModelConfig(
-    name="t", num_layers=3, hidden_size=8, num_attention_heads=4, num_query_groups=2, head_dim=4,
-    ffn_hidden_size=12, vocab_size=16, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=6,
-    dense_layers=[1], moe_shared_expert_intermediate_size=10,
-)  # fmt: skip
-DENSE_TIED = dataclasses.replace(
-    MOE, num_experts=0, moe_shared_expert_intermediate_size=0, tie_word_embeddings=True
+    name="t",
+    num_layers=3,
+    hidden_size=8,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=4,
+    ffn_hidden_size=12,
+    vocab_size=16,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=6,
+    dense_layers=[1],
+    moe_shared_expert_intermediate_size=10,
 )
+DENSE_TIED = dataclasses.replace(MOE, num_experts=0, moe_shared_expert_intermediate_size=0, tie_word_embeddings=True)
 # Qwen2-MoE: q/k/v biases, no q/k norm, gated shared expert.
 QWEN2_MOE = dataclasses.replace(MOE, qk_layernorm=False, add_qkv_bias=True, moe_shared_expert_gate=True)
 
@@ -30,8 +38,11 @@ def random_hf_state(m: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 def test_qkv_is_interleaved_per_query_group_hand_computed():
     m = dataclasses.replace(MOE, hidden_size=1, head_dim=1)
     pre = "model.layers.0.self_attn."
-    hf = {pre + "q_proj.weight": torch.tensor([[0.0], [1], [2], [3]]),
-          pre + "k_proj.weight": torch.tensor([[10.0], [11]]), pre + "v_proj.weight": torch.tensor([[20.0], [21]])}  # fmt: skip
+    hf = {
+        pre + "q_proj.weight": torch.tensor([[0.0], [1], [2], [3]]),
+        pre + "k_proj.weight": torch.tensor([[10.0], [11]]),
+        pre + "v_proj.weight": torch.tensor([[20.0], [21]]),
+    }
     qkv = bridge.from_hf("decoder.layers.0.self_attention.linear_qkv.weight", m, hf.__getitem__)
     # [ng=2, (np/ng=2 q heads + k + v), head_dim=1, hidden=1]
     assert qkv.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
@@ -43,8 +54,11 @@ def test_qkv_is_interleaved_per_query_group_hand_computed():
 def test_qkv_bias_is_interleaved_like_the_weight():
     m = dataclasses.replace(QWEN2_MOE, head_dim=1)
     pre = "model.layers.0.self_attn."
-    hf = {pre + "q_proj.bias": torch.tensor([0.0, 1, 2, 3]), pre + "k_proj.bias": torch.tensor([10.0, 11]),
-          pre + "v_proj.bias": torch.tensor([20.0, 21])}  # fmt: skip
+    hf = {
+        pre + "q_proj.bias": torch.tensor([0.0, 1, 2, 3]),
+        pre + "k_proj.bias": torch.tensor([10.0, 11]),
+        pre + "v_proj.bias": torch.tensor([20.0, 21]),
+    }
     bias = bridge.from_hf("decoder.layers.0.self_attention.linear_qkv.bias", m, hf.__getitem__)
     assert bias.tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
     back = dict(bridge.to_hf("decoder.layers.0.self_attention.linear_qkv.bias", bias, m))
@@ -59,9 +73,7 @@ def test_qkv_bias_is_interleaved_like_the_weight():
 
 def test_glu_and_expert_layouts():
     hf = random_hf_state(MOE)
-    fc1 = bridge.from_hf(
-        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", MOE, hf.__getitem__
-    )
+    fc1 = bridge.from_hf("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", MOE, hf.__getitem__)
     gate, up = (
         hf["model.layers.0.mlp.experts.3.gate_proj.weight"],
         hf["model.layers.0.mlp.experts.3.up_proj.weight"],
@@ -69,15 +81,11 @@ def test_glu_and_expert_layouts():
     assert torch.equal(fc1, torch.cat([gate, up]))
     shared = bridge.from_hf("decoder.layers.2.mlp.shared_experts.linear_fc1.weight", MOE, hf.__getitem__)
     assert torch.equal(shared[:10], hf["model.layers.2.mlp.shared_expert.gate_proj.weight"])
-    assert bridge.hf_names("decoder.layers.1.mlp.linear_fc2.weight", MOE) == [
-        "model.layers.1.mlp.down_proj.weight"
-    ]
+    assert bridge.hf_names("decoder.layers.1.mlp.linear_fc2.weight", MOE) == ["model.layers.1.mlp.down_proj.weight"]
     assert bridge.hf_names("decoder.layers.0.mlp.router.weight", MOE) == ["model.layers.0.mlp.gate.weight"]
 
 
-@pytest.mark.parametrize(
-    "m", [MOE, DENSE_TIED, QWEN2_MOE], ids=["moe_shared_dense_layer", "dense_tied", "qwen2_moe"]
-)
+@pytest.mark.parametrize("m", [MOE, DENSE_TIED, QWEN2_MOE], ids=["moe_shared_dense_layer", "dense_tied", "qwen2_moe"])
 @pytest.mark.parametrize("spec", ["local", "te", "te_grouped"])
 def test_round_trip_is_bit_exact_for_every_spec(m, spec):
     hf = random_hf_state(m)
@@ -95,14 +103,13 @@ def test_te_names_map_to_the_same_hf_tensors():
         names["decoder.layers.0.input_layernorm.weight"]
         == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
     )
-    assert (
-        names["decoder.layers.1.pre_mlp_layernorm.weight"]
-        == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
-    )
+    assert names["decoder.layers.1.pre_mlp_layernorm.weight"] == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
     for local, te in names.items():
         assert bridge.hf_names(local, MOE) == bridge.hf_names(te, MOE)
     assert bridge.hf_names("decoder.layers.2.mlp.experts.linear_fc1.weight3", MOE) == [
-        "model.layers.2.mlp.experts.3.gate_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight"]  # fmt: skip
+        "model.layers.2.mlp.experts.3.gate_proj.weight",
+        "model.layers.2.mlp.experts.3.up_proj.weight",
+    ]
 
 
 def test_tied_head_reads_the_embedding_and_is_not_exported():
@@ -144,11 +151,24 @@ def _fake_tp(monkeypatch, size: int, rank: int) -> None:
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_local_reads_equal_layout_shard(monkeypatch, tp_size):
     """Reading a rank's HF slices gives exactly ``layout.shard`` of the full tensor."""
-    m = dataclasses.replace(QWEN2_MOE, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=16,
-                            moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=8)  # fmt: skip
+    m = dataclasses.replace(
+        QWEN2_MOE,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=16,
+        moe_ffn_hidden_size=8,
+        moe_shared_expert_intermediate_size=8,
+    )
     hf = random_hf_state(m)
-    partition = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_proj.weight": 1, "linear_fc1.weight": 0, "linear_fc2.weight": 1,
-                 "word_embeddings.weight": 0, "output_layer.weight": 0}  # fmt: skip
+    partition = {
+        "linear_qkv.weight": 0,
+        "linear_qkv.bias": 0,
+        "linear_proj.weight": 1,
+        "linear_fc1.weight": 0,
+        "linear_fc2.weight": 1,
+        "word_embeddings.weight": 0,
+        "output_layer.weight": 0,
+    }
     for name in bridge.mcore_names(m):
         full = bridge.from_hf(name, m, hf.__getitem__)
         dim = next((d for k, d in partition.items() if name.endswith(k)), None)

@@ -15,9 +15,18 @@ from sao_megatron.models.hf_io import CheckpointError, HFCheckpoint, ShardWriter
 from tests.models.hf_cases import write_big_checkpoint
 
 TINY = ModelConfig(
-    name="tiny", num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, head_dim=4,
-    ffn_hidden_size=24, vocab_size=32, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8,
-)  # fmt: skip
+    name="tiny",
+    num_layers=2,
+    hidden_size=16,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=4,
+    ffn_hidden_size=24,
+    vocab_size=32,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=8,
+)
 LAYOUT = ParallelConfig(world_size=1)
 
 
@@ -33,8 +42,9 @@ def _index(directory):
 
 def test_streamed_shards_read_back_exactly(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {f"t{i}": torch.randn(5, 7 + i, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
-               for i in range(6)}  # fmt: skip
+    tensors = {
+        f"t{i}": torch.randn(5, 7 + i, generator=g).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(6)
+    }
     specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
     writer = ShardWriter(tmp_path, specs, max_shard_bytes=200)
     for k, v in tensors.items():
@@ -59,9 +69,7 @@ def test_single_file_and_fused_expert_slab(tmp_path):
 
 
 def test_writer_refuses_out_of_plan_tensors(tmp_path):
-    writer = ShardWriter(
-        tmp_path, [TensorSpec("a", (2,), torch.float32), TensorSpec("b", (2,), torch.float32)], 64
-    )
+    writer = ShardWriter(tmp_path, [TensorSpec("a", (2,), torch.float32), TensorSpec("b", (2,), torch.float32)], 64)
     with pytest.raises(ValueError, match="'b' \\[3\\] torch.float32 arrived where 'a' \\[2\\]"):
         writer.write("b", torch.zeros(3))
     writer.write("a", torch.zeros(2))
@@ -105,9 +113,7 @@ def test_tensor_absent_from_its_file(ckpt):
 
 def test_wrong_shape_names_tensor_file_and_shapes(ckpt):
     file = _rewrite(ckpt, NAME, lambda t: t[:-1])
-    with pytest.raises(
-        CheckpointError, match=rf"'{NAME}' in {file} has shape \[7, 16\], .* expects \[8, 16\]"
-    ):
+    with pytest.raises(CheckpointError, match=rf"'{NAME}' in {file} has shape \[7, 16\], .* expects \[8, 16\]"):
         check_hf_checkpoint(ckpt, TINY)
 
 
@@ -128,12 +134,8 @@ def test_extra_tensor_means_another_config(ckpt):
     extra = "model.layers.0.mlp.shared_expert.gate_proj.weight"
     _rewrite(ckpt, NAME, lambda t: t)
     save_file({extra: torch.zeros(8, 16)}, ckpt / "extra.safetensors")
-    (ckpt / hf_io.INDEX_FILE).write_text(
-        json.dumps({"weight_map": {**_index(ckpt), extra: "extra.safetensors"}})
-    )
-    with pytest.raises(
-        CheckpointError, match=rf"does not describe, e.g. '{extra}' in {ckpt / 'extra.safetensors'}"
-    ):
+    (ckpt / hf_io.INDEX_FILE).write_text(json.dumps({"weight_map": {**_index(ckpt), extra: "extra.safetensors"}}))
+    with pytest.raises(CheckpointError, match=rf"does not describe, e.g. '{extra}' in {ckpt / 'extra.safetensors'}"):
         check_hf_checkpoint(ckpt, TINY)
 
 

@@ -13,10 +13,20 @@ from sao_megatron.models import hf_io
 from tests.models.hf_cases import write_big_checkpoint
 
 MODEL = ModelConfig(
-    name="cli", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, head_dim=8,
-    ffn_hidden_size=48, vocab_size=64, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
-    dense_layers=[0], rope_theta=10000.0,
-)  # fmt: skip
+    name="cli",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=8,
+    ffn_hidden_size=48,
+    vocab_size=64,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+    dense_layers=[0],
+    rope_theta=10000.0,
+)
 
 
 def _state(directory):
@@ -30,9 +40,7 @@ def converted(tmp_path_factory):
     (root / "hf" / "generation_config.json").write_text(json.dumps({"do_sample": True}))
     (root / "hf" / "tokenizer.json").write_text("{}")
     rc1 = main(["convert", "hf-to-mcore", str(root / "hf"), str(root / "mcore"), "--world", "2", "--ep", "2"])
-    rc2 = main(
-        ["convert", "mcore-to-hf", str(root / "mcore"), str(root / "back"), "--max-shard-gb", "0.00002"]
-    )
+    rc2 = main(["convert", "mcore-to-hf", str(root / "mcore"), str(root / "back"), "--max-shard-gb", "0.00002"])
     return root, rc1, rc2
 
 
@@ -42,9 +50,7 @@ def test_round_trip_through_torch_dist_is_bit_exact(converted, capsys):
     original, back = _state(root / "hf"), _state(root / "back")
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[k], v) for k, v in original.items())
-    assert (
-        len(list((root / "back").glob("*.safetensors"))) > 1 and (root / "back" / hf_io.INDEX_FILE).exists()
-    )
+    assert len(list((root / "back").glob("*.safetensors"))) > 1 and (root / "back" / hf_io.INDEX_FILE).exists()
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         assert (root / "back" / name).exists(), name
     assert json.loads((root / "back" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
@@ -68,8 +74,5 @@ def test_refusals_exit_1_without_writing(converted, capsys):
     other.mkdir()
     config = json.loads((root / "hf" / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
-    assert (
-        main(["convert", "mcore-to-hf", str(root / "mcore"), str(root / "x"), "--hf-template", str(other)])
-        == 1
-    )
+    assert main(["convert", "mcore-to-hf", str(root / "mcore"), str(root / "x"), "--hf-template", str(other)]) == 1
     assert "disagrees" in capsys.readouterr().err and not (root / "x").exists()

@@ -16,14 +16,26 @@ def make_tiny_hf(out_dir: Path, seed: int = 0, std: float = 0.05) -> Path:
     m = load_config().model
     tok = load_tokenizer()
     cfg = Qwen3MoeConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups, head_dim=m.head_dim,
-        max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=False,
-        num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk, moe_intermediate_size=m.moe_ffn_hidden_size,
-        decoder_sparse_step=1, norm_topk_prob=True, rope_theta=m.rope_theta, rms_norm_eps=m.norm_epsilon,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups,
+        head_dim=m.head_dim,
+        max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=False,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.moe_router_topk,
+        moe_intermediate_size=m.moe_ffn_hidden_size,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        rope_theta=m.rope_theta,
+        rms_norm_eps=m.norm_epsilon,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).float()
     with torch.no_grad():

@@ -16,14 +16,23 @@ class CountingTask(Task):
         return Sample(prompt_id=f"{split}-{index}", question=f"q{index}", answer=str(index))
 
 
-def make_trajectory(prompt_id: str, index: int, version: int = 0, status: Status = "finished",
-                    finished_at: float | None = None) -> Trajectory:  # fmt: skip
+def make_trajectory(
+    prompt_id: str, index: int, version: int = 0, status: Status = "finished", finished_at: float | None = None
+) -> Trajectory:
     return Trajectory(
-        prompt_id=prompt_id, prompt_ids=[2, 3], response_ids=[7, 8, 9], action_mask=[1, 1, 0],
-        behavior_logprobs=[-0.1, -0.2, 0.0], policy_versions=[version, version, -1], turns=[Turn(0, 2)],
-        reward=1.0, status=status, status_reason="" if status != "failed" else "engine: boom",
-        sample_index=index, finished_at=time.time() if finished_at is None else finished_at,
-    )  # fmt: skip
+        prompt_id=prompt_id,
+        prompt_ids=[2, 3],
+        response_ids=[7, 8, 9],
+        action_mask=[1, 1, 0],
+        behavior_logprobs=[-0.1, -0.2, 0.0],
+        policy_versions=[version, version, -1],
+        turns=[Turn(0, 2)],
+        reward=1.0,
+        status=status,
+        status_reason="" if status != "failed" else "engine: boom",
+        sample_index=index,
+        finished_at=time.time() if finished_at is None else finished_at,
+    )
 
 
 class FakeLoop:
@@ -69,8 +78,14 @@ class ScriptedClient:
         self.sampling.append(sampling)
         ids = self.actions[k][: sampling.max_new_tokens]
         reason = self.finish_reasons[k] if k < len(self.finish_reasons) else "stop"
-        return Generation(output_ids=ids, behavior_logprobs=[-0.5] * len(ids), weight_versions=["3"] * len(ids),
-                          finish_reason=reason, prompt_tokens=len(input_ids), latency_s=0.0)  # fmt: skip
+        return Generation(
+            output_ids=ids,
+            behavior_logprobs=[-0.5] * len(ids),
+            weight_versions=["3"] * len(ids),
+            finish_reason=reason,
+            prompt_tokens=len(input_ids),
+            latency_s=0.0,
+        )
 
 
 class SleepyEnv(Env):

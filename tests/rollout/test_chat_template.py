@@ -81,12 +81,16 @@ def test_tiny_agent_loop_keeps_its_ids(tiny):
         old_encode(tiny, "<tool>1+"),  # cut: no <|end|>
         old_encode(tiny, f"<answer>{sample.answer}</answer><|end|>"),
     ]
-    traj, client = run_loop(tiny, "arith_tool", sample, actions, finish_reasons=["stop", "stop", "length", "stop"],
-                             max_turns=4)  # fmt: skip
+    traj, client = run_loop(
+        tiny, "arith_tool", sample, actions, finish_reasons=["stop", "stop", "length", "stop"], max_turns=4
+    )
     assert traj.status == "finished" and traj.reward == 1.0
     assert traj.prompt_ids == old_encode(tiny, render_prompt(sample.question))
-    outputs = [calculator(expr), "Error: malformed action: no <tool> call and no <answer>",
-               "Error: malformed action: unclosed <tool>"]  # fmt: skip
+    outputs = [
+        calculator(expr),
+        "Error: malformed action: no <tool> call and no <answer>",
+        "Error: malformed action: unclosed <tool>",
+    ]
     expected = []
     for action, out in zip(actions, [*outputs, None], strict=True):
         expected += action
@@ -146,18 +150,18 @@ def test_qwen3_first_prompt_is_the_chat_template(qwen3, enable_thinking):
         {"role": "user", "content": sample.question},
     ]
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    expected = qwen3.apply_chat_template(messages, tools=env.tools, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False, **kwargs)  # fmt: skip
+    expected = qwen3.apply_chat_template(
+        messages, tools=env.tools, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+    )
     assert chat.prompt_ids(sample.question) == list(expected)
     text = qwen3.decode(expected)
-    assert '"name": "calculator"' in text and text.endswith("<|im_start|>assistant\n" + (
-        "<think>\n\n</think>\n\n" if enable_thinking is False else ""))  # fmt: skip
+    assert '"name": "calculator"' in text and text.endswith(
+        "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if enable_thinking is False else "")
+    )
     cfg = AgentLoopConfig(**{**CFG.__dict__})
     if enable_thinking is not None:
         object.__setattr__(cfg, "enable_thinking", enable_thinking)  # until the config has the field
-    traj, client = run_loop(
-        qwen3, "arith_tool", sample, [enc(qwen3, "<answer>1</answer><|im_end|>")], cfg=cfg
-    )
+    traj, client = run_loop(qwen3, "arith_tool", sample, [enc(qwen3, "<answer>1</answer><|im_end|>")], cfg=cfg)
     assert traj.prompt_ids == list(expected) == client.inputs[0]
     assert client.sampling[0].stop_token_ids == (qwen3.convert_tokens_to_ids("<|im_end|>"),)
 
@@ -166,18 +170,25 @@ def test_qwen3_canonical_episode_equals_the_whole_conversation(qwen3):
     """Generated text in the template's own form: the trajectory is the template's rendering."""
     sample = arith_sample()
     expr = sample.meta["expression"]
-    texts = [f"<think>\nI use the tool.\n</think>\n\n{call(expr)}",
-             f"<think>\nCheck with another call.\n</think>\n\n{call(expr + '+0')}",
-             f"<think>\nDone.\n</think>\n\n<answer>{sample.answer}</answer>"]  # fmt: skip
+    texts = [
+        f"<think>\nI use the tool.\n</think>\n\n{call(expr)}",
+        f"<think>\nCheck with another call.\n</think>\n\n{call(expr + '+0')}",
+        f"<think>\nDone.\n</think>\n\n<answer>{sample.answer}</answer>",
+    ]
     actions = [enc(qwen3, t + "<|im_end|>") for t in texts]
     traj, client = run_loop(qwen3, "arith_tool", sample, actions, max_turns=4)
     assert traj.status == "finished" and traj.reward == 1.0, traj.status_reason
     assert_token_in_token_out(traj, client)
     env, _ = json_env_chat(qwen3)
-    messages = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": sample.question},
-                {"role": "assistant", "content": texts[0]}, {"role": "tool", "content": calculator(expr)},
-                {"role": "assistant", "content": texts[1]}, {"role": "tool", "content": calculator(expr + "+0")},
-                {"role": "assistant", "content": texts[2]}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": env.system_prompt},
+        {"role": "user", "content": sample.question},
+        {"role": "assistant", "content": texts[0]},
+        {"role": "tool", "content": calculator(expr)},
+        {"role": "assistant", "content": texts[1]},
+        {"role": "tool", "content": calculator(expr + "+0")},
+        {"role": "assistant", "content": texts[2]},
+    ]
     whole = qwen3.apply_chat_template(messages, tools=env.tools, tokenize=True, return_dict=False)
     # the template closes the last turn with "<|im_end|>\n"; the engine stops at <|im_end|>
     assert traj.prompt_ids + traj.response_ids + enc(qwen3, "\n") == list(whole)
@@ -210,12 +221,19 @@ def test_qwen3_rerendering_differences_keep_generated_ids(qwen3):
     assert context.count("<think>\n\n</think>\n\n") == 2  # first prompt and after the tool result
     assert call(expr, compact=True) in context
     env, _ = json_env_chat(qwen3, enable_thinking=False)
-    messages = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": sample.question},
-                {"role": "assistant", "content": "",
-                 "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}]},
-                {"role": "tool", "content": calculator(expr)}]  # fmt: skip
-    rerendered = qwen3.apply_chat_template(messages, tools=env.tools, add_generation_prompt=True, tokenize=False,
-                                           enable_thinking=False)  # fmt: skip
+    messages = [
+        {"role": "system", "content": env.system_prompt},
+        {"role": "user", "content": sample.question},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}],
+        },
+        {"role": "tool", "content": calculator(expr)},
+    ]
+    rerendered = qwen3.apply_chat_template(
+        messages, tools=env.tools, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
     assert rerendered.count("<think>\n\n</think>\n\n") == 1  # the first turn's empty block is gone
     assert call(expr) in rerendered and call(expr, compact=True) not in rerendered
     assert enc(qwen3, rerendered) != traj.prompt_ids + traj.response_ids[: traj.turns[1].start]
@@ -254,7 +272,10 @@ def test_qwen3_demonstrations_tokenise_as_the_agent_loop(qwen3):
     traj, _ = run_loop(qwen3, "arith_tool", sample, actions)
     assert traj.reward == 1.0, traj.status_reason
     assert (traj.prompt_ids, traj.response_ids, traj.action_mask) == (
-        demo.prompt_ids, demo.response_ids, demo.action_mask)  # fmt: skip
+        demo.prompt_ids,
+        demo.response_ids,
+        demo.action_mask,
+    )
     assert qwen3.decode(actions[0]) == env.call_text(sample.meta["expression"]) + "<|im_end|>"
 
 
@@ -295,11 +316,7 @@ def test_reward_faults_fail_the_episode_with_a_reason(qwen3, monkeypatch, fault)
 
     monkeypatch.setattr(ToolEnv, "reward", reward)
     sample = arith_sample()
-    traj, _ = run_loop(
-        qwen3, "arith_tool", sample, [enc(qwen3, f"<answer>{sample.answer}</answer><|im_end|>")]
-    )
+    traj, _ = run_loop(qwen3, "arith_tool", sample, [enc(qwen3, f"<answer>{sample.answer}</answer><|im_end|>")])
     assert traj.status == "failed" and traj.reward == 0.0
-    expected = (
-        "reward: ZeroDivisionError: bad grader" if fault == "raises" else f"reward: non-finite reward {fault}"
-    )
+    expected = "reward: ZeroDivisionError: bad grader" if fault == "raises" else f"reward: non-finite reward {fault}"
     assert traj.status_reason == expected

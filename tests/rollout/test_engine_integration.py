@@ -34,8 +34,9 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(checkpoints, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "engine.log"
-    spec = EngineSpec(model_path=str(checkpoints[0]), port=free_port(), dtype="float32",
-                      max_total_tokens=16384, log_path=str(log))  # fmt: skip
+    spec = EngineSpec(
+        model_path=str(checkpoints[0]), port=free_port(), dtype="float32", max_total_tokens=16384, log_path=str(log)
+    )
     with EngineProcess(spec) as proc:
         yield proc
 
@@ -77,9 +78,7 @@ def test_agent_loop_multi_turn_episode(engine, env_name):
         assert all(traj.policy_versions[i] == 0 for i in range(turn.start, turn.end))
     in_turn = {i for t in traj.turns for i in range(t.start, t.end)}
     observation = [i for i in range(len(traj.response_ids)) if i not in in_turn]
-    assert all(
-        traj.action_mask[i] == 0 and traj.policy_versions[i] == OBSERVATION_VERSION for i in observation
-    )
+    assert all(traj.action_mask[i] == 0 and traj.policy_versions[i] == OBSERVATION_VERSION for i in observation)
     if len(traj.turns) > 1:
         assert observation, "a multi-turn episode has observation tokens between actions"
         text = tokenizer.decode([traj.response_ids[i] for i in observation])
@@ -114,10 +113,7 @@ def test_weight_update_mid_generation_gives_two_versions(engine, checkpoints):
     tries = run(go())
     gen = tries[-1]
     assert len(set(gen.weight_versions)) == 2, [sorted(set(t.weight_versions)) for t in tries]
-    assert (
-        gen.weight_versions[-1] == f"mid{len(tries) - 1}"
-        and gen.weight_versions[0] != gen.weight_versions[-1]
-    )
+    assert gen.weight_versions[-1] == f"mid{len(tries) - 1}" and gen.weight_versions[0] != gen.weight_versions[-1]
 
 
 def test_engine_errors_become_failed_episodes():
@@ -252,13 +248,9 @@ def test_router_proxies_generate(engine, tmp_path):
         routed, own, refused = run(go(router.url))
     assert router.proc.poll() is not None  # stopped with its process group
     assert routed.output_ids == own.output_ids and len(routed.output_ids) == 8
+    assert max(abs(a - b) for a, b in zip(routed.behavior_logprobs, own.behavior_logprobs, strict=True)) <= 1e-4
     assert (
-        max(abs(a - b) for a, b in zip(routed.behavior_logprobs, own.behavior_logprobs, strict=True)) <= 1e-4
-    )
-    assert (
-        routed.weight_versions == own.weight_versions
-        and routed.finish_reason == "length"
-        and routed.prompt_tokens == 5
+        routed.weight_versions == own.weight_versions and routed.finish_reason == "length" and routed.prompt_tokens == 5
     )
     assert refused.status == 404
 
@@ -273,8 +265,14 @@ def test_an_engine_whose_port_was_taken_restarts_on_a_fresh_one(tmp_path, checkp
     squatter = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     taken = squatter.server_address[1]
     threading.Thread(target=squatter.serve_forever, daemon=True).start()  # answers /health with 404
-    spec = EngineSpec(model_path=str(checkpoints[0]), port=taken, dtype="float32", max_total_tokens=2048,
-                      log_path=str(tmp_path / "engine.log"), env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    spec = EngineSpec(
+        model_path=str(checkpoints[0]),
+        port=taken,
+        dtype="float32",
+        max_total_tokens=2048,
+        log_path=str(tmp_path / "engine.log"),
+        env={"OMP_NUM_THREADS": "1"},
+    )
     try:
         with EngineProcess(spec) as engine:
             assert engine.port != taken and spec.port == engine.port

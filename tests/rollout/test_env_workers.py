@@ -30,8 +30,16 @@ from tests.rollout.fakes import CountingTask
 
 CFG = AgentLoopConfig(max_turns=4, max_new_tokens=64, max_response_tokens=1024, max_context_tokens=2048)
 SLEEPY = "tests.rollout.fakes:SleepyEnv"
-SAME = ("prompt_ids", "response_ids", "action_mask", "behavior_logprobs", "policy_versions", "turns", "reward",
-        "correct")  # fmt: skip
+SAME = (
+    "prompt_ids",
+    "response_ids",
+    "action_mask",
+    "behavior_logprobs",
+    "policy_versions",
+    "turns",
+    "reward",
+    "correct",
+)
 
 
 class ArithClient:
@@ -55,8 +63,14 @@ class ArithClient:
             value = int(calculator(expr)) + (len(expr) % 2 if self.skew else 0)
             action = f"<answer>{value}</answer><|end|>"
         ids = self.tokenizer.encode(action, add_special_tokens=False)[: sampling.max_new_tokens]
-        return Generation(output_ids=ids, behavior_logprobs=[-0.5] * len(ids), weight_versions=["1"] * len(ids),
-                          finish_reason="stop", prompt_tokens=len(input_ids), latency_s=0.0)  # fmt: skip
+        return Generation(
+            output_ids=ids,
+            behavior_logprobs=[-0.5] * len(ids),
+            weight_versions=["1"] * len(ids),
+            finish_reason="stop",
+            prompt_tokens=len(input_ids),
+            latency_s=0.0,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -77,22 +91,17 @@ def local_ray():
 @pytest.fixture(scope="module")
 def pool(local_ray):
     """Two workers of two episodes each, on the rollout node group."""
-    pool = asyncio.run(
-        EnvWorkerPool.start(2, episodes_per_worker=2, cpus=0.5, node_group=local_ray, timeout_s=60)
-    )
+    pool = asyncio.run(EnvWorkerPool.start(2, episodes_per_worker=2, cpus=0.5, node_group=local_ray, timeout_s=60))
     yield pool
     pool.shutdown()
 
 
-def run_manager(
-    factory: EnvFactory, loops, task, prompts: int, max_concurrent: int, during=None
-) -> list[Trajectory]:
+def run_manager(factory: EnvFactory, loops, task, prompts: int, max_concurrent: int, during=None) -> list[Trajectory]:
     """``prompts`` episodes through the real manager; ``during(manager)`` runs alongside."""
 
     async def go() -> list[Trajectory]:
         got: list[Trajectory] = []
-        manager = RolloutManager(loops, task, "unused", got.append, max_concurrent=max_concurrent,
-                                 env_factory=factory)  # fmt: skip
+        manager = RolloutManager(loops, task, "unused", got.append, max_concurrent=max_concurrent, env_factory=factory)
         runner = asyncio.ensure_future(manager.run(asyncio.Event(), max_prompts=prompts))
         if during is not None:
             await asyncio.wait_for(during(manager), 60)
@@ -110,9 +119,7 @@ def test_remote_episodes_equal_local_ones_and_every_call_runs_in_a_worker(pool, 
     loops = [AgentLoop(ArithClient(tokenizer), tokenizer, CFG)]  # type: ignore[arg-type]
     task = make_task("arith_tool")
     local = by_index(run_manager(local_env_factory("arith_tool"), loops, task, prompts=12, max_concurrent=6))
-    remote = by_index(
-        run_manager(pool.factory("arith_tool", {}, "tags"), loops, task, prompts=12, max_concurrent=6)
-    )
+    remote = by_index(run_manager(pool.factory("arith_tool", {}, "tags"), loops, task, prompts=12, max_concurrent=6))
     assert sorted(local) == sorted(remote) == list(range(12))
     assert {t.reward for t in local.values()} == {0.0, 1.0}  # both outcomes occur
     for i, want in local.items():
@@ -164,9 +171,7 @@ def test_a_killed_worker_fails_its_episodes_and_the_manager_goes_on(local_ray, t
 
         factory = pool.factory(SLEEPY, {"delay_s": 1.5}, "tags")
         with caplog.at_level(logging.WARNING, logger="sao_megatron.rollout.agent_loop"):
-            got = run_manager(
-                factory, loops, CountingTask(), prompts=8, max_concurrent=4, during=kill_mid_step
-            )
+            got = run_manager(factory, loops, CountingTask(), prompts=8, max_concurrent=4, during=kill_mid_step)
         assert len(got) == 8, "every prompt accounted for"
         failed = [t for t in got if t.status == "failed"]
         finished = [t for t in got if t.status == "finished"]
@@ -187,15 +192,21 @@ def test_a_killed_worker_fails_its_episodes_and_the_manager_goes_on(local_ray, t
 def test_a_pool_that_cannot_be_placed_fails_naming_what_it_needs(local_ray):
     with pytest.raises(RuntimeError, match=r"no node advertises sao_critic.*rollout.env_node_group"):
         asyncio.run(EnvWorkerPool.start(1, node_group="critic", timeout_s=2))
-    with pytest.raises(
-        RuntimeError, match=r"could not place 1 env workers within 2 s: each needs \{'CPU': 64.0\}"
-    ):
+    with pytest.raises(RuntimeError, match=r"could not place 1 env workers within 2 s: each needs \{'CPU': 64.0\}"):
         asyncio.run(EnvWorkerPool.start(1, cpus=64, timeout_s=2))
 
 
 def test_evaluation_runs_its_environments_on_the_pool(pool, tokenizer):
-    cfg = load_config(None, ["rollout.env=arith_tool", "rollout.env_workers=2", "train.eval_prompts=4",
-                             "rollout.loop.max_turns=4", "rollout.loop.max_new_tokens=64"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "rollout.env=arith_tool",
+            "rollout.env_workers=2",
+            "train.eval_prompts=4",
+            "rollout.loop.max_turns=4",
+            "rollout.loop.max_new_tokens=64",
+        ],
+    )
     session = object.__new__(Session)  # no actor or engines: evaluate needs clients, task and pool
     session.cfg, session.tokenizer = cfg, tokenizer
     session.task = make_task("arith_tool")

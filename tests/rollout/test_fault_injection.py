@@ -45,15 +45,19 @@ def tokenizer():
 
 
 def loop_config(timeout_s: float = TIMEOUT_S) -> AgentLoopConfig:
-    return AgentLoopConfig(max_turns=4, max_new_tokens=64, max_response_tokens=1024, max_context_tokens=2048,
-                           env_step_timeout_s=timeout_s)  # fmt: skip
+    return AgentLoopConfig(
+        max_turns=4, max_new_tokens=64, max_response_tokens=1024, max_context_tokens=2048, env_step_timeout_s=timeout_s
+    )
 
 
 def expected_reason(fault: str) -> str:
-    return {"hang": f"environment: tool {TIMED_OUT}", "nan": "reward: non-finite reward nan",
-            "raise_reset": "environment: InjectedFault: injected fault in reset of ",
-            "raise_step": "environment: InjectedFault: injected fault in the tool call of ",
-            "reward_raise": "reward: InjectedFault: injected fault in the reward of "}[fault]  # fmt: skip
+    return {
+        "hang": f"environment: tool {TIMED_OUT}",
+        "nan": "reward: non-finite reward nan",
+        "raise_reset": "environment: InjectedFault: injected fault in reset of ",
+        "raise_step": "environment: InjectedFault: injected fault in the tool call of ",
+        "reward_raise": "reward: InjectedFault: injected fault in the reward of ",
+    }[fault]
 
 
 def test_injected_faults_are_deterministic_and_at_the_set_rates():
@@ -69,9 +73,7 @@ def test_injected_faults_are_deterministic_and_at_the_set_rates():
         injected_fault("x", 0, {"hang_rate": 0.6, "nan_rate": 0.6})
 
 
-def run_faulty(
-    tokenizer, factory: EnvFactory, prompts: int
-) -> tuple[list[Trajectory], ReadyBuffer, RolloutManager]:
+def run_faulty(tokenizer, factory: EnvFactory, prompts: int) -> tuple[list[Trajectory], ReadyBuffer, RolloutManager]:
     """``prompts`` episodes of ``faulty`` through the real manager and agent loop (scripted engine);
     every trajectory handed on is kept and admitted to a ready buffer that never fills."""
 
@@ -84,16 +86,16 @@ def run_faulty(
             buffer.admit(t, 1)
 
         loops = [AgentLoop(ArithClient(tokenizer, skew=False), tokenizer, loop_config())]  # type: ignore[arg-type]
-        manager = RolloutManager(loops, make_task("faulty"), "faulty", finished, max_concurrent=16,
-                                 env_factory=factory)  # fmt: skip
+        manager = RolloutManager(loops, make_task("faulty"), "faulty", finished, max_concurrent=16, env_factory=factory)
         await asyncio.wait_for(manager.run(asyncio.Event(), max_prompts=prompts), 60)
         return got, buffer, manager
 
     return asyncio.run(go())
 
 
-def check_faults(got: list[Trajectory], buffer: ReadyBuffer, manager: RolloutManager, prompts: int,
-                 seed: int) -> tuple[Counter, Counter]:  # fmt: skip
+def check_faults(
+    got: list[Trajectory], buffer: ReadyBuffer, manager: RolloutManager, prompts: int, seed: int
+) -> tuple[Counter, Counter]:
     """Every prompt came back once; exactly the injected faults failed, each with its cause, and
     the manager, buffer and step metrics count them. Returns the faults by kind and by cause."""
     assert sorted(-1 if t.sample_index is None else t.sample_index for t in got) == list(range(prompts)), (
@@ -148,8 +150,10 @@ def test_manager_survives_injected_faults_and_counts_each_exactly(tokenizer):
         "an environment was not closed (once)"
     )
     assert elapsed < 3 * TIMEOUT_S + 10, elapsed  # hung tools cost one time limit each, concurrently
-    print(f"\nfaults injected {dict(kinds)} -> by cause {dict(want)}; survived {len(got) - sum(want.values())}/"
-          f"{prompts}; lost 0; {elapsed:.1f}s")  # fmt: skip
+    print(
+        f"\nfaults injected {dict(kinds)} -> by cause {dict(want)}; survived {len(got) - sum(want.values())}/"
+        f"{prompts}; lost 0; {elapsed:.1f}s"
+    )
 
 
 def test_faults_on_env_workers_are_contained_and_the_workers_slots_freed(tokenizer):
@@ -186,9 +190,7 @@ class SlowEnv(Env):
 
     task_class = CountingTask
 
-    def __init__(
-        self, where: str = "", delay_s: float = 10.0, blocking: bool = False, own_timeout: bool = False
-    ):
+    def __init__(self, where: str = "", delay_s: float = 10.0, blocking: bool = False, own_timeout: bool = False):
         self.where, self.delay_s, self.blocking, self.own_timeout = where, delay_s, blocking, own_timeout
         self.closed = False
 
@@ -234,8 +236,9 @@ def run_one(tokenizer, env: SlowEnv, timeout_s: float) -> tuple[Trajectory, floa
     return traj, time.monotonic() - t0
 
 
-@pytest.mark.parametrize(("where", "reason"), [("reset", "environment: reset"), ("step", "environment: tool"),
-                                               ("reward", "reward:")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("where", "reason"), [("reset", "environment: reset"), ("step", "environment: tool"), ("reward", "reward:")]
+)
 def test_each_environment_call_is_bounded_and_the_env_still_closed(tokenizer, where, reason):
     env = SlowEnv(where, delay_s=30.0)
     traj, elapsed = run_one(tokenizer, env, timeout_s=0.2)
@@ -293,9 +296,19 @@ def test_pipeline_survives_injected_faults_and_its_metrics_count_them(tmp_path):
 
     seed = 42  # each kind of fault occurs among the first 10 prompts
     kwargs = ", ".join(f"{k}: {v}" for k, v in RATES.items())
-    cfg = load_config(None, [*SMALL, "rollout.env=faulty", f"rollout.env_kwargs={{{kwargs}, seed: {seed}, max_turns: 2}}",
-                             "rollout.loop.env_step_timeout_s=1", "train.steps=3", "algo.max_policy_lag=null",
-                             "train.sft_steps=0", "train.eval_every=0"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            "rollout.env=faulty",
+            f"rollout.env_kwargs={{{kwargs}, seed: {seed}, max_turns: 2}}",
+            "rollout.loop.env_step_timeout_s=1",
+            "train.steps=3",
+            "algo.max_policy_lag=null",
+            "train.sft_steps=0",
+            "train.eval_every=0",
+        ],
+    )
     assert cfg.rollout.env_kwargs == {**RATES, "seed": seed, "max_turns": 2}
     finished: list[Trajectory] = []
 
@@ -326,8 +339,7 @@ def test_pipeline_survives_injected_faults_and_its_metrics_count_them(tmp_path):
 
     task = make_task("faulty")
     fault: dict[int | None, str | None] = {
-        i: injected_fault(task.get("train", i).prompt_id, seed, RATES)
-        for i in range(state.cursor["next_index"])
+        i: injected_fault(task.get("train", i).prompt_id, seed, RATES) for i in range(state.cursor["next_index"])
     }
     done = [t.sample_index for t in finished]
     assert len(done) == len(set(done)), "an episode was handed on twice"
@@ -344,9 +356,7 @@ def test_pipeline_survives_injected_faults_and_its_metrics_count_them(tmp_path):
     for r in rl:  # each step's metrics count exactly the faults of the episodes finished by then
         want = Counter(CAUSE[f] for i in done[: log.marks[r["step"]]] if (f := fault[i]))
         got = {
-            k.removeprefix("buffer/dropped_failed/"): v
-            for k, v in r.items()
-            if k.startswith("buffer/dropped_failed/")
+            k.removeprefix("buffer/dropped_failed/"): v for k, v in r.items() if k.startswith("buffer/dropped_failed/")
         }
         assert got == {k: float(v) for k, v in want.items()}, (r["step"], got, want)
         assert r["buffer/dropped_failed"] == sum(want.values())
@@ -369,6 +379,8 @@ def test_pipeline_survives_injected_faults_and_its_metrics_count_them(tmp_path):
     assert stats["dropped_stale"] == stats["dropped_no_actions"] == 0
     accounted = [i for _, i, _ in trained] + waiting + failed + in_flight
     assert sorted(accounted) == list(range(state.cursor["next_index"])), "a prompt was lost or counted twice"
-    print(f"\nsubmitted {state.cursor['next_index']}: trained {len(trained)}, waiting {len(waiting)}, "
-          f"failed {len(failed)} {dict(final)} (kinds {dict(Counter(fault[i] for i in failed))}), in flight at "
-          f"the stop {len(in_flight)}, lost 0; {elapsed:.0f}s")  # fmt: skip
+    print(
+        f"\nsubmitted {state.cursor['next_index']}: trained {len(trained)}, waiting {len(waiting)}, "
+        f"failed {len(failed)} {dict(final)} (kinds {dict(Counter(fault[i] for i in failed))}), in flight at "
+        f"the stop {len(in_flight)}, lost 0; {elapsed:.0f}s"
+    )

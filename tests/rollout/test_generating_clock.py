@@ -17,8 +17,14 @@ class _Clocked(EngineClient):
     async def _call(self, method, endpoint, payload=None, timeout_s=None):
         await asyncio.sleep(self.delay.get(endpoint, 0.0))
         if endpoint == "/generate":
-            return {"output_ids": [5], "meta_info": {"output_token_logprobs": [[-0.1, 5, None]],
-                                                     "finish_reason": {"type": "length"}, "weight_version": "0"}}  # fmt: skip
+            return {
+                "output_ids": [5],
+                "meta_info": {
+                    "output_token_logprobs": [[-0.1, 5, None]],
+                    "finish_reason": {"type": "length"},
+                    "weight_version": "0",
+                },
+            }
         return {}
 
 

@@ -22,8 +22,9 @@ def run_learner(group_size, batches=2, batch_size=4, durations=long_tail):
     async def go():
         buf = ReadyBuffer(batch_size=batch_size, group_size=group_size)
         loop = FakeLoop(durations)
-        manager = RolloutManager([loop], CountingTask(), "arith_tool", lambda t: buf.admit(t, 0),
-                                 group_size=group_size, max_concurrent=16)  # fmt: skip
+        manager = RolloutManager(
+            [loop], CountingTask(), "arith_tool", lambda t: buf.admit(t, 0), group_size=group_size, max_concurrent=16
+        )
         stop = asyncio.Event()
         runner = asyncio.create_task(manager.run(stop))
         taken, in_flight_at_take, t0 = [], [], time.monotonic()
@@ -92,8 +93,9 @@ def test_a_checkpoint_at_hand_off_never_lists_the_handed_episode_for_a_rerun():
         def on_finished(traj):
             seen.append((traj.sample_index, {i for _, i, _ in manager.state_dict()["resubmit"]}))
 
-        manager = RolloutManager([FakeLoop(lambda index, call: 0.01)], CountingTask(), "arith_tool", on_finished,
-                                 max_concurrent=2)  # fmt: skip
+        manager = RolloutManager(
+            [FakeLoop(lambda index, call: 0.01)], CountingTask(), "arith_tool", on_finished, max_concurrent=2
+        )
         await manager.run(asyncio.Event(), max_prompts=6)
 
     asyncio.run(go())
@@ -112,8 +114,7 @@ class FlakyTask(CountingTask):
 def _run_manager(task, env_name="arith_tool", prompts=20, **kwargs):
     async def go():
         got = []
-        manager = RolloutManager([FakeLoop(lambda i, c: 0.0)], task, env_name, got.append, max_concurrent=4,
-                                 **kwargs)  # fmt: skip
+        manager = RolloutManager([FakeLoop(lambda i, c: 0.0)], task, env_name, got.append, max_concurrent=4, **kwargs)
         try:
             await manager.run(asyncio.Event(), max_prompts=prompts)
             return got, None

@@ -37,8 +37,10 @@ class DyingClient(ArithClient):
 def run(retry_from: str, max_retries: int = 2):
     tokenizer = load_tokenizer()
     dying, healthy = DyingClient(tokenizer, die_at=2), ArithClient(tokenizer)
-    loops = [AgentLoop(dying, tokenizer, CFG, engine_name="engine0"),  # type: ignore[arg-type]
-             AgentLoop(healthy, tokenizer, CFG, engine_name="engine1")]  # type: ignore[arg-type]  # fmt: skip
+    loops = [
+        AgentLoop(dying, tokenizer, CFG, engine_name="engine0"),  # type: ignore[arg-type]
+        AgentLoop(healthy, tokenizer, CFG, engine_name="engine1"),
+    ]  # type: ignore[arg-type]
     made = []
     factory = local_env_factory("arith_tool", {"max_turns": 4})
 
@@ -47,12 +49,19 @@ def run(retry_from: str, max_retries: int = 2):
         made.append(env)
         return env
 
-    states = EngineStates(
-        2, on_failure=lambda i, reason: states.mark_down(i)
-    )  # as the session's watchdog would
+    states = EngineStates(2, on_failure=lambda i, reason: states.mark_down(i))  # as the session's watchdog would
     got = []
-    manager = RolloutManager(loops, CountingTask(), "arith_tool", got.append, max_concurrent=1, env_factory=counting,
-                             engines=states, episode_max_retries=max_retries, retry_from=retry_from)  # fmt: skip
+    manager = RolloutManager(
+        loops,
+        CountingTask(),
+        "arith_tool",
+        got.append,
+        max_concurrent=1,
+        env_factory=counting,
+        engines=states,
+        episode_max_retries=max_retries,
+        retry_from=retry_from,
+    )
     asyncio.run(manager.run(asyncio.Event(), max_prompts=1))
     return got, made, states, dying
 
@@ -80,5 +89,10 @@ def test_turn_mode_gives_up_when_the_budget_is_spent():
 
 def test_an_unknown_retry_mode_is_refused():
     with pytest.raises(ValueError, match="use 'scratch' or 'turn'"):
-        RolloutManager([AgentLoop(ArithClient(None), None, CFG)], CountingTask(), "arith_tool", print,  # type: ignore[arg-type]
-                       retry_from="resume")  # fmt: skip
+        RolloutManager(
+            [AgentLoop(ArithClient(None), None, CFG)],
+            CountingTask(),
+            "arith_tool",
+            print,  # type: ignore[arg-type]
+            retry_from="resume",
+        )

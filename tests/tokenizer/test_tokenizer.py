@@ -40,10 +40,16 @@ def test_vocabulary_and_special_ids(tok) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["What is 37*12+5?", "Hello, world! ünïcödé 😀 \n\t tabs  and  spaces",
-     "print(sum(i for i in range(10)))\n",
-     "x = [1, 2]\nif x:\n    print(x[-1] ** 0.5)", "  leading and trailing  ", "\\frac{3}{4} \\sqrt{2}", ""],
-)  # fmt: skip
+    [
+        "What is 37*12+5?",
+        "Hello, world! ünïcödé 😀 \n\t tabs  and  spaces",
+        "print(sum(i for i in range(10)))\n",
+        "x = [1, 2]\nif x:\n    print(x[-1] ** 0.5)",
+        "  leading and trailing  ",
+        "\\frac{3}{4} \\sqrt{2}",
+        "",
+    ],
+)
 def test_round_trip(tok, text: str) -> None:
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
@@ -61,9 +67,7 @@ def test_chat_template_matches_render_for_every_env(tok) -> None:
         text = render_conversation(sample.question, turns)
         assert tok.apply_chat_template(to_messages(sample.question, turns), tokenize=False) == text
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "q"}], tokenize=False, add_generation_prompt=True
-    )
+    prompt = tok.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False, add_generation_prompt=True)
     assert prompt == "<|user|>q<|assistant|>"
 
 
@@ -82,6 +86,8 @@ def test_shipped_assets_equal_a_fresh_training() -> None:
     assert {p.name for p in TOKENIZER_DIR.iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "train_tokenizer.py"), "--check"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

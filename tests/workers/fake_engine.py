@@ -115,8 +115,13 @@ class FakeEngine:
 
         body = await request.json()
         name = body["group_name"]
-        entry = self._record("/init_weights_update_group", group_name=name, rank=body["rank_offset"],
-                             world_size=body["world_size"], backend=body["backend"])  # fmt: skip
+        entry = self._record(
+            "/init_weights_update_group",
+            group_name=name,
+            rank=body["rank_offset"],
+            world_size=body["world_size"],
+            backend=body["backend"],
+        )
 
         def join() -> Any:
             store = join_store(body["master_address"], body["master_port"], body["world_size"], timeout_s=60)
@@ -140,9 +145,15 @@ class FakeEngine:
     async def update(self, request: web.Request) -> web.Response:
         body = await request.json()
         names, name = body["names"], body["group_name"]
-        entry = self._record("/update_weights_from_distributed", group_name=name, names=names,
-                             version=body["weight_version"], flush_cache=body["flush_cache"],
-                             load_format=body["load_format"], overlapped=self.loading.locked())  # fmt: skip
+        entry = self._record(
+            "/update_weights_from_distributed",
+            group_name=name,
+            names=names,
+            version=body["weight_version"],
+            flush_cache=body["flush_cache"],
+            load_format=body["load_format"],
+            overlapped=self.loading.locked(),
+        )
         async with self.loading:
             if not self.session:
                 return self._answer(entry, False, "update_weights_from_distributed must run inside a session")
@@ -152,9 +163,7 @@ class FakeEngine:
             group = self.groups.get(name)
             if group is None or body["load_format"] is not None:
                 return self._answer(entry, False, f"unknown group {name} or format {body['load_format']}")
-            entry["bad"] = await asyncio.to_thread(
-                self._receive, group, names, body["dtypes"], body["shapes"]
-            )
+            entry["bad"] = await asyncio.to_thread(self._receive, group, names, body["dtypes"], body["shapes"])
             if self.faults.fail_update == (name, names[0]):
                 self.faults.fail_update = None
                 return self._answer(entry, False, self.faults.message)
@@ -196,17 +205,19 @@ def _faults(fields: dict[str, Any]) -> Faults:
 async def _serve(conn: Connection, faults: dict[str, Any]) -> None:
     engine = FakeEngine(_faults(faults))
     app = web.Application()
-    app.add_routes([
-        web.post("/pause_generation", engine.pause),
-        web.post("/continue_generation", engine.resume),
-        web.post("/begin_weight_update", engine.begin),
-        web.post("/end_weight_update", engine.end),
-        web.post("/init_weights_update_group", engine.init_group),
-        web.post("/destroy_weights_update_group", engine.destroy_group),
-        web.post("/update_weights_from_distributed", engine.update),
-        web.get("/log", engine.get_log),
-        web.post("/reset", engine.reset),
-    ])  # fmt: skip
+    app.add_routes(
+        [
+            web.post("/pause_generation", engine.pause),
+            web.post("/continue_generation", engine.resume),
+            web.post("/begin_weight_update", engine.begin),
+            web.post("/end_weight_update", engine.end),
+            web.post("/init_weights_update_group", engine.init_group),
+            web.post("/destroy_weights_update_group", engine.destroy_group),
+            web.post("/update_weights_from_distributed", engine.update),
+            web.get("/log", engine.get_log),
+            web.post("/reset", engine.reset),
+        ]
+    )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = socket.socket()
@@ -243,8 +254,9 @@ class EngineProcess:
         return self.url
 
     def _post(self, endpoint: str, payload: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(self.url + endpoint, data=json.dumps(payload).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            self.url + endpoint, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=30) as resp:
             return json.load(resp)
 

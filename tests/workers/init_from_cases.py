@@ -33,8 +33,12 @@ def case_memory(big_dir: str) -> dict:
         actor = build_actor_model(m, ActorConfig(parallel=p, init_from=big_dir))
         critic = build_critic_model(m, CriticConfig(parallel=p), big_dir)
     shard = _params_bytes(actor) + _params_bytes(critic)
-    out = {"base": base, "peak": peak.peak, "shard": shard,
-           "actor_sum": float(sum(q.detach().double().abs().sum() for q in actor.parameters()))}  # fmt: skip
+    out = {
+        "base": base,
+        "peak": peak.peak,
+        "shard": shard,
+        "actor_sum": float(sum(q.detach().double().abs().sum() for q in actor.parameters())),
+    }
     del actor, critic
     return out
 

@@ -35,8 +35,16 @@ def case_update_metrics_match_whole_batch(rank, world):
     got = actor.update(shard, shard.take(adv), VERSION)
 
     a = cfg.algo
-    _, want = algo.policy_loss(a.policy_loss, logprobs, batch.behavior_logprobs, adv, mask, eps_low=a.eps_low,
-                               eps_high=a.eps_high, num_tokens_global=float(mask.sum()))  # fmt: skip
+    _, want = algo.policy_loss(
+        a.policy_loss,
+        logprobs,
+        batch.behavior_logprobs,
+        adv,
+        mask,
+        eps_low=a.eps_low,
+        eps_high=a.eps_high,
+        num_tokens_global=float(mask.sum()),
+    )
     lag = algo.policy_lag(VERSION, batch.policy_versions, batch.action_mask)
     kept = algo.dis_band(logprobs, batch.behavior_logprobs, a.eps_low, a.eps_high)
     want |= kept_by_lag(kept, lag, adv, mask)

@@ -50,11 +50,19 @@ def ragged_trajectories(long_row: bool = False) -> list[Trajectory]:
             resp += torch.randint(6, 500, (n_act + n_obs,), generator=g).tolist()
             mask += [1] * n_act + [0] * n_obs
         behavior = (-3.0 - torch.rand(len(resp), generator=g) * 4).tolist()
-        out.append(Trajectory(
-            prompt_id=f"p{i}", prompt_ids=prompt, response_ids=resp, action_mask=mask,
-            behavior_logprobs=[b if m else 0.0 for b, m in zip(behavior, mask, strict=True)],
-            policy_versions=[0 if m else -1 for m in mask], turns=spans, reward=float(i % 2), status="finished",
-        ))  # fmt: skip
+        out.append(
+            Trajectory(
+                prompt_id=f"p{i}",
+                prompt_ids=prompt,
+                response_ids=resp,
+                action_mask=mask,
+                behavior_logprobs=[b if m else 0.0 for b, m in zip(behavior, mask, strict=True)],
+                policy_versions=[0 if m else -1 for m in mask],
+                turns=spans,
+                reward=float(i % 2),
+                status="finished",
+            )
+        )
     return out
 
 
@@ -91,8 +99,11 @@ def _run(overrides: dict, batch: TrainBatch, reference: bool, start: dict | None
     from megatron.core import parallel_state as ps
 
     cfg = config(dist.get_world_size(), **overrides)
-    adv = torch.where(batch.action_mask > 0, torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
-                      torch.zeros(()))  # fmt: skip
+    adv = torch.where(
+        batch.action_mask > 0,
+        torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
+        torch.zeros(()),
+    )
     actor = ActorWorker(cfg)
     start = start or {}
     if "actor" in start:
@@ -101,8 +112,12 @@ def _run(overrides: dict, batch: TrainBatch, reference: bool, start: dict | None
     shard = _shard(batch, reference)
     logprobs = _gathered_rows(actor.logprobs(shard), batch)
     m = actor.update(shard, shard.take(adv), 2)
-    out = {"actor_metrics": _metrics(m, reference), "actor_grads": _grads(actor.role), "logprobs": logprobs,
-           "actor_reports": coordinates().reports}  # fmt: skip
+    out = {
+        "actor_metrics": _metrics(m, reference),
+        "actor_grads": _grads(actor.role),
+        "logprobs": logprobs,
+        "actor_reports": coordinates().reports,
+    }
     ps.destroy_model_parallel()
 
     critic = CriticWorker(cfg, "")
@@ -114,8 +129,13 @@ def _run(overrides: dict, batch: TrainBatch, reference: bool, start: dict | None
     ref_values = start.get("values", values)  # the update's inputs: the reference's, in every layout
     _, returns, _ = algo.gae(batch.rewards, ref_values, batch.action_mask > 0, gamma=1.0, lam=0.95)
     c = critic.update(shard, shard.take(returns), shard.take(ref_values))
-    out.update(critic_metrics=_metrics(c, reference), critic_grads=_grads(critic.role), values=values,
-               critic_reports=coordinates().reports, weights=weights)  # fmt: skip
+    out.update(
+        critic_metrics=_metrics(c, reference),
+        critic_grads=_grads(critic.role),
+        values=values,
+        critic_reports=coordinates().reports,
+        weights=weights,
+    )
     ps.destroy_model_parallel()
     return out
 
@@ -127,9 +147,14 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[f
 
 
 def case_ragged(rank, world, layout_overrides: dict, long_row: bool = False):
-    common = {"actor.optim.clip_grad": 1e6, "critic.optim.clip_grad": 1e6,
-              "actor.parallel.use_distributed_optimizer": False, "critic.parallel.use_distributed_optimizer": False,
-              "critic.value_head_init": "normal", "model.moe_aux_loss_coeff": 0.0}  # fmt: skip
+    common = {
+        "actor.optim.clip_grad": 1e6,
+        "critic.optim.clip_grad": 1e6,
+        "actor.parallel.use_distributed_optimizer": False,
+        "critic.parallel.use_distributed_optimizer": False,
+        "critic.value_head_init": "normal",
+        "model.moe_aux_loss_coeff": 0.0,
+    }
     batch = build_batch(ragged_trajectories(long_row))
     ref = _run(common, batch, reference=True, start=None)
     start = {**ref["weights"], "values": ref["values"]}

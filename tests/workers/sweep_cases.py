@@ -36,16 +36,17 @@ def case_every_loss_and_estimator(rank, world):
     for estimator in ADVANTAGE_ESTIMATORS:
         group = 2 if estimator in GROUP_ESTIMATORS else 1
         a = dataclasses.replace(base.algo, advantage=estimator, group_size=group, batch_size=4)
-        adv, returns, adv_metrics = Advantages(a)(
-            batch, values if algo.uses_critic(estimator) else None, trajs
-        )
+        adv, returns, adv_metrics = Advantages(a)(batch, values if algo.uses_critic(estimator) else None, trajs)
         assert (returns is not None) == algo.uses_critic(estimator), estimator
         for loss in POLICY_LOSSES:
             actor.cfg = dataclasses.replace(base, algo=dataclasses.replace(a, policy_loss=loss))
             m = actor.update(shard, shard.take(adv), 0)
             out[f"{estimator}/{loss}"] = {
-                "updated": m["updated"], "loss": m["loss"], "grad_norm": m["grad_norm"],
-                "adv_finite": bool(torch.isfinite(adv).all()), "adv_nonzero": bool(adv.abs().sum() > 0),
+                "updated": m["updated"],
+                "loss": m["loss"],
+                "grad_norm": m["grad_norm"],
+                "adv_finite": bool(torch.isfinite(adv).all()),
+                "adv_nonzero": bool(adv.abs().sum() > 0),
                 "metrics_finite": all(math.isfinite(v) for v in {**m, **adv_metrics}.values()),
-            }  # fmt: skip
+            }
     return out

@@ -64,8 +64,13 @@ class FakeStream:
 
     def bucket_plan(self, bucket_bytes: int) -> list[list[list[TensorSpec]]]:
         assert bucket_bytes == BUCKET_MB << 20
-        return [[[TensorSpec(n, shape, torch.float32) for n, shape in zip(_names(s, k), bucket, strict=True)]
-                 for k, bucket in enumerate(stage)] for s, stage in enumerate(SHAPES)]  # fmt: skip
+        return [
+            [
+                [TensorSpec(n, shape, torch.float32) for n, shape in zip(_names(s, k), bucket, strict=True)]
+                for k, bucket in enumerate(stage)
+            ]
+            for s, stage in enumerate(SHAPES)
+        ]
 
     broken: tuple[int, int] | None = None
     """``(stage, bucket)`` whose gather fails (as an out-of-memory would), on every call while set."""
@@ -74,9 +79,7 @@ class FakeStream:
         for k, bucket in enumerate(SHAPES[self.stage]):
             if (self.stage, k) == FakeStream.broken:
                 raise RuntimeError(f"gather of stage {self.stage} bucket {k}: CUDA out of memory")
-            yield [
-                (n, weight_value(n, shape)) for n, shape in zip(_names(self.stage, k), bucket, strict=True)
-            ]
+            yield [(n, weight_value(n, shape)) for n, shape in zip(_names(self.stage, k), bucket, strict=True)]
 
 
 def _worker() -> Any:
@@ -87,13 +90,15 @@ def _worker() -> Any:
     actor.init_rank = lambda parallel, seed: None  # type: ignore[assignment]  # the world is up already
     actor.build_actor_role = lambda model, cfg: SimpleNamespace(module=None)  # type: ignore[assignment]
     rollout = SimpleNamespace(tensor_parallel=1, weight_sync_flat=False, weight_sync_bucket_mb=BUCKET_MB)
-    cfg = SimpleNamespace(model=None, run=SimpleNamespace(seed=0), actor=SimpleNamespace(parallel=None),
-                          rollout=rollout)  # fmt: skip
+    cfg = SimpleNamespace(
+        model=None, run=SimpleNamespace(seed=0), actor=SimpleNamespace(parallel=None), rollout=rollout
+    )
     return actor.ActorWorker(cfg)  # type: ignore[arg-type]
 
 
-def _trainer(rank: int, world_size: int, urls: list[str], versions: list[int],
-             broken: tuple[int, int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def _trainer(
+    rank: int, world_size: int, urls: list[str], versions: list[int], broken: tuple[int, int] | None = None
+) -> list[dict[str, Any]]:
     """One trainer rank: ``sync_weights`` once per version (``broken``: the first call's failing
     gather, :attr:`FakeStream.broken`). Per call: its result (or rank 0's error), its seconds, and
     the ``[group, first tensor]`` of each bucket this rank broadcast. At the end each sender
@@ -121,8 +126,7 @@ def _trainer(rank: int, world_size: int, urls: list[str], versions: list[int],
             result = w.sync_weights(urls, version, "127.0.0.1")
         except RuntimeError as err:
             error = str(err)
-        outcomes.append({"result": result, "error": error, "seconds": time.perf_counter() - t0,
-                         "sent": sent[before:]})  # fmt: skip
+        outcomes.append({"result": result, "error": error, "seconds": time.perf_counter() - t0, "sent": sent[before:]})
     if w._sync is not None:
         asyncio.run(w._sync.close())
     return outcomes
@@ -142,14 +146,13 @@ def engines() -> Iterator[list[EngineProcess]]:
             p.stop()
 
 
-def _run(engines: list[EngineProcess], faults: list[Faults], versions: list[int],
-         broken: tuple[int, int] | None = None) -> tuple[list, list]:  # fmt: skip
+def _run(
+    engines: list[EngineProcess], faults: list[Faults], versions: list[int], broken: tuple[int, int] | None = None
+) -> tuple[list, list]:
     """The trainer world's per-rank outcomes and each engine's call log."""
     for engine, f in zip(engines, faults, strict=True):
         engine.reset(f)
-    ranks = run_distributed(
-        _trainer, 2, [e.url for e in engines], versions, broken, timeout_s=WORLD_TIMEOUT_S
-    )
+    ranks = run_distributed(_trainer, 2, [e.url for e in engines], versions, broken, timeout_s=WORLD_TIMEOUT_S)
     return ranks, [e.log() for e in engines]
 
 
@@ -216,9 +219,7 @@ def test_sync_sends_every_bucket_in_order_and_reuses_the_groups(engines: list[En
             *_session("sao_weight_sync", 1),
             *_session("sao_weight_sync", 2),
         ]
-        assert sorted(_brief(x) for x in log[-2:]) == _groups(
-            "/destroy_weights_update_group", "sao_weight_sync"
-        )
+        assert sorted(_brief(x) for x in log[-2:]) == _groups("/destroy_weights_update_group", "sao_weight_sync")
         assert all(x["success"] for x in log), log
         assert [(x["rank"], x["world_size"], x["backend"]) for x in log[:2]] == [(e + 1, 3, "gloo")] * 2
         assert log[2]["mode"] == "retract"
@@ -248,8 +249,7 @@ def test_a_failed_bucket_ends_the_session_fast_and_the_next_sync_reforms(
 
     for e, log in enumerate(logs):
         brief = [_brief(x) for x in log]
-        first = [*_groups("/init_weights_update_group", "sao_weight_sync"),
-                 *_session("sao_weight_sync", 1, released)]  # fmt: skip
+        first = [*_groups("/init_weights_update_group", "sao_weight_sync"), *_session("sao_weight_sync", 1, released)]
         assert brief[: len(first)] == first  # end and continue right after the failed update
         failed = log[len(first) - 3]
         assert _brief(failed) == _update("sao_weight_sync", 1, 0, 1)

@@ -51,6 +51,9 @@ def test_each_cp_rank_holds_its_balanced_share_and_outputs_gather_whole(pack):
 
 def test_a_cp_role_without_transformer_engine_is_refused_with_the_fix():
     check_context_parallel(ParallelConfig(world_size=2), "actor")  # CP=1: nothing to refuse
-    with pytest.raises(ConfigError, match=r"critic\.parallel\.context_parallel=2 needs Transformer Engine.*"
-                                          r"set critic\.parallel\.context_parallel=1"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"critic\.parallel\.context_parallel=2 needs Transformer Engine.*"
+        r"set critic\.parallel\.context_parallel=1",
+    ):
         check_context_parallel(ParallelConfig(world_size=2, context_parallel=2), "critic")

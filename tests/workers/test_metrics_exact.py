@@ -21,9 +21,19 @@ def exact_keys(metrics):
 
 
 def test_rules():
-    assert [metric_rule(k) for k in ("ratio/max", "ratio/max/adv_neg", "x/min", "loss", "num_tokens/adv_pos",
-                                     "dis/tokens/lag0", "ratio/mean/adv_pos", "ratio/p99")] == \
-        ["max", "max", "min", "sum", "sum", "sum", "mean", "mean"]  # fmt: skip
+    assert [
+        metric_rule(k)
+        for k in (
+            "ratio/max",
+            "ratio/max/adv_neg",
+            "x/min",
+            "loss",
+            "num_tokens/adv_pos",
+            "dis/tokens/lag0",
+            "ratio/mean/adv_pos",
+            "ratio/p99",
+        )
+    ] == ["max", "max", "min", "sum", "sum", "sum", "mean", "mean"]
 
 
 @pytest.mark.parametrize("name", ["dis", "ppo_clip", "vanilla"])
@@ -55,9 +65,11 @@ def test_one_sign_per_micro_batch_reduces_to_the_whole_batch(name):
 
 
 def test_min_and_empty_subsets():
-    per_micro = [{"x/min": 0.0, "x/min#n": 0.0, "f": 1.0, "f#n": 0.0, "micro_tokens": 3.0},
-                 {"x/min": 2.0, "x/min#n": 1.0, "f": 0.25, "f#n": 4.0, "micro_tokens": 1.0},
-                 {"x/min": 5.0, "x/min#n": 2.0, "g": 2.0, "micro_tokens": 1.0}]  # fmt: skip
+    per_micro = [
+        {"x/min": 0.0, "x/min#n": 0.0, "f": 1.0, "f#n": 0.0, "micro_tokens": 3.0},
+        {"x/min": 2.0, "x/min#n": 1.0, "f": 0.25, "f#n": 4.0, "micro_tokens": 1.0},
+        {"x/min": 5.0, "x/min#n": 2.0, "g": 2.0, "micro_tokens": 1.0},
+    ]
     assert reduce_metrics(per_micro, dp=False) == {"x/min": 2.0, "f": 0.25, "g": 2.0}
     assert reduce_metrics([{"f": 0.0, "f#n": 0.0}], dp=False) == {"f": 0.0}
 

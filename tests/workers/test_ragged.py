@@ -31,7 +31,7 @@ LAYOUTS = {  # name: (world size, overrides, add the 23-token row)
         4,
         {**_both(tensor_parallel=2, expert_parallel=2, max_tokens_per_micro_batch=20), **PACK},
         True,
-    ),  # fmt: skip
+    ),
 }
 TOL = 1e-5
 APPROXIMATE = {"p1", "p50", "p99", "ess", "ess_frac", "explained_var"}
@@ -74,8 +74,13 @@ def result(request):
 def test_actor_logprobs_update_and_critic_values_update_match_single_rank(result):
     name, results = result
     _, overrides, long_row = LAYOUTS[name]
-    same_micro = not any(k.endswith(("pack_sequences", "max_tokens_per_micro_batch", "micro_batch_size",
-                                     "expert_parallel")) for k in overrides) and "dp2" not in name  # fmt: skip
+    same_micro = (
+        not any(
+            k.endswith(("pack_sequences", "max_tokens_per_micro_batch", "micro_batch_size", "expert_parallel"))
+            for k in overrides
+        )
+        and "dp2" not in name
+    )
     for r in results:
         assert r["lengths"] == [7, 12, 5, 9] + ([23] if long_row else [])
         assert r["logprobs"] <= TOL, (name, r["logprobs"])

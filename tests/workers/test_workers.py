@@ -8,9 +8,7 @@ from tests.workers import worker_cases
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["dp2", "tp2"])
 def results(request, tmp_path_factory):
-    return run_distributed(
-        worker_cases.case_actor_critic, 2, str(tmp_path_factory.mktemp("ck")), request.param
-    )
+    return run_distributed(worker_cases.case_actor_critic, 2, str(tmp_path_factory.mktemp("ck")), request.param)
 
 
 def test_actor_update_reports_dis_metrics_and_resumes_exactly(results):

@@ -55,8 +55,14 @@ def case_ddp(rank, world, distributed_optimizer: bool):
         norms.append(result.grad_norm)
     sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(sums, torch.tensor([_replica_checksum(role.module)], dtype=torch.float64))
-    return {"losses": losses, "grad_norms": norms, "checksums": [s.item() for s in sums],
-            "optimizer": sorted({type(o).__name__ for o in getattr(role.optimizer, "chained_optimizers", [role.optimizer])})}  # fmt: skip
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "checksums": [s.item() for s in sums],
+        "optimizer": sorted(
+            {type(o).__name__ for o in getattr(role.optimizer, "chained_optimizers", [role.optimizer])}
+        ),
+    }
 
 
 def case_frozen_critic(rank, world):
@@ -69,9 +75,7 @@ def case_frozen_critic(rank, world):
     critic_cfg = CriticConfig(parallel=p, optim=OptimizerConfig(lr=2e-3))
     role = build_critic_role(m, critic_cfg, actor_state)
     before = {n: t.clone() for n, t in layout.gather_full(role.module).items()}
-    trunk_equal = max(
-        (before[k] - actor_state[k]).abs().max().item() for k in before if not k.startswith("output")
-    )
+    trunk_equal = max((before[k] - actor_state[k]).abs().max().item() for k in before if not k.startswith("output"))
     micro = _micro_batches(seed=0)
     for mb in micro:
         mb["targets"] = torch.linspace(-1, 1, SEQ).expand(2, SEQ)
@@ -115,13 +119,9 @@ def case_checkpoint_reshard(rank, world, directory: str):
     seed_everything(999)  # a different initialisation that the load must overwrite
     resharded = build_gpt(m, p)
     resharded.eval()
-    before = (
-        (gathered_logits(resharded(tokens, positions, attention_mask=None).detach()) - reference).abs().max()
-    )
+    before = (gathered_logits(resharded(tokens, positions, attention_mask=None).detach()) - reference).abs().max()
     checkpoint.load_model(resharded, directory)
-    after = (
-        (gathered_logits(resharded(tokens, positions, attention_mask=None).detach()) - reference).abs().max()
-    )
+    after = (gathered_logits(resharded(tokens, positions, attention_mask=None).detach()) - reference).abs().max()
     return {"before": before.item(), "after": after.item()}
 
 

@@ -25,17 +25,30 @@ def trajectories(n=4, seed=0):
         a2 = torch.randint(6, 500, (3,), generator=g).tolist()
         resp = a1 + obs + a2
         mask = [1] * len(a1) + [0] * len(obs) + [1] * len(a2)
-        out.append(Trajectory(
-            prompt_id=f"p{i}", prompt_ids=prompt, response_ids=resp, action_mask=mask,
-            behavior_logprobs=[-6.2 if m else 0.0 for m in mask], policy_versions=[0 if m else -1 for m in mask],
-            turns=[Turn(0, len(a1)), Turn(len(a1) + 3, len(resp))], reward=float(i % 2), status="finished",
-        ))  # fmt: skip
+        out.append(
+            Trajectory(
+                prompt_id=f"p{i}",
+                prompt_ids=prompt,
+                response_ids=resp,
+                action_mask=mask,
+                behavior_logprobs=[-6.2 if m else 0.0 for m in mask],
+                policy_versions=[0 if m else -1 for m in mask],
+                turns=[Turn(0, len(a1)), Turn(len(a1) + 3, len(resp))],
+                reward=float(i % 2),
+                status="finished",
+            )
+        )
     return out
 
 
 def config(world, **overrides):
-    overrides = {"actor.parallel.world_size": world, "critic.parallel.world_size": world,
-                 "actor.parallel.micro_batch_size": 2, "critic.parallel.micro_batch_size": 2, **overrides}  # fmt: skip
+    overrides = {
+        "actor.parallel.world_size": world,
+        "critic.parallel.world_size": world,
+        "actor.parallel.micro_batch_size": 2,
+        "critic.parallel.micro_batch_size": 2,
+        **overrides,
+    }
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=2))
 
@@ -50,8 +63,11 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     actor.export_hf(hf_dir)  # the critic starts from the actor's weights, as ensure_critic does
     c = coordinates()
     shard = batch.shard(c.dp_size)[c.dp_rank]  # what the driver places for this rank's replica
-    adv = torch.where(batch.action_mask > 0, torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
-                      torch.zeros(()))  # fmt: skip
+    adv = torch.where(
+        batch.action_mask > 0,
+        torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
+        torch.zeros(()),
+    )
     m1 = actor.update(shard, shard.take(adv), 0)
     actor.save(ckpt_dir + "/actor")
     m2 = actor.update(shard, shard.take(adv), 0)
@@ -77,5 +93,10 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     adv2, returns, _ = algo.gae(batch.rewards, vals, batch.action_mask > 0, gamma=1.0, lam=0.95)
     c1 = critic.update(shard, shard.take(returns), shard.take(vals))
     c2 = critic.update(shard, shard.take(returns), shard.take(vals))
-    return {"actor": [m1, m2, m3, m4], "critic": [c1, c2], "values_zero": float(vals.abs().max()),
-            "reports": mine is not None, "rows": mine.rows if mine is not None else None}  # fmt: skip
+    return {
+        "actor": [m1, m2, m3, m4],
+        "critic": [c1, c2],
+        "values_zero": float(vals.abs().max()),
+        "reports": mine is not None,
+        "rows": mine.rows if mine is not None else None,
+    }

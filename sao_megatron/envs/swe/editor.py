@@ -62,11 +62,14 @@ class FileEditor:
 
     def _read(self, target: Path) -> str:
         if not target.is_file():
-            raise EditorError(f"{self._show(target)} is not a file" if target.exists()
-                              else f"{self._show(target)} does not exist")  # fmt: skip
+            raise EditorError(
+                f"{self._show(target)} is not a file" if target.exists() else f"{self._show(target)} does not exist"
+            )
         if target.stat().st_size > self.max_file_bytes:
-            raise EditorError(f"{self._show(target)} is larger than {self.max_file_bytes} bytes; view a range "
-                              "with a shell command instead")  # fmt: skip
+            raise EditorError(
+                f"{self._show(target)} is larger than {self.max_file_bytes} bytes; view a range "
+                "with a shell command instead"
+            )
         data = target.read_bytes()
         if b"\0" in data:
             raise EditorError(f"{self._show(target)} is a binary file")
@@ -95,9 +98,7 @@ class FileEditor:
                 raise EditorError("view_range must be two integers [start, end] (end -1: the last line)")
             start, end = view_range[0], len(lines) if view_range[1] == -1 else view_range[1]
             if not 1 <= start <= end <= len(lines):
-                raise EditorError(
-                    f"view_range {view_range} is outside lines 1..{len(lines)} of {self._show(target)}"
-                )
+                raise EditorError(f"view_range {view_range} is outside lines 1..{len(lines)} of {self._show(target)}")
         numbered = "\n".join(f"{i:6}\t{line}" for i, line in enumerate(lines[start - 1 : end], start))
         return f"Here's the result of running `cat -n` on {self._show(target)}:\n{numbered}\n"
 
@@ -108,10 +109,15 @@ class FileEditor:
                 continue
             entries.append(self._show(child) + ("/" if child.is_dir() else ""))
             if child.is_dir():
-                entries += [self._show(c) + ("/" if c.is_dir() else "") for c in sorted(child.iterdir())
-                            if c.name not in SKIPPED_DIRS and not c.name.startswith(".")]  # fmt: skip
+                entries += [
+                    self._show(c) + ("/" if c.is_dir() else "")
+                    for c in sorted(child.iterdir())
+                    if c.name not in SKIPPED_DIRS and not c.name.startswith(".")
+                ]
         listing = "\n".join(entries) or "(empty)"
-        return f"Files and directories up to 2 levels deep in {self._show(directory)}, hidden items excluded:\n{listing}\n"
+        return (
+            f"Files and directories up to 2 levels deep in {self._show(directory)}, hidden items excluded:\n{listing}\n"
+        )
 
     def _create(self, target: Path, file_text: str) -> str:
         if target.exists():
@@ -130,8 +136,10 @@ class FileEditor:
             )
         if count > 1:
             lines = [text[:i].count("\n") + 1 for i in _positions(text, old_str)]
-            raise EditorError(f"old_str occurs {count} times in {self._show(target)} (lines {lines}); "
-                              "include more context so it is unique")  # fmt: skip
+            raise EditorError(
+                f"old_str occurs {count} times in {self._show(target)} (lines {lines}); "
+                "include more context so it is unique"
+            )
         self._write(target, text.replace(old_str, new_str, 1), text)
         line = text[: text.index(old_str)].count("\n") + 1
         return f"The file {self._show(target)} has been edited (from line {line}). Review it and edit again if needed."

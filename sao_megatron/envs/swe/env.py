@@ -69,40 +69,68 @@ WORKDIR = ShellSession.WORKDIR
 def tool_schemas(workdir: str = WORKDIR) -> list[dict]:
     """The three tools as OpenAI-style schemas; paths are described relative to ``workdir``."""
     return [
-    {"type": "function", "function": {
-        "name": "execute_bash",
-        "description": ("Run a bash command in the repository's sandboxed shell (no network). The working "
-                        "directory and exported variables persist between calls; background processes do not. "
-                        "Long output is clipped: filter it (grep, head, sed -n)."),
-        "parameters": {"type": "object", "required": ["command"], "properties": {
-            "command": {"type": "string", "description": "The bash command to run."},
-            "timeout": {"type": "number", "description": "Seconds before the command is killed (optional)."},
-        }},
-    }},
-    {"type": "function", "function": {
-        "name": "str_replace_editor",
-        "description": ("View, create and edit files. view: a file with line numbers (view_range [start, end], "
-                        "end -1 for the last line) or a directory 2 levels deep; create: a new file; str_replace: "
-                        "replace old_str, which must occur exactly once, by new_str; insert: new_str after line "
-                        "insert_line; undo_edit: revert the last edit of path."),
-        "parameters": {"type": "object", "required": ["command", "path"], "properties": {
-            "command": {"type": "string", "enum": list(COMMANDS)},
-            "path": {"type": "string", "description": f"Absolute path under {workdir}, or relative to it."},
-            "file_text": {"type": "string"},
-            "old_str": {"type": "string"},
-            "new_str": {"type": "string"},
-            "insert_line": {"type": "integer"},
-            "view_range": {"type": "array", "items": {"type": "integer"}},
-        }},
-    }},
-    {"type": "function", "function": {
-        "name": "finish",
-        "description": "Say that the issue is resolved (or that you give up); the episode ends.",
-        "parameters": {"type": "object", "required": [], "properties": {
-            "message": {"type": "string", "description": "A short summary of the change."},
-        }},
-    }},
-]  # fmt: skip
+        {
+            "type": "function",
+            "function": {
+                "name": "execute_bash",
+                "description": (
+                    "Run a bash command in the repository's sandboxed shell (no network). The working "
+                    "directory and exported variables persist between calls; background processes do not. "
+                    "Long output is clipped: filter it (grep, head, sed -n)."
+                ),
+                "parameters": {
+                    "type": "object",
+                    "required": ["command"],
+                    "properties": {
+                        "command": {"type": "string", "description": "The bash command to run."},
+                        "timeout": {
+                            "type": "number",
+                            "description": "Seconds before the command is killed (optional).",
+                        },
+                    },
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "str_replace_editor",
+                "description": (
+                    "View, create and edit files. view: a file with line numbers (view_range [start, end], "
+                    "end -1 for the last line) or a directory 2 levels deep; create: a new file; str_replace: "
+                    "replace old_str, which must occur exactly once, by new_str; insert: new_str after line "
+                    "insert_line; undo_edit: revert the last edit of path."
+                ),
+                "parameters": {
+                    "type": "object",
+                    "required": ["command", "path"],
+                    "properties": {
+                        "command": {"type": "string", "enum": list(COMMANDS)},
+                        "path": {"type": "string", "description": f"Absolute path under {workdir}, or relative to it."},
+                        "file_text": {"type": "string"},
+                        "old_str": {"type": "string"},
+                        "new_str": {"type": "string"},
+                        "insert_line": {"type": "integer"},
+                        "view_range": {"type": "array", "items": {"type": "integer"}},
+                    },
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "finish",
+                "description": "Say that the issue is resolved (or that you give up); the episode ends.",
+                "parameters": {
+                    "type": "object",
+                    "required": [],
+                    "properties": {
+                        "message": {"type": "string", "description": "A short summary of the change."},
+                    },
+                },
+            },
+        },
+    ]
 
 
 TOOLS = tool_schemas()
@@ -128,8 +156,10 @@ class SWETaskSet(Task):
         }
         for split, rows in self.splits.items():
             if not rows:
-                raise ValueError(f"{self.path}: split {split!r} is empty ({len(tasks)} tasks, "
-                                 f"heldout_every={heldout_every}); add tasks or change heldout_every")  # fmt: skip
+                raise ValueError(
+                    f"{self.path}: split {split!r} is empty ({len(tasks)} tasks, "
+                    f"heldout_every={heldout_every}); add tasks or change heldout_every"
+                )
 
     def size(self, split: Split) -> int:
         return len(self.splits[check_split(split)])
@@ -146,8 +176,10 @@ class SWETaskSet(Task):
 def _task_of(sample: Sample) -> SWETask:
     task = sample.meta.get("task")
     if not isinstance(task, SWETask):
-        raise ValueError(f"sample {sample.prompt_id!r} carries no SWETask in meta['task']: build samples "
-                         "with SWETaskSet (rollout.env: swe, no data.train override)")  # fmt: skip
+        raise ValueError(
+            f"sample {sample.prompt_id!r} carries no SWETask in meta['task']: build samples "
+            "with SWETaskSet (rollout.env: swe, no data.train override)"
+        )
     return task
 
 
@@ -200,9 +232,12 @@ class SWEEnv(Env):
         self.reward_mode: Mode = reward_mode
         self.workspace_root = workspace_root
         self.limits = ShellLimits(
-            wall_s=command_timeout_s, memory_bytes=memory_mb << 20, processes=processes,
-            expose_paths=(sys.prefix,), require_isolation=require_isolation,
-        )  # fmt: skip
+            wall_s=command_timeout_s,
+            memory_bytes=memory_mb << 20,
+            processes=processes,
+            expose_paths=(sys.prefix,),
+            require_isolation=require_isolation,
+        )
         self.container = dict(container or {})
         if self.container:  # checked now: a bad spec fails at construction, naming the key
             self._container_for("check")
@@ -227,8 +262,10 @@ class SWEEnv(Env):
     def system_prompt(self) -> str | None:
         if self.tool_format == "tags":
             return None
-        return ("You are a software engineer working in a repository through tools. Call one tool per "
-                "message; call finish when the issue is resolved.")  # fmt: skip
+        return (
+            "You are a software engineer working in a repository through tools. Call one tool per "
+            "message; call finish when the issue is resolved."
+        )
 
     def use_tool_format(self, tool_format: ToolFormat) -> None:
         super().use_tool_format(tool_format)
@@ -256,8 +293,10 @@ class SWEEnv(Env):
         spec = dict(self.container)
         unknown = sorted(set(spec) - {"image", "runtime", "workdir", "executable", "network", "env"})
         if unknown:
-            raise ValueError(f"rollout.env_kwargs.container: unknown key(s) {unknown}; use image, runtime, "
-                             "workdir, executable, network, env")  # fmt: skip
+            raise ValueError(
+                f"rollout.env_kwargs.container: unknown key(s) {unknown}; use image, runtime, "
+                "workdir, executable, network, env"
+            )
         try:
             spec["image"] = str(spec.get("image", "")).format(instance_id=instance_id)
             return ContainerSpec(**spec)
@@ -275,8 +314,10 @@ class SWEEnv(Env):
             raise RuntimeError("step() called before reset() or after the episode ended")
         self.turns += 1
         call = self.parse(action)
-        info: dict[str, Any] = {"turn": self.turns, "kind": "malformed" if isinstance(call, Malformed) else
-                                "finish" if isinstance(call, Answer) else call.name}  # fmt: skip
+        info: dict[str, Any] = {
+            "turn": self.turns,
+            "kind": "malformed" if isinstance(call, Malformed) else "finish" if isinstance(call, Answer) else call.name,
+        }
         if isinstance(call, Answer) or (isinstance(call, NativeCall) and call.name == "finish"):
             self.finished = self.done = True
             return StepResult(None, True, info)
@@ -296,12 +337,22 @@ class SWEEnv(Env):
         if self.task is None or self.workspace is None or self.shell is None:
             raise RuntimeError("reward() called before reset()")
         judged = await asyncio.to_thread(
-            compute_reward, self.workspace, self.task, mode=self.reward_mode, timeout_s=self.test_timeout_s,
-            runner=self.shell.runner(), python="python",
-        )  # fmt: skip
+            compute_reward,
+            self.workspace,
+            self.task,
+            mode=self.reward_mode,
+            timeout_s=self.test_timeout_s,
+            runner=self.shell.runner(),
+            python="python",
+        )
         result = judged.as_result()
-        details = {**result.details, "instance_id": self.task.instance_id, "turns": self.turns,
-                   "finished": self.finished, **{f"tool_{k}": v for k, v in self.counts.items()}}  # fmt: skip
+        details = {
+            **result.details,
+            "instance_id": self.task.instance_id,
+            "turns": self.turns,
+            "finished": self.finished,
+            **{f"tool_{k}": v for k, v in self.counts.items()},
+        }
         return RewardResult(result.reward, result.correct, details)
 
     def close(self) -> None:
@@ -403,7 +454,9 @@ def reference_actions(task: SWETask, env: SWEEnv, via: str = "editor") -> list[s
     """Actions that apply ``task.patch``: per file a ``str_replace`` of its whole text (or a
     ``create``) with ``via="editor"``, or one ``git apply`` heredoc with ``via="bash"``; then finish."""
     if via == "bash":
-        script = f"cat > /tmp/fix.patch <<'SAO_EOF'\n{task.patch}SAO_EOF\ngit apply /tmp/fix.patch && git status --short"
+        script = (
+            f"cat > /tmp/fix.patch <<'SAO_EOF'\n{task.patch}SAO_EOF\ngit apply /tmp/fix.patch && git status --short"
+        )
         return [env.call_text("execute_bash", {"command": script}), env.finish_text()]
     if via != "editor":
         raise ValueError(f"via must be 'editor' or 'bash', got {via!r}")
@@ -411,9 +464,7 @@ def reference_actions(task: SWETask, env: SWEEnv, via: str = "editor") -> list[s
         repo = materialise(task, Path(tmp) / "repo")
         applied = git(["apply", "-"], repo, input=task.patch)
         if applied.returncode != 0:
-            raise RuntimeError(
-                f"{task.instance_id}: reference patch does not apply: {applied.stderr.strip()}"
-            )
+            raise RuntimeError(f"{task.instance_id}: reference patch does not apply: {applied.stderr.strip()}")
         changed = git(["status", "--porcelain", "-uall"], repo).stdout.splitlines()
         actions = []
         for line in changed:
@@ -422,14 +473,22 @@ def reference_actions(task: SWETask, env: SWEEnv, via: str = "editor") -> list[s
             before = task.files.get(path)
             target = f"{env.workdir}/{path}"
             if before is None and after is not None:
-                actions.append(env.call_text("str_replace_editor", {"command": "create", "path": target,
-                                                                    "file_text": after}))  # fmt: skip
+                actions.append(
+                    env.call_text("str_replace_editor", {"command": "create", "path": target, "file_text": after})
+                )
             elif before is not None and after is None:
                 actions.append(env.call_text("execute_bash", {"command": f"rm -- {shlex.quote(target)}"}))
             elif before:
-                actions.append(env.call_text("str_replace_editor", {"command": "str_replace", "path": target,
-                                                                    "old_str": before, "new_str": after}))  # fmt: skip
+                actions.append(
+                    env.call_text(
+                        "str_replace_editor",
+                        {"command": "str_replace", "path": target, "old_str": before, "new_str": after},
+                    )
+                )
             elif before is not None:  # an empty file: nothing to replace, insert at the top
-                actions.append(env.call_text("str_replace_editor", {"command": "insert", "path": target,
-                                                                    "insert_line": 0, "new_str": after}))  # fmt: skip
+                actions.append(
+                    env.call_text(
+                        "str_replace_editor", {"command": "insert", "path": target, "insert_line": 0, "new_str": after}
+                    )
+                )
     return [*actions, env.finish_text()]

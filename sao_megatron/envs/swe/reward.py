@@ -83,9 +83,14 @@ def local_runner(argv: Sequence[str], cwd: Path, timeout_s: float) -> CommandRes
     }
     start = time.monotonic()
     proc = subprocess.Popen(
-        list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        list(argv),
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
         timed_out = False
@@ -129,8 +134,20 @@ def episode_patch(workspace: str | Path, base_commit: str, exclude: Sequence[str
     pathspec = [".", *(f":(exclude,literal){path}" for path in exclude)]
     with tempfile.TemporaryDirectory() as tmp:
         env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
-        for args in (["add", "-A"], ["diff", "--cached", "--no-color", "--no-ext-diff", "--no-textconv",
-                                     "--binary", base_commit, "--", *pathspec]):  # fmt: skip
+        for args in (
+            ["add", "-A"],
+            [
+                "diff",
+                "--cached",
+                "--no-color",
+                "--no-ext-diff",
+                "--no-textconv",
+                "--binary",
+                base_commit,
+                "--",
+                *pathspec,
+            ],
+        ):
             out = git(args, workspace, env=env)
             if out.returncode != 0:
                 raise RuntimeError(f"git {args[0]} in {workspace} failed: {out.stderr.strip()[:300]}")
@@ -217,7 +234,5 @@ def compute_reward(
         return SWEReward(0.0, False, f"tests timed out after {timeout_s:g}s", patch, outcomes, run.wall_s)
     outcomes = parse_outcomes(run.output, task.tests)
     bad = [f"{t} {o}" for t, o in outcomes.items() if o != "passed"]
-    reason = (
-        "resolved" if not bad else f"{len(bad)} of {len(outcomes)} tests did not pass: " + "; ".join(bad[:5])
-    )
+    reason = "resolved" if not bad else f"{len(bad)} of {len(outcomes)} tests did not pass: " + "; ".join(bad[:5])
     return SWEReward(_score(task, outcomes, mode), not bad, reason, patch, outcomes, run.wall_s)

@@ -56,10 +56,19 @@ COMMIT_TIME = 1_700_000_000  # seconds since the epoch, UTC
 COMMIT_MESSAGE = "Initial snapshot\n"
 # Repository-local config is under the agent's control: never let it run programs for us.
 _GIT_SAFETY = (
-    "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "commit.gpgsign=false",
-    "-c", "init.defaultBranch=main", "-c", "core.autocrlf=false",
-    "-c", "safe.directory=*",  # workspaces belong to their sandbox's uid; trust_repository vets their config
-)  # fmt: skip
+    "-c",
+    "core.hooksPath=/dev/null",
+    "-c",
+    "core.fsmonitor=false",
+    "-c",
+    "commit.gpgsign=false",
+    "-c",
+    "init.defaultBranch=main",
+    "-c",
+    "core.autocrlf=false",
+    "-c",
+    "safe.directory=*",  # workspaces belong to their sandbox's uid; trust_repository vets their config
+)
 
 
 @dataclass(frozen=True)
@@ -107,9 +116,7 @@ def snapshot_commit(files: Mapping[str, str]) -> str:
         body = b""
         for n in names:
             value = node[n]
-            mode, oid = (
-                ("40000", tree(value)) if isinstance(value, dict) else ("100644", _git_object("blob", value))
-            )
+            mode, oid = ("40000", tree(value)) if isinstance(value, dict) else ("100644", _git_object("blob", value))
             body += f"{mode} {n}\0".encode() + oid
         return _git_object("tree", body)
 
@@ -143,9 +150,14 @@ def git(
         "GIT_COMMITTER_DATE": f"{COMMIT_TIME} +0000",
     }
     return subprocess.run(
-        ["git", *_GIT_SAFETY, *args], cwd=cwd, input=input, env={**base, **(env or {})},
-        capture_output=True, text=True, timeout=timeout_s,
-    )  # fmt: skip
+        ["git", *_GIT_SAFETY, *args],
+        cwd=cwd,
+        input=input,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def materialise(task: SWETask, directory: str | Path) -> Path:
@@ -169,9 +181,7 @@ def materialise(task: SWETask, directory: str | Path) -> Path:
             raise RuntimeError(f"git {' '.join(args)} in {root} failed: {out.stderr.strip()}")
     head = git(["rev-parse", "HEAD"], root).stdout.strip()
     if head != task.base_commit:
-        raise RuntimeError(
-            f"{task.instance_id}: materialised commit {head} is not base_commit {task.base_commit}"
-        )
+        raise RuntimeError(f"{task.instance_id}: materialised commit {head} is not base_commit {task.base_commit}")
     return root
 
 
@@ -239,9 +249,7 @@ def _string_list(value: Any, key: str, where: str) -> tuple[str, ...]:
                 f"{where}: {key} is a string but not a JSON list; give a list of pytest node ids"
             ) from None
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(
-            f"{where}: {key} must be a list of pytest node ids (strings), got {repr(value)[:60]}"
-        )
+        raise ConfigError(f"{where}: {key} must be a list of pytest node ids (strings), got {repr(value)[:60]}")
     return tuple(value)
 
 
@@ -249,14 +257,13 @@ def _files(value: Any, where: str) -> dict[str, str]:
     if isinstance(value, list) and all(isinstance(v, dict) and set(v) == {"path", "content"} for v in value):
         value = {v["path"]: v["content"] for v in value}  # Parquet's form: a list of {path, content}
     if not isinstance(value, dict) or not value:
-        raise ConfigError(
-            f"{where}: files must be a non-empty object {{path: text}} (the repository snapshot)"
-        )
+        raise ConfigError(f"{where}: files must be a non-empty object {{path: text}} (the repository snapshot)")
     for path, text in value.items():
         parts = PurePosixPath(path).parts
         if not isinstance(text, str) or path.startswith("/") or ".." in parts or ".git" in parts or not parts:
-            raise ConfigError(f"{where}: files[{path!r}] must be text at a relative path inside the repository "
-                              "(no '..', no .git)")  # fmt: skip
+            raise ConfigError(
+                f"{where}: files[{path!r}] must be text at a relative path inside the repository (no '..', no .git)"
+            )
     return dict(sorted(value.items()))
 
 
@@ -264,21 +271,23 @@ def parse_task(row: Mapping[str, Any], where: str = "") -> SWETask:
     """One record as an :class:`SWETask`; ConfigError naming ``where`` and the problem."""
     missing = [key for key in REQUIRED if key not in row]
     if missing:
-        raise ConfigError(f"{where}: no field {missing[0]!r} (the row has: {_fields_hint(dict(row))}); an SWE task "
-                          f"needs {', '.join(REQUIRED)}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: no field {missing[0]!r} (the row has: {_fields_hint(dict(row))}); an SWE task "
+            f"needs {', '.join(REQUIRED)}"
+        )
     for key in ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch"):
         if not isinstance(row[key], str) or not row[key].strip():
             raise ConfigError(f"{where}: {key} must be a non-empty string, got {repr(row[key])[:60]}")
     files = _files(row["files"], where)
     commit = snapshot_commit(files)
     if row["base_commit"] != commit:
-        raise ConfigError(f"{where}: base_commit {row['base_commit']} is not the commit of the files snapshot "
-                          f"({commit}); regenerate the record")  # fmt: skip
+        raise ConfigError(
+            f"{where}: base_commit {row['base_commit']} is not the commit of the files snapshot "
+            f"({commit}); regenerate the record"
+        )
     fail_to_pass = _string_list(row["FAIL_TO_PASS"], "FAIL_TO_PASS", where)
     if not fail_to_pass:
-        raise ConfigError(
-            f"{where}: FAIL_TO_PASS is empty; a task needs at least one test the fix makes pass"
-        )
+        raise ConfigError(f"{where}: FAIL_TO_PASS is empty; a task needs at least one test the fix makes pass")
     pass_to_pass = _string_list(row["PASS_TO_PASS"], "PASS_TO_PASS", where)
     both = sorted(set(fail_to_pass) & set(pass_to_pass))
     if both:

@@ -9,8 +9,7 @@ import torch
 __version__ = "0.0.0+sao-cpu-standin"
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len):  # fmt: skip
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     """Write each request's new KV-cache slots into its row of the request->token table.
 
     For request i: ``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`` takes
