@@ -366,8 +366,9 @@ def export_run(
         template = None
     else:
         from sao_megatron.config import hf as hf_config
+        from sao_megatron.config.shape import same_shape
 
-        diff = hf_config.same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
+        diff = same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
         if diff:
             raise ExportError(
                 f"{template}/config.json disagrees with {run_dir / 'config.yaml'} on {diff}; "

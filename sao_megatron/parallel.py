@@ -26,7 +26,7 @@ def resolve_backend(backend: str = "auto") -> str:
 
 def device() -> torch.device:
     """Where this rank computes: its CUDA device when CUDA exists (set by :func:`init_distributed`),
-    else the CPU. Batches are moved here in one place (``workers.engine``) and every collective's
+    else the CPU. Batches are moved here in one place (``workers.role``) and every collective's
     tensors live here (NCCL takes device tensors only)."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

@@ -27,7 +27,7 @@ def tokens() -> torch.Tensor:
 def _make_run_rank(rank, world, run_dir: str) -> None:
     from sao_megatron.parallel import initialize_model_parallel, seed_everything
     from sao_megatron.workers.checkpoint import save_role
-    from sao_megatron.workers.engine import build_actor_role
+    from sao_megatron.workers.role import build_actor_role
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     initialize_model_parallel(cfg.actor.parallel)

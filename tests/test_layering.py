@@ -104,3 +104,95 @@ def test_no_import_cycles_between_units():
 
     cycles = sorted(u for u in list(graph) if reaches(u, u, set()))
     assert not cycles, f"import cycles through {cycles}"
+
+
+def module_import_graph(root) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over the package at ``root``, every import counted (module
+    level or inside a function). ``from P import x`` names module ``P.x`` when that is a module
+    file, else ``P`` itself (its ``__init__``, which runs first either way)."""
+    import ast
+
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolved against this module's package
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in modules else base)
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            for target in targets:
+                while target and target not in modules:  # import a.b.c runs a, a.b, a.b.c
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_between_modules():
+    """No two modules import each other, directly or through others, even inside a function: such a
+    circle works only by the order of imports, and a lazy import hides it (config/hf.py <-> load.py)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "sao_megatron"
+    cycles = import_cycles(module_import_graph(root))
+    assert not cycles, "import circles between modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_catches_a_lazy_import_circle(tmp_path):
+    """The check on a package like the old config/hf.py <-> config/load.py: one side imports the
+    other inside a function, and through the package's ``__init__``."""
+    pkg = tmp_path / "pkg"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "__init__.py").write_text("from pkg.config.load import build\n")
+    (pkg / "config" / "load.py").write_text("def model():\n    from pkg.config import hf\n    return hf\n")
+    (pkg / "config" / "hf.py").write_text("from pkg.config import build\n")
+    (pkg / "config" / "ok.py").write_text("import pkg.config.hf\n")
+    assert import_cycles(module_import_graph(pkg)) == [["pkg.config", "pkg.config.hf", "pkg.config.load"]]

@@ -18,21 +18,19 @@ LossAgg = Literal["token_mean", "seq_mean"]
 StepMode = Literal["step_mean", "step_last"]
 """Turn value of step-level GAE: the mean of the turn's action-token values, or its last one."""
 
-AdvantageEstimator = Literal[
-    "gae", "step_mean", "step_last", "grpo", "rloo", "running_mean_prompt", "running_mean_global"
-]
+AdvantageName = Literal["gae", "step_mean", "step_last", "grpo", "rloo", "running_mean_prompt", "running_mean_global"]
 """``gae`` (token level), ``step_mean`` / ``step_last`` (turn level, see :data:`StepMode`), ``grpo``,
 ``rloo``, ``running_mean_prompt`` or ``running_mean_global`` (running-mean reward baselines)."""
 
 POLICY_LOSSES: tuple[PolicyLossName, ...] = get_args(PolicyLossName)
 AGG_MODES: tuple[LossAgg, ...] = get_args(LossAgg)
 STEP_MODES: tuple[StepMode, ...] = get_args(StepMode)
-ADVANTAGE_ESTIMATORS: tuple[AdvantageEstimator, ...] = get_args(AdvantageEstimator)
+ADVANTAGE_ESTIMATORS: tuple[AdvantageName, ...] = get_args(AdvantageName)
 
-CRITIC_ESTIMATORS: tuple[AdvantageEstimator, ...] = ("gae", *STEP_MODES)
+CRITIC_ESTIMATORS: tuple[AdvantageName, ...] = ("gae", *STEP_MODES)
 """The estimators that bootstrap from a learned value function (the others need no critic)."""
 
-GROUP_ESTIMATORS: tuple[AdvantageEstimator, ...] = ("grpo", "rloo")
+GROUP_ESTIMATORS: tuple[AdvantageName, ...] = ("grpo", "rloo")
 """The estimators that compare rollouts of the same prompt (they need ``group_size >= 2``)."""
 
 

@@ -15,8 +15,6 @@ directory (:func:`save_config`).
 
 from sao_megatron.config.cluster import validate_cluster
 from sao_megatron.config.load import (
-    _build,
-    _read_yaml,
     load_config,
     parse_override,
     resolve_model_file,
@@ -76,8 +74,6 @@ __all__ = [
     "TrainConfig",
     "ValueHeadInit",
     "WeightSync",
-    "_build",
-    "_read_yaml",
     "load_config",
     "parse_override",
     "resolve_model_file",

@@ -7,9 +7,7 @@ Values are checked against the field annotations (:func:`_coerce`: types, ``Lite
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,9 @@ from typing import Any
 import yaml
 
 from sao_megatron.algo.choices import GROUP_ESTIMATORS
+from sao_megatron.config import hf
 from sao_megatron.config.cluster import validate_cluster
+from sao_megatron.config.parse import build, read_yaml
 from sao_megatron.config.schema import (
     DEFAULT_RUN_CONFIG,
     MODEL_CONFIG_DIR,
@@ -29,135 +29,9 @@ from sao_megatron.config.schema import (
     RolloutConfig,
     SAOConfig,
 )
+from sao_megatron.config.shape import divisors, same_shape, validate_model
 from sao_megatron.config.tokenizer_files import check_hf_tokenizer
 from sao_megatron.config.weights import check_hf_weights
-
-
-def _field_types(cls) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _choices(options: tuple) -> str:
-    return ", ".join(repr(o) for o in options)
-
-
-def _describe(annotation: Any) -> str:
-    """What a value of ``annotation`` looks like, for error messages."""
-    if typing.get_origin(annotation) is typing.Literal:
-        options = typing.get_args(annotation)
-        return repr(options[0]) if len(options) == 1 else f"one of {_choices(options)}"
-    names = {
-        bool: "true or false",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        dict: "a mapping",
-        type(None): "null",
-    }
-    if annotation in names:
-        return names[annotation]
-    return "a list" if typing.get_origin(annotation) is list else getattr(annotation, "__name__", str(annotation))
-
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Check ``value`` against a field annotation, converting int -> float where harmless."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        if len(errors) == 1:
-            raise ConfigError(errors[0])
-        raise ConfigError(f"{key}: expected {' or '.join(map(_describe, options))}, got {value!r}")
-    if origin is typing.Literal:
-        options = typing.get_args(annotation)
-        if any(value == o and type(value) is type(o) for o in options):
-            return value
-        raise ConfigError(f"{key}: {value!r} is not one of {_choices(options)}")
-    if origin is list:
-        (item_type,) = typing.get_args(annotation)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}; write it as [a, b, ...]")
-        return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
-    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {annotation.__name__} fields, got {value!r}")
-        return _build(annotation, value, key)
-    if annotation is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if annotation is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}; quote it")
-    raise ConfigError(f"{key}: unsupported field type {annotation!r}")
-
-
-def _unknown_key(cls, key: str, name: str) -> ConfigError:
-    known = [f.name for f in dataclasses.fields(cls)]
-    for sub, annotation in _field_types(cls).items():  # a key that lives one section down, e.g. rollout.loop
-        if dataclasses.is_dataclass(annotation) and name in _field_types(annotation):
-            return ConfigError(f"unknown config key '{key}'; it is '{key[: -len(name)]}{sub}.{name}'")
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
-    return ConfigError(f"unknown config key '{key}'; {hint}")
-
-
-def _build(cls, values: dict[str, Any], prefix: str = "", base=None):
-    """Instantiate ``cls`` from ``values`` on top of ``base`` (or the defaults)."""
-    obj = base if base is not None else cls()
-    hints = _field_types(cls)
-    for name, value in values.items():
-        key = f"{prefix}.{name}" if prefix else name
-        if name not in hints:
-            raise _unknown_key(cls, key, name)
-        annotation = hints[name]
-        if dataclasses.is_dataclass(annotation) and isinstance(value, dict) and annotation is not dict:
-            setattr(obj, name, _build(annotation, value, key, base=getattr(obj, name)))
-        else:
-            setattr(obj, name, _coerce(value, annotation, key))
-    return obj
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        hint = "" if path.suffix in (".yaml", ".yml") else " (an override is written key=value)"
-        raise ConfigError(f"config file {path} not found; pass an existing YAML file{hint}") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(err, "problem", None) or err.__class__.__name__
-        context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
-        if context and start is not None and (start.line, start.column) != (mark and (mark.line, mark.column)):
-            problem += f"; {context} started at line {start.line + 1}"  # e.g. an unclosed '{' or '['
-        raise ConfigError(f"{where}: invalid YAML ({problem}); fix the syntax there") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of keys to values")
-    return data
 
 
 def resolve_model_file(name_or_path: str) -> Path:
@@ -211,7 +85,7 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SAOConfig:
     """Defaults <- YAML run file (default ``configs/tiny_cpu.yaml``) <- ``key=value`` overrides."""
     run_file = Path(path) if path is not None else DEFAULT_RUN_CONFIG
-    data = _read_yaml(run_file)
+    data = read_yaml(run_file)
     model_given = "model" in data or any(o.split("=", 1)[0].split(".")[0] == "model" for o in overrides)
     model_spec = data.pop("model", "tiny_moe")
     model_overrides: dict[str, Any] = {}
@@ -222,18 +96,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"{run_file}: 'model' must be a model name, a path or a mapping with 'from'")
     try:
         cfg = SAOConfig()
-        cfg.model = _build(ModelConfig, _read_yaml(resolve_model_file(model_spec)), "model")
-        cfg.model = _build(ModelConfig, model_overrides, "model", base=cfg.model)
-        cfg = _build(SAOConfig, data, base=cfg)
+        cfg.model = build(ModelConfig, read_yaml(resolve_model_file(model_spec)), "model")
+        cfg.model = build(ModelConfig, model_overrides, "model", base=cfg.model)
+        cfg = build(SAOConfig, data, base=cfg)
     except ConfigError as err:
         raise ConfigError(f"{run_file}: {err}") from None
     for text in overrides:
         try:
             keys, value = parse_override(text)
             if keys == ["model"] and isinstance(value, str):
-                cfg.model = _build(ModelConfig, _read_yaml(resolve_model_file(value)), "model")
+                cfg.model = build(ModelConfig, read_yaml(resolve_model_file(value)), "model")
                 continue
-            cfg = _build(SAOConfig, _nest(keys, value), base=cfg)
+            cfg = build(SAOConfig, _nest(keys, value), base=cfg)
         except ConfigError as err:
             message = str(err)  # parse_override's own errors already name the override
             raise ConfigError(
@@ -274,19 +148,11 @@ def checkpoint_model(path: str | Path, key: str) -> ModelConfig:
     p = Path(path).expanduser()
     try:
         if checkpoint_kind(p, key) == "megatron":
-            return _build(ModelConfig, _read_yaml(p / "model.yaml"), "model")
-        from sao_megatron.config import hf  # config.json <-> ModelConfig (plain JSON); imports load.py
-
+            return build(ModelConfig, read_yaml(p / "model.yaml"), "model")
         return hf.model_config_from_hf(hf.read_hf_config(p), name=p.name)
     except ConfigError as err:
         message = str(err)
         raise ConfigError(message if message.startswith(key) else f"{key}={path}: {message}") from None
-
-
-def _shape_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
-    return [
-        f.name for f in dataclasses.fields(ModelConfig) if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)
-    ]
 
 
 def resolve_init_from(cfg: SAOConfig, model_given: bool = True) -> None:
@@ -310,7 +176,7 @@ def resolve_init_from(cfg: SAOConfig, model_given: bool = True) -> None:
         if not Path(path).expanduser().exists():
             continue
         found = checkpoint_model(path, key)
-        diff = _shape_diff(found, cfg.model)
+        diff = same_shape(found, cfg.model)
         if diff:
             shown = ", ".join(f"{f}={getattr(cfg.model, f)!r} vs {getattr(found, f)!r}" for f in diff[:4])
             raise ConfigError(
@@ -350,40 +216,6 @@ def save_config(cfg: SAOConfig, run_dir: str | Path) -> Path:
     return path
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def validate_model(m: ModelConfig) -> None:
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "vocab_size"):
-        if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name} must be > 0 (got {getattr(m, name)}); set it in the model file")
-    if m.num_attention_heads % m.num_query_groups:
-        raise ConfigError(
-            f"model.num_query_groups={m.num_query_groups} must divide "
-            f"model.num_attention_heads={m.num_attention_heads}; use one of {_divisors(m.num_attention_heads)}"
-        )
-    if m.num_experts < 0:
-        raise ConfigError(f"model.num_experts must be >= 0 (got {m.num_experts}); use 0 for a dense model")
-    if m.num_experts:
-        if not 1 <= m.moe_router_topk <= m.num_experts:
-            raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in [1, num_experts={m.num_experts}]")
-        if m.moe_ffn_hidden_size <= 0:
-            raise ConfigError("model.moe_ffn_hidden_size must be > 0 for an MoE model; set the expert width")
-        if m.moe_shared_expert_intermediate_size < 0:
-            raise ConfigError(
-                f"model.moe_shared_expert_intermediate_size must be >= 0 (got "
-                f"{m.moe_shared_expert_intermediate_size}); use 0 for no shared expert"
-            )
-    elif m.ffn_hidden_size <= 0:
-        raise ConfigError("model.ffn_hidden_size must be > 0 for a dense model; set the MLP width")
-    if m.moe_shared_expert_gate and not (m.num_experts and m.moe_shared_expert_intermediate_size):
-        raise ConfigError(
-            "model.moe_shared_expert_gate=true needs a shared expert: set "
-            "model.moe_shared_expert_intermediate_size > 0 (and num_experts > 0)"
-        )
-
-
 def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
     """Reject layouts Megatron would refuse, naming the key and the values that work."""
     tp, pp, cp, ep, etp = (
@@ -411,7 +243,7 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
             "0 means micro_batch_size rows per micro-batch"
         )
     if m.num_attention_heads % tp or m.num_query_groups % tp:
-        options = [d for d in _divisors(m.num_query_groups) if m.num_attention_heads % d == 0]
+        options = [d for d in divisors(m.num_query_groups) if m.num_attention_heads % d == 0]
         raise ConfigError(
             f"{key}.tensor_parallel={tp} does not divide model.num_attention_heads={m.num_attention_heads} "
             f"and model.num_query_groups={m.num_query_groups}; use one of {options}"
@@ -419,12 +251,12 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
     if m.vocab_size % tp:
         raise ConfigError(
             f"{key}.tensor_parallel={tp} does not divide model.vocab_size={m.vocab_size}; "
-            f"use one of {_divisors(m.vocab_size)[:8]} or pad the vocabulary"
+            f"use one of {divisors(m.vocab_size)[:8]} or pad the vocabulary"
         )
     if m.num_layers % pp:
         raise ConfigError(
             f"{key}.pipeline_parallel={pp} does not divide model.num_layers={m.num_layers}; "
-            f"use one of {_divisors(m.num_layers)}"
+            f"use one of {divisors(m.num_layers)}"
         )
     if p.world_size % (tp * pp * cp):
         raise ConfigError(
@@ -435,7 +267,7 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
         if m.num_experts % ep:
             raise ConfigError(
                 f"{key}.expert_parallel={ep} does not divide model.num_experts={m.num_experts}; "
-                f"use one of {_divisors(m.num_experts)}"
+                f"use one of {divisors(m.num_experts)}"
             )
         if (p.world_size // pp) % (ep * etp):
             raise ConfigError(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sao_megatron.algo.choices import AdvantageEstimator, LossAgg, PolicyLossName
+from sao_megatron.algo.choices import AdvantageName, LossAgg, PolicyLossName
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -226,7 +226,7 @@ class AlgoConfig:
     """DIS weight as a stop-gradient (truncated IS); false gives the paper's literal formula."""
     loss_agg: LossAgg = "token_mean"
     """``token_mean`` over the global batch's action tokens or ``seq_mean``."""
-    advantage: AdvantageEstimator = "gae"
+    advantage: AdvantageName = "gae"
     """``gae`` (token level), ``step_mean`` / ``step_last`` (turn level), ``grpo``, ``rloo``,
     ``running_mean_prompt`` or ``running_mean_global``."""
     gamma: float = 1.0

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from sao_megatron.batch import TrainBatch, build_batch
-from sao_megatron.driver.advantages import Advantages
+from sao_megatron.driver.estimator import AdvantageEstimator
 from sao_megatron.driver.session import Session
 from sao_megatron.records import Trajectory
 
@@ -41,7 +41,7 @@ class StepOutcome:
 
 
 async def learner_step(
-    s: Session, estimator: Advantages, trajectories: list[Trajectory], version: int, train_actor: bool
+    s: Session, estimator: AdvantageEstimator, trajectories: list[Trajectory], version: int, train_actor: bool
 ) -> StepOutcome:
     """Train on one batch. The critic's K updates run concurrently with the actor's update
     (separate worlds); the engines get the new weights as ``version + 1`` (every

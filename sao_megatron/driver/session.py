@@ -26,9 +26,9 @@ from sao_megatron import algo
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import SAOConfig
 from sao_megatron.config.load import check_init_from
-from sao_megatron.driver.advantages import Advantages
 from sao_megatron.driver.engines import Engine, engine_model_dir, launch_engines, start_engines, wait_healthy
-from sao_megatron.driver.env_workers import EnvWorkerPool
+from sao_megatron.driver.env_pool import EnvWorkerPool
+from sao_megatron.driver.estimator import AdvantageEstimator
 from sao_megatron.driver.roles import ActorGroup, CriticGroup, init_ray
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.envs.base import Task
@@ -440,7 +440,7 @@ class Session:
         state: RunState,
         manager: RolloutManager | None = None,
         buffer: ReadyBuffer | None = None,
-        advantages: Advantages | None = None,
+        advantages: AdvantageEstimator | None = None,
     ) -> None:
         """Write actor, critic and run state into a staging directory, then publish it."""
         staging = RunState.staging_dir(self.run_dir)

@@ -33,7 +33,7 @@ def _actor_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
     from sao_megatron.models.builder import count_parameters
     from sao_megatron.models.logprobs import vocab_parallel_logprobs
     from sao_megatron.parallel import initialize_model_parallel, seed_everything
-    from sao_megatron.workers.engine import build_actor_role
+    from sao_megatron.workers.role import build_actor_role
 
     initialize_model_parallel(cfg.actor.parallel)
     seed_everything(cfg.run.seed)
@@ -71,7 +71,7 @@ def _critic_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
 
     from sao_megatron.models.builder import count_parameters
     from sao_megatron.parallel import initialize_model_parallel, seed_everything
-    from sao_megatron.workers.engine import build_critic_role
+    from sao_megatron.workers.role import build_critic_role
 
     initialize_model_parallel(cfg.critic.parallel)
     seed_everything(cfg.run.seed)

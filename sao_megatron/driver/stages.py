@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from sao_megatron.batch import build_batch
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import ConfigError, SAOConfig
-from sao_megatron.driver.advantages import Advantages
 from sao_megatron.driver.demos import demonstration_trajectory
+from sao_megatron.driver.estimator import AdvantageEstimator
 from sao_megatron.driver.observer import StepObserver
 from sao_megatron.driver.rollouts import RolloutSource
 from sao_megatron.driver.run_state import RunState
@@ -81,7 +81,7 @@ def open_stage(
     s: Session,
     state: RunState,
     stage: Stage,
-) -> tuple[Advantages, ReadyBuffer, RolloutManager, RolloutSource, StepObserver]:
+) -> tuple[AdvantageEstimator, ReadyBuffer, RolloutManager, RolloutSource, StepObserver]:
     """The estimator, buffer, manager, batch source and observer of one stage; a resumable stage
     continues from the run state (cursor, waiting trajectories, baselines)."""
     a = s.cfg.algo
@@ -91,7 +91,7 @@ def open_stage(
             f"the train split has {rows} prompts but a batch takes {prompts} distinct ones (algo.batch_size="
             f"{a.batch_size} / algo.group_size={a.group_size}): add rows to data.train or lower algo.batch_size"
         )
-    estimator, buffer = Advantages(a), ReadyBuffer(a.batch_size, a.group_size, a.max_policy_lag)
+    estimator, buffer = AdvantageEstimator(a), ReadyBuffer(a.batch_size, a.group_size, a.max_policy_lag)
     manager = s.manager(buffer, lambda: state.version, PromptCursor("train", stage.first_prompt))
     if stage.resumable and state.cursor:
         estimator.load_state_dict(state.advantages)

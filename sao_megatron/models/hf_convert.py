@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sao_megatron.config import ModelConfig, ParallelConfig, validate_parallel
 from sao_megatron.config import hf as hf_config
+from sao_megatron.config.shape import same_shape
 from sao_megatron.models import hf_bridge as bridge
 from sao_megatron.models import hf_io
 from sao_megatron.models.hf_io import CheckpointError
@@ -285,7 +286,7 @@ def mcore_to_hf(
     if template is None and (mcore_dir / TEMPLATE_DIR / "config.json").exists():
         template = mcore_dir / TEMPLATE_DIR
     if template is not None:
-        diff = hf_config.same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
+        diff = same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
         if diff:
             raise CheckpointError(
                 f"--hf-template {template}: config.json disagrees with {mcore_dir / MODEL_YAML} on {diff}"

@@ -448,12 +448,13 @@ def save_hf_checkpoint(
 def _export_precheck(m: ModelConfig, out_dir: Path, template_cfg: dict | None, overwrite: bool) -> str | None:
     from sao_megatron.config import ConfigError
     from sao_megatron.config import hf as hf_config
+    from sao_megatron.config.shape import same_shape
 
     if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
         return f"{out_dir} exists and is not empty; choose another directory or overwrite"
     if template_cfg is not None:
         try:
-            diff = hf_config.same_shape(hf_config.model_config_from_hf(template_cfg), m)
+            diff = same_shape(hf_config.model_config_from_hf(template_cfg), m)
         except ConfigError as err:
             return f"HF template config: {err}"
         if diff:

@@ -66,16 +66,16 @@ def _meta_build_main(spec_path: str, result_path: str) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from sao_megatron import megatron_cpu
-    from sao_megatron.config import _build
+    from sao_megatron.config.parse import build
     from sao_megatron.models.builder import build_gpt
     from sao_megatron.models.critic import build_critic
 
     megatron_cpu.apply()
     results = []
     for job in json.loads(Path(spec_path).read_text()):
-        m = _build(ModelConfig, job["model"], "model")
-        p = _build(ParallelConfig, job["parallel"], "parallel")
-        critic = _build(CriticConfig, job["critic"], "critic") if job["critic"] is not None else None
+        m = build(ModelConfig, job["model"], "model")
+        p = build(ParallelConfig, job["parallel"], "parallel")
+        critic = build(CriticConfig, job["critic"], "critic") if job["critic"] is not None else None
         if p.context_parallel > 1:  # the local spec refuses CP (TE only); CP ranks hold what DP ranks hold
             p = dataclasses.replace(p, context_parallel=1)
         stages = []

@@ -1,7 +1,7 @@
 """Environments off the driver: the worker side (:class:`EnvWorker`) and the driver's proxy (:class:`RemoteEnv`).
 
 With ``rollout.env_workers`` > 0 the driver holds no environment: each episode's Env lives in one
-:class:`EnvWorker` (a Ray actor of :class:`sao_megatron.driver.env_workers.EnvWorkerPool`, on the
+:class:`EnvWorker` (a Ray actor of :class:`sao_megatron.driver.env_pool.EnvWorkerPool`, on the
 ``rollout.env_node_group`` nodes), and the agent loop drives a :class:`RemoteEnv` that forwards::
 
     driver (agent loop)                       env worker (one process, many episodes)

@@ -28,7 +28,7 @@ from sao_megatron.workers.common import (
     reduce_metrics,
     row_outputs,
 )
-from sao_megatron.workers.engine import build_actor_role
+from sao_megatron.workers.role import build_actor_role
 
 if TYPE_CHECKING:
     from sao_megatron.weight_sync import SyncGate

@@ -20,7 +20,7 @@ from sao_megatron.workers.common import (
     reduce_metrics,
     row_outputs,
 )
-from sao_megatron.workers.engine import build_critic_role
+from sao_megatron.workers.role import build_critic_role
 
 
 class CriticWorker:

@@ -158,7 +158,7 @@ def test_algo_choices_are_the_algo_literals():
     hints = typing.get_type_hints(AlgoConfig)
     assert hints["policy_loss"] is algo.PolicyLossName
     assert hints["loss_agg"] is algo.LossAgg
-    assert hints["advantage"] is algo.AdvantageEstimator
+    assert hints["advantage"] is algo.AdvantageName
     for name in algo.POLICY_LOSSES:
         assert load_config(None, [f"algo.policy_loss={name}"]).algo.policy_loss == name
     assert load_config(None, ["algo.advantage=grpo", "algo.group_size=2"]).algo.advantage == "grpo"

@@ -1,5 +1,5 @@
 """The learner loop (``pipeline.run_stage``) on fakes: real RolloutManager, ReadyBuffer, learner_step,
-Advantages (GAE) and StepObserver; scripted episodes and recording role handles (tests/driver/fakes.py)."""
+AdvantageEstimator (GAE) and StepObserver; scripted episodes and recording role handles (tests/driver/fakes.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ import pytest
 
 from sao_megatron.cli import main
 from sao_megatron.config import ConfigError, load_config
-from sao_megatron.config.hf import hf_config_from_model, model_config_from_hf, same_shape
+from sao_megatron.config.hf import hf_config_from_model, model_config_from_hf
+from sao_megatron.config.shape import same_shape
 from sao_megatron.models.builder import transformer_config
 from sao_megatron.models.counting import parameter_counts
 

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from sao_megatron.config import AgentLoopConfig, ConfigError, load_config
-from sao_megatron.driver.env_workers import EnvWorkerPool
+from sao_megatron.driver.env_pool import EnvWorkerPool
 from sao_megatron.driver.roles import init_ray
 from sao_megatron.driver.session import Session
 from sao_megatron.envs import make_task

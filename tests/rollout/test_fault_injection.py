@@ -160,7 +160,7 @@ def test_faults_on_env_workers_are_contained_and_the_workers_slots_freed(tokeniz
     """The same on an env worker (a Ray actor loading ``faulty`` by its dotted path): the driver's
     limit ends a tool hanging in the worker, the worker's exceptions come back as the episodes'
     failures, every timed-out call is cancelled in the worker too, and every slot is free again."""
-    from sao_megatron.driver.env_workers import EnvWorkerPool
+    from sao_megatron.driver.env_pool import EnvWorkerPool
     from sao_megatron.driver.roles import init_ray
 
     prompts, seed = 30, 42  # each kind of fault occurs among the first 10 prompts

@@ -24,7 +24,7 @@ def _params_bytes(model: torch.nn.Module) -> int:
 
 def case_memory(big_dir: str) -> dict:
     """Peak RSS (sampled every 2 ms) over building and loading both models, against their shards."""
-    from sao_megatron.workers.engine import build_actor_model, build_critic_model
+    from sao_megatron.workers.role import build_actor_model, build_critic_model
 
     m = hf_cases.MEMORY_MODEL
     p = hf_cases._setup(dist.get_world_size(), expert_parallel=2)
@@ -58,7 +58,7 @@ def case_layout(hf_dir: Path, m: ModelConfig, layout: str, reference: torch.Tens
     """Actor logits vs transformers; critic trunk = actor trunk = the checkpoint's slices; zero head."""
     from safetensors import safe_open
 
-    from sao_megatron.workers.engine import build_actor_model, build_critic_model
+    from sao_megatron.workers.role import build_actor_model, build_critic_model
 
     p = hf_cases._setup(dist.get_world_size(), **hf_cases.LAYOUTS[layout])
     actor = build_actor_model(m, ActorConfig(parallel=p, init_from=str(hf_dir)))
@@ -97,7 +97,7 @@ def case_layout(hf_dir: Path, m: ModelConfig, layout: str, reference: torch.Tens
 def case_megatron(root: Path, m: ModelConfig, reference: torch.Tensor, trunk_ep2: dict) -> dict:
     """A Megatron checkpoint (saved at TP=2, with ``model.yaml``) loaded at EP=2 by actor and critic."""
     from sao_megatron.models.dist_checkpoint import save_model
-    from sao_megatron.workers.engine import build_actor_model, build_critic_model
+    from sao_megatron.workers.role import build_actor_model, build_critic_model
 
     mcore = root / "mcore"
     p = hf_cases._setup(dist.get_world_size(), tensor_parallel=2)

@@ -10,7 +10,7 @@ import torch
 from sao_megatron import algo
 from sao_megatron.algo.choices import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, POLICY_LOSSES
 from sao_megatron.batch import assemble_rows, build_batch
-from sao_megatron.driver.advantages import Advantages
+from sao_megatron.driver.estimator import AdvantageEstimator
 from sao_megatron.workers.actor import ActorWorker
 from sao_megatron.workers.critic import CriticWorker
 from tests.workers.worker_cases import config, trajectories
@@ -18,7 +18,7 @@ from tests.workers.worker_cases import config, trajectories
 
 def case_every_loss_and_estimator(rank, world):
     """One 1-rank world: critic values once, then for each (estimator, loss) advantages from
-    :class:`Advantages` and one :meth:`ActorWorker.update` with ``cfg.algo`` switched in place."""
+    :class:`AdvantageEstimator` and one :meth:`ActorWorker.update` with ``cfg.algo`` switched in place."""
     from megatron.core import parallel_state as ps
 
     base = config(world)
@@ -36,7 +36,7 @@ def case_every_loss_and_estimator(rank, world):
     for estimator in ADVANTAGE_ESTIMATORS:
         group = 2 if estimator in GROUP_ESTIMATORS else 1
         a = dataclasses.replace(base.algo, advantage=estimator, group_size=group, batch_size=4)
-        adv, returns, adv_metrics = Advantages(a)(batch, values if algo.uses_critic(estimator) else None, trajs)
+        adv, returns, adv_metrics = AdvantageEstimator(a)(batch, values if algo.uses_critic(estimator) else None, trajs)
         assert (returns is not None) == algo.uses_critic(estimator), estimator
         for loss in POLICY_LOSSES:
             actor.cfg = dataclasses.replace(base, algo=dataclasses.replace(a, policy_loss=loss))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sao_megatron.config import ConfigError, ParallelConfig
-from sao_megatron.workers.engine import check_context_parallel
+from sao_megatron.workers.role import check_context_parallel
 from tests.distributed import run_distributed
 from tests.workers import ragged_cases
 

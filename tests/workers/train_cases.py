@@ -13,7 +13,7 @@ from sao_megatron.models.builder import build_gpt
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
 from sao_megatron.parallel import initialize_model_parallel, seed_everything
 from sao_megatron.workers import checkpoint
-from sao_megatron.workers.engine import build_actor_role, build_critic_role
+from sao_megatron.workers.role import build_actor_role, build_critic_role
 from tests.models.parallel_cases import SEQ, batch, gathered_logits, tiny_model_config, tp_group
 
 

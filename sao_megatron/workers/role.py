@@ -26,7 +26,7 @@ LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass
-class StepResult:
+class OptimizerStep:
     """What one optimizer step reports (reduced over the role's world)."""
 
     grad_norm: float
@@ -146,14 +146,14 @@ class MegatronRole:
             forward_only=forward_only,
         )
 
-    def step(self) -> StepResult:
+    def step(self) -> OptimizerStep:
         """One optimizer step, skipped (``updated`` False, weights and optimizer state untouched)
         when a gradient is not finite: a non-finite loss or gradient anywhere in the role's world
         (the group norms are reduced over all ranks, so every rank decides alike)."""
         groups = module_group_grad_norms(self.module, self.optimizer)
         if not all(math.isfinite(v) for v in groups.values()):
             lr = self.optimizer.param_groups[0]["lr"]
-            return StepResult(grad_norm=float("nan"), lr=float(lr), updated=False, group_norms=groups)
+            return OptimizerStep(grad_norm=float("nan"), lr=float(lr), updated=False, group_norms=groups)
         updated, grad_norm, _ = self.optimizer.step()  # pyright: ignore[reportGeneralTypeIssues]  # Megatron: (bool, norm, zeros)
         if self.model.ddp_config.overlap_param_gather:
             # The overlapped gather would finish in the next forward; weights are exported and
@@ -163,7 +163,7 @@ class MegatronRole:
         if updated:
             self.scheduler.step(increment=1)
             self.steps += 1
-        return StepResult(grad_norm=float(grad_norm or 0.0), lr=float(lr), updated=bool(updated), group_norms=groups)
+        return OptimizerStep(grad_norm=float(grad_norm or 0.0), lr=float(lr), updated=bool(updated), group_norms=groups)
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], fn: Callable[[torch.Tensor, dict], torch.Tensor]) -> list:

@@ -15,7 +15,7 @@ from sao_megatron.config import AlgoConfig
 from sao_megatron.records import Trajectory
 
 
-class Advantages:
+class AdvantageEstimator:
     """Holds the running-mean baselines' state (checkpointed with the run)."""
 
     def __init__(self, a: AlgoConfig):
