@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from sao_megatron.config import SAOConfig
 from sao_megatron.models.counting import parameter_counts
-from sao_megatron.plan.simulate import SCHEMES, EngineModel, LearnerModel, Shape, SimResult, simulate
+from sao_megatron.plan.simulate import SCHEMES, EngineModel, LearnerModel, Scheme, Shape, SimResult, simulate
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def simulate_cluster(
     split: Split,
     mean_tokens: float,
     mean_context: float,
-    scheme: str,
+    scheme: Scheme,
     steps: int,
     warmup: int,
     concurrency_per_engine: int,
