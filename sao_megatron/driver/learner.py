@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -16,18 +15,18 @@ from sao_megatron.driver.estimator import AdvantageEstimator
 from sao_megatron.driver.session import Session
 from sao_megatron.records import Trajectory
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class StepOutcome:
-    """What one learner step did; :mod:`sao_megatron.driver.observer` turns it into metrics."""
+    """What one learner step did (a record: the run's state is changed by its caller, ``StageRun.after_step``);
+    :mod:`sao_megatron.driver.observer` turns it into metrics."""
 
     trajectories: list[Trajectory]
     batch: TrainBatch
-    version: int
-    """Policy version after the step (unchanged when the actor did not train)."""
+    trained_from: int
+    """The policy version the batch trained (token lag is measured against it)."""
     trained_actor: bool
+    """The stage asked the actor to train (False in value pretraining and the critic warm-up)."""
     advantages: dict[str, float]
     """Estimator metrics."""
     values: torch.Tensor | None
@@ -37,15 +36,27 @@ class StepOutcome:
     critic: dict[str, float] = field(default_factory=dict)
     actor: dict[str, float] = field(default_factory=dict)
     sync: dict[str, float] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    """Roles whose optimizer skipped the step (non-finite loss or gradient): ``actor``, ``critic``."""
     seconds: float = 0.0
+
+    @property
+    def actor_updated(self) -> bool:
+        return self.trained_actor and "actor" not in self.skipped
+
+    @property
+    def version(self) -> int:
+        """The policy version after the step: ``trained_from + 1`` when the actor's update applied."""
+        return self.trained_from + int(self.actor_updated)
 
 
 async def learner_step(
     s: Session, estimator: AdvantageEstimator, trajectories: list[Trajectory], version: int, train_actor: bool
 ) -> StepOutcome:
-    """Train on one batch. The critic's K updates run concurrently with the actor's update
-    (separate worlds); the engines get the new weights as ``version + 1`` (every
-    ``rollout.weight_sync_every`` versions: a delayed sync is a staleness knob for experiments)."""
+    """Train on one batch of policy ``version``. The critic's K updates run concurrently with the actor's
+    update (separate worlds); the engines get the new weights as ``version + 1`` (every
+    ``rollout.weight_sync_every`` versions: a delayed sync is a staleness knob for experiments). Returns
+    what happened; the caller records the new version (:attr:`StepOutcome.version`)."""
     t0 = time.perf_counter()
     batch = build_batch(trajectories)
     critic, actor = s.critic, s.actor
@@ -68,28 +79,9 @@ async def learner_step(
 
     async with s.weights_lock:  # from the actor's update to the engines' sync: no engine restart between
         await asyncio.gather(critic_updates(), actor_update())
-        skipped = [role for role, m in (("actor", out.actor), ("critic", out.critic)) if m.get("updated", 1.0) == 0]
-        s.skipped_in_a_row = s.skipped_in_a_row + 1 if skipped else 0
-        if skipped:
-            ids = sorted({t.prompt_id for t in trajectories})
-            log.warning(
-                "step at version %d: %s update skipped (non-finite loss or gradient, %d in a row); trajectories %s",
-                version,
-                " and ".join(skipped),
-                s.skipped_in_a_row,
-                ids,
-            )
-            limit = s.cfg.train.max_skipped_steps
-            if s.skipped_in_a_row >= limit:
-                raise TrainingDiverged(
-                    f"{s.skipped_in_a_row} steps in a row skipped an update for non-finite losses or gradients "
-                    f"(train.max_skipped_steps={limit}); last batch's trajectories {ids[:8]}. Lower the learning "
-                    "rate or inspect those trajectories (sao report shows samples); resume from the last checkpoint"
-                )
-        if train_actor and "actor" not in skipped:
-            out.version = s.actor_version = version + 1
-            if out.version % s.cfg.rollout.weight_sync_every == 0:
-                out.sync = await s.sync_weights(out.version)
+        out.skipped = [role for role, m in (("actor", out.actor), ("critic", out.critic)) if m.get("updated", 1) == 0]
+        if out.actor_updated and out.version % s.cfg.rollout.weight_sync_every == 0:
+            out.sync = await s.sync_weights(out.version)
     out.seconds = time.perf_counter() - t0
     return out
 

@@ -103,8 +103,7 @@ class StepObserver:
     def step(self, o: StepOutcome, waited_s: float, in_flight: int, taken_at: float) -> dict[str, float]:
         """``waited_s``: how long the learner waited for this batch; ``taken_at``: when it got it
         (``time.time()``)."""
-        trained = o.version - 1 if o.trained_actor else o.version
-        lag = algo.policy_lag(trained, o.batch.policy_versions, o.batch.action_mask)
+        lag = algo.policy_lag(o.trained_from, o.batch.policy_versions, o.batch.action_mask)
         out = learner_metrics(o) | batch_metrics(o.trajectories, lag, o.batch.action_mask, taken_at)
         out |= buffer_metrics(self.buffer, self._groups_seen)
         self._groups_seen = len(self.buffer.stats.group_waits_s)

@@ -40,6 +40,7 @@ from sao_megatron.rollout.client import EngineClient, EngineError
 from sao_megatron.rollout.env_workers import EnvFactory, local_env_factory
 from sao_megatron.rollout.manager import EnginesLost, EngineStates, PromptCursor, RolloutManager
 from sao_megatron.tokenizer import load_tokenizer
+from sao_megatron.weight_sync import sync_from_disk
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,10 @@ class Session:
     """The env workers holding the episodes' environments (``rollout.env_workers`` > 0), once
     :meth:`start_rollouts` ran; None: environments run in this process."""
 
-    def __init__(self, cfg: SAOConfig, run_dir: Path, actor: ActorGroup):
+    def __init__(self, cfg: SAOConfig, run_dir: Path, actor: ActorGroup, state: RunState):
         self.cfg = cfg
+        self.state = state
+        """The run's state; its ``version`` is the trained policy version (one owner: the loop records it)."""
         self.run_dir = Path(run_dir)
         self.tokenizer = load_tokenizer(init_from=getattr(cfg.actor, "init_from", "") or None)
         self.task: Task = make_task(cfg.rollout.env, dataset=cfg.data, **cfg.rollout.task_kwargs)
@@ -89,14 +92,11 @@ class Session:
         self.weights_lock = asyncio.Lock()
         """Held from an actor update to the engines' sync of its weights (the learner step), and by
         an engine's restart and its sync: a restart never labels new weights with the old version."""
-        self.version = 0
-        """The policy version the engines serve (the last synced)."""
-        self.actor_version = 0
-        """The actor's policy version (ahead of :attr:`version` between delayed syncs)."""
+        self.served_version = 0
+        """The policy version the engines serve (the last synced; behind ``state.version`` between delayed syncs)."""
         self._watchdog: asyncio.Task | None = None
         self._recovering: dict[int, asyncio.Task] = {}
         self._policy_exported = False  # <run_dir>/hf/policy holds the actor's current weights
-        self.skipped_in_a_row = 0  # learner steps that skipped an update (non-finite gradients)
 
     @classmethod
     async def start(cls, cfg: SAOConfig, run_dir: Path, state: RunState) -> Session:
@@ -117,7 +117,7 @@ class Session:
         except BaseException:
             await _stop_engines(engines, ready)
             raise
-        session = cls(cfg, run_dir, actor)
+        session = cls(cfg, run_dir, actor, state)
         session.engines, session._engines_ready = engines, ready
         try:
             checkpoint = RunState.checkpoint_dir(run_dir)
@@ -207,8 +207,7 @@ class Session:
                 )
                 for i in dead:
                     await self._restart(i)
-        self.version = version
-        self.actor_version = max(self.actor_version, version)  # a resumed run's first sync sets both
+        self.served_version = version
         for i in states.live():
             try:
                 label = await self.clients[i].weight_version()
@@ -226,9 +225,7 @@ class Session:
         live = self.engine_states.live()
         if self.cfg.rollout.weight_sync == "disk":
             hf_dir = self.run_dir / "hf" / "policy"
-            report = await self.actor.export_hf(hf_dir)
-            await asyncio.gather(*(self.clients[i].update_weights_from_disk(str(hf_dir), str(version)) for i in live))
-            return {"time/sync_s": report.seconds}
+            return await sync_from_disk(self.actor.export_hf, hf_dir, [self.clients[i] for i in live], version)
         urls = [self.engines[i].url for i in live]
         report = await self.actor.sync_weights(urls, version, self.sync_address)
         return {_SYNC_METRICS[k]: v for k, v in report.items()}
@@ -275,15 +272,15 @@ class Session:
                 return
             if await self._responsive(i):
                 if not states.up[i]:  # a passing failure: it still serves the synced version
-                    if await self.clients[i].weight_version() == str(self.version):
+                    if await self.clients[i].weight_version() == str(self.served_version):
                         states.mark_up(i)
                     else:
-                        await self.sync_weights(self.actor_version)
+                        await self.sync_weights(self.state.version)
                 return
             log.warning("engine%d is down (%s); restarting it", i, why[:300])
             await self._restart(i)
             if i not in states.dropped:
-                await self.sync_weights(self.actor_version)  # the actor's, before it takes episodes
+                await self.sync_weights(self.state.version)  # the actor's, before it takes episodes
 
     async def _restart(self, i: int) -> None:
         """Replace engine ``i`` by a fresh server (same index, a new port), not yet synced nor up; or

@@ -228,11 +228,9 @@ class FakeSession:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     buffer: ReadyBuffer | None = None
     rollout_manager: RolloutManager | None = None
-    skipped_in_a_row: int = 0
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    version: int = 0
+    served_version: int = 0
     """The version the engines serve (the last synced); episodes are labelled with it."""
-    actor_version: int = 0
     eval_windows: list[tuple[float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -242,7 +240,7 @@ class FakeSession:
 
     def manager(self, buffer: ReadyBuffer, version: Callable[[], int], cursor: PromptCursor) -> RolloutManager:
         """As ``Session.manager``: finished trajectories go to ``buffer.admit(t, version())`` (recorded)."""
-        self.loop.version = lambda: self.version  # as an engine: the weights it was last synced to
+        self.loop.version = lambda: self.served_version  # as an engine: the weights it was last synced to
         self.buffer = buffer
 
         def on_finished(t: Trajectory) -> bool:
@@ -271,7 +269,7 @@ class FakeSession:
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         self.syncs.append(version)
-        self.version = version
+        self.served_version = version
         return {"time/sync_s": 0.0}
 
     async def evaluate(self) -> dict[str, float]:

@@ -73,7 +73,7 @@ def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(tmp_path
             kills.append((kill_engine(session), last))
             while states.restarts[0] == k or not states.up[0]:
                 await asyncio.sleep(0.2)
-            served.append((await session.clients[0].weight_version(), session.version))
+            served.append((await session.clients[0].weight_version(), session.served_version))
 
     async def go():
         state = RunState(stage="rl")
@@ -278,7 +278,8 @@ def fake_session(tmp_path: Path, monkeypatch, max_restarts: int, engines: int = 
     s.clients = cast(list[EngineClient], [clients[e.url] for e in fakes])
     s.loops = [SimpleNamespace(client=c) for c in s.clients]  # type: ignore[list-item]
     s.engine_states = EngineStates(engines, on_failure=s._episode_failed)
-    s.weights_lock, s.version, s.actor_version, s._watchdog, s._recovering = asyncio.Lock(), 0, 0, None, {}
+    s.weights_lock, s.served_version, s._watchdog, s._recovering = asyncio.Lock(), 0, None, {}
+    s.state = RunState()
     s.sync_address, s._engines_ready = "127.0.0.1", None
 
     async def start_engines(cfg, model_path, run_dir, indices=None, restart=0, load_format="auto"):
