@@ -1,5 +1,5 @@
-"""Pure-math layer of SAO: policy/value losses, advantage estimators, baselines, masked reductions,
-batch diagnostics, and the named choices (``choices``: ``Literal`` types the config validates with).
+"""Pure-math layer of SAO: policy/value losses and the learners' objectives built on them, advantage
+estimators, baselines, masked reductions, batch diagnostics, and the named choices (``choices``: ``Literal`` types the config validates with).
 
 Tensors and scalars in, ``(tensor(s), metrics)`` out; metrics are flat ``dict[str, float]`` of python
 floats. Imports only torch and the standard library: no Megatron, Ray, SGLang or CUDA at import time.
@@ -36,7 +36,7 @@ from sao_megatron.algo.choices import (
     StepMode,
     uses_critic,
 )
-from sao_megatron.algo.diagnostics import explained_variance, policy_lag
+from sao_megatron.algo.diagnostics import LAG_BUCKETS, explained_variance, kept_by_lag, policy_lag
 from sao_megatron.algo.masked import (
     masked_mean,
     masked_quantiles,
@@ -45,6 +45,7 @@ from sao_megatron.algo.masked import (
     masked_whiten,
     metrics_to_floats,
 )
+from sao_megatron.algo.objectives import policy_objective, sft_nll, value_objective
 from sao_megatron.algo.policy_loss import (
     dis_band,
     dis_loss,
@@ -59,6 +60,7 @@ __all__ = [
     "AGG_MODES",
     "CRITIC_ESTIMATORS",
     "GROUP_ESTIMATORS",
+    "LAG_BUCKETS",
     "POLICY_LOSSES",
     "STEP_MODES",
     "AdvantageName",
@@ -75,6 +77,7 @@ __all__ = [
     "gae",
     "gae_reference",
     "grpo_advantages",
+    "kept_by_lag",
     "length_adaptive_lambda",
     "loss_weights",
     "masked_mean",
@@ -85,13 +88,16 @@ __all__ = [
     "metrics_to_floats",
     "policy_lag",
     "policy_loss",
+    "policy_objective",
     "ppo_clip_loss",
     "reverse_discounted_cumsum",
     "rloo_advantages",
     "segment_ids_from_cu_seqlens",
+    "sft_nll",
     "step_gae",
     "uses_critic",
     "vanilla_pg_loss",
     "value_loss",
+    "value_objective",
     "whiten_advantages",
 ]

@@ -1,6 +1,7 @@
-"""Diagnostics of a training batch: per-token policy lag and the critic's explained variance.
+"""Diagnostics of a training batch: per-token policy lag, the DIS band by lag, and the critic's
+explained variance.
 
-Neither feeds a loss; both are logged next to the loss metrics (``docs/training.md``).
+None feeds a loss; all are logged next to the loss metrics (``docs/training.md``).
 """
 
 from __future__ import annotations
@@ -9,9 +10,13 @@ import torch
 from torch import Tensor
 
 from sao_megatron.algo._checks import check_action_mask, check_shape
+from sao_megatron.algo.policy_loss import WEIGHT_SUFFIX
 
 EV_MIN_VARIANCE = 1e-12
 """Below this return variance explained variance is undefined (NaN): nothing to explain."""
+
+LAG_BUCKETS: tuple[tuple[int, int, str], ...] = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 1 << 30, "3+"))
+"""Token-lag buckets of :func:`kept_by_lag`: (lowest lag, highest lag, name), inclusive."""
 
 
 def policy_lag(version: int, policy_versions: Tensor, action_mask: Tensor) -> Tensor:
@@ -46,3 +51,27 @@ def explained_variance(values: Tensor, returns: Tensor, action_mask: Tensor) -> 
     if var_r < EV_MIN_VARIANCE:
         return float("nan")
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
+
+
+def kept_by_lag(kept: Tensor, lag: Tensor, advantages: Tensor, mask: Tensor) -> dict[str, float]:
+    """Fraction of action tokens inside the DIS band, per token-lag bucket and advantage sign.
+
+    ``kept`` [B, T] bool (:func:`~sao_megatron.algo.policy_loss.dis_band`), ``lag`` [B, T]
+    (:func:`policy_lag`), ``advantages`` [B, T], ``mask`` [B, T] bool action tokens. Each fraction
+    ``K`` comes with its token count ``K#n`` (:data:`~sao_megatron.algo.policy_loss.WEIGHT_SUFFIX`,
+    the weight of its reduction across micro-batches and ranks); ``dis/tokens/lag{b}`` is the
+    bucket's token count (summed). Empty buckets and signs report nothing but that count."""
+    out = {}
+    for lo, hi, name in LAG_BUCKETS:
+        sel = mask & (lag >= lo) & (lag <= hi)
+        n = int(sel.sum())
+        out[f"dis/tokens/lag{name}"] = float(n)
+        if n:
+            out[f"dis/kept_frac/lag{name}"] = float((kept & sel).sum()) / n
+            out[f"dis/kept_frac/lag{name}{WEIGHT_SUFFIX}"] = float(n)
+        for sign, sel_sign in (("pos", advantages > 0), ("neg", advantages < 0)):
+            both = sel & sel_sign
+            if nb := int(both.sum()):
+                out[f"dis/kept_frac/lag{name}/adv_{sign}"] = float((kept & both).sum()) / nb
+                out[f"dis/kept_frac/lag{name}/adv_{sign}{WEIGHT_SUFFIX}"] = float(nb)
+    return out

@@ -35,7 +35,7 @@ subset reports 0 with ``num_tokens`` 0. ``segment_ids`` only matters for ``agg="
 
 Reduction weights: every metric ``K`` except ``num_tokens*`` comes with ``K#n`` (:data:`WEIGHT_SUFFIX`),
 the number of tokens it is computed over (its subset's ``num_tokens``; for ``ess``/``ess_frac`` the
-tokens entering the ESS). ``sao_megatron.workers.common.reduce_metrics`` combines micro-batches and
+tokens entering the ESS). ``sao_megatron.workers.metrics.reduce_metrics`` combines micro-batches and
 ranks with it: ``K#n``-weighted mean (exact for means and fractions, approximate for the quantiles and
 ESS), max of ``ratio/max``, sums of ``num_tokens`` and of ``loss`` (the local weighted sum).
 """

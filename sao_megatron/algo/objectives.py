@@ -1,0 +1,154 @@
+"""The learners' objectives: what one micro-batch's loss and metrics are, from the model's outputs.
+
+Each takes the micro-batch's tensors (``[b, t]``; a packed micro-batch is one row whose
+trajectories ``segment_ids`` tells apart) and the global normalisers of the whole optimizer step,
+and returns ``(loss, metrics)``: a 0-d loss already divided by the step's global count, so the sum
+over every micro-batch of every data-parallel rank is the full-batch loss
+(:mod:`~sao_megatron.algo.aggregation`), and flat python-float metrics. Every metric set carries
+``micro_tokens``, the micro-batch's action tokens, the default weight of the metric reduction
+across micro-batches and ranks (``workers.metrics.reduce_metrics``: keys with a ``loss``,
+``num_tokens`` or ``tokens`` part sum, ``*/max`` take the max, the rest average weighted by their
+own ``K#n`` count or by ``micro_tokens``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from sao_megatron.algo._checks import check_choice
+from sao_megatron.algo.choices import POLICY_LOSSES, LossAgg, PolicyLossName
+from sao_megatron.algo.diagnostics import kept_by_lag
+from sao_megatron.algo.masked import masked_mean
+from sao_megatron.algo.policy_loss import dis_band, dis_loss, ppo_clip_loss, vanilla_pg_loss
+from sao_megatron.algo.value_loss import value_loss
+
+
+def _normalisers(agg: LossAgg, num_tokens_global: float, num_seqs_global: float) -> tuple[float | None, float | None]:
+    """(tokens, sequences): only the one ``agg`` divides by (``loss_weights`` refuses the other)."""
+    return (num_tokens_global, None) if agg == "token_mean" else (None, num_seqs_global)
+
+
+def policy_objective(
+    logprobs: Tensor,
+    entropy: Tensor,
+    behavior_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    lag: Tensor,
+    *,
+    loss: PolicyLossName,
+    eps_low: float,
+    eps_high: float,
+    detach_ratio: bool,
+    agg: LossAgg,
+    num_tokens_global: float,
+    num_seqs_global: float,
+    segment_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The actor's loss on one micro-batch: policy loss ``loss`` (:mod:`~sao_megatron.algo.policy_loss`)
+    plus its diagnostics.
+
+    ``logprobs`` [b, t] of the current policy (with grad) and ``entropy`` [b, t] (no grad) at each
+    label; ``behavior_logprobs``, ``advantages`` [b, t]; ``action_mask`` [b, t] 0/1 or bool;
+    ``lag`` [b, t] each token's policy lag (:func:`~sao_megatron.algo.diagnostics.policy_lag`).
+    ``eps_low`` / ``eps_high`` bound the DIS and PPO bands (unused by ``vanilla``'s loss and
+    metrics), ``detach_ratio`` is DIS's. Normalised by ``num_tokens_global`` (``agg="token_mean"``)
+    or ``num_seqs_global`` (``"seq_mean"``), the whole step's counts.
+
+    Metrics: the policy loss's (``loss``, ``ratio/*``, ``kl_k3``, ..., each with ``#n``);
+    ``entropy``, the mean over the action tokens; ``micro_tokens``; and, whatever ``loss``, the
+    share of tokens inside the DIS band ``1 - eps_low < rho < 1 + eps_high`` per lag bucket and
+    advantage sign (:func:`~sao_megatron.algo.diagnostics.kept_by_lag`)."""
+    check_choice("policy loss", loss, POLICY_LOSSES)
+    mask = action_mask > 0
+    tokens, seqs = _normalisers(agg, num_tokens_global, num_seqs_global)
+    if loss == "dis":
+        value, metrics = dis_loss(
+            logprobs,
+            behavior_logprobs,
+            advantages,
+            mask,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            detach_ratio=detach_ratio,
+            agg=agg,
+            num_tokens_global=tokens,
+            num_seqs_global=seqs,
+            segment_ids=segment_ids,
+        )
+    elif loss == "ppo_clip":
+        value, metrics = ppo_clip_loss(
+            logprobs,
+            behavior_logprobs,
+            advantages,
+            mask,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            agg=agg,
+            num_tokens_global=tokens,
+            num_seqs_global=seqs,
+            segment_ids=segment_ids,
+        )
+    else:  # vanilla: no band, so no below/above_frac metrics
+        value, metrics = vanilla_pg_loss(
+            logprobs,
+            behavior_logprobs,
+            advantages,
+            mask,
+            agg=agg,
+            num_tokens_global=tokens,
+            num_seqs_global=seqs,
+            segment_ids=segment_ids,
+        )
+    metrics["entropy"] = masked_mean(entropy, mask.float()).item()
+    metrics["micro_tokens"] = float(mask.sum())
+    kept = dis_band(logprobs.detach(), behavior_logprobs, eps_low, eps_high)
+    metrics.update(kept_by_lag(kept, lag, advantages, mask))
+    return value, metrics
+
+
+def value_objective(
+    values: Tensor,
+    returns: Tensor,
+    action_mask: Tensor,
+    old_values: Tensor | None = None,
+    *,
+    value_clip: float,
+    agg: LossAgg,
+    num_tokens_global: float,
+    num_seqs_global: float,
+    segment_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The critic's loss on one micro-batch: :func:`~sao_megatron.algo.value_loss.value_loss` of
+    ``values`` [b, t] (with grad, computed in float32) against ``returns`` [b, t].
+
+    ``value_clip`` > 0 clips each value to ``old_values +- value_clip`` (PPO2 value clipping; needs
+    ``old_values`` [b, t], the values before this step's updates); 0 turns clipping off.
+    Normalised as :func:`policy_objective`. Metrics: the value loss's and ``micro_tokens``."""
+    mask = action_mask > 0
+    clipped = value_clip > 0
+    tokens, seqs = _normalisers(agg, num_tokens_global, num_seqs_global)
+    loss, metrics = value_loss(
+        values.float(),
+        returns,
+        mask,
+        old_values=old_values if clipped else None,
+        clip_range=value_clip if clipped else None,
+        agg=agg,
+        num_tokens_global=tokens,
+        num_seqs_global=seqs,
+        segment_ids=segment_ids,
+    )
+    metrics["micro_tokens"] = float(mask.sum())
+    return loss, metrics
+
+
+def sft_nll(logprobs: Tensor, action_mask: Tensor, *, num_tokens_global: float) -> tuple[Tensor, dict[str, float]]:
+    """Supervised fine-tuning on demonstrations: ``-sum_t m_t logprobs_t / N``, the negative
+    log-likelihood of the action tokens over ``N`` = ``num_tokens_global``, the step's action tokens.
+
+    ``logprobs`` [b, t] with grad; ``action_mask`` [b, t] 0/1. Metrics: ``nll``, this
+    micro-batch's mean negative logprob per action token (0 without any), and ``micro_tokens``."""
+    n = float(action_mask.sum())
+    nll = -(logprobs * action_mask).sum()
+    return nll / num_tokens_global, {"nll": (nll / max(n, 1.0)).item(), "micro_tokens": n}
