@@ -1,0 +1,2 @@
+def read_line(line: str) -> list[str]:
+    return line.rstrip("\n").split(",")

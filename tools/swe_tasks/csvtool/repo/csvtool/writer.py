@@ -1,0 +1,2 @@
+def write_line(fields: list[str]) -> str:
+    return ",".join(fields) + "\n"

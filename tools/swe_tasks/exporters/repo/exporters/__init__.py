@@ -1,0 +1,1 @@
+from exporters.export import export

@@ -1,0 +1,1 @@
+from grids.grid import Grid

@@ -1,0 +1,7 @@
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    sku: str
+    quantity: int = 0

@@ -1,0 +1,1 @@
+from pager.core import page_count, paginate

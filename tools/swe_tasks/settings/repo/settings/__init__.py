@@ -1,0 +1,1 @@
+from settings.load import SettingsError, load_settings

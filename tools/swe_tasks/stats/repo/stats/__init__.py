@@ -1,0 +1,1 @@
+from stats.basic import mean, total
