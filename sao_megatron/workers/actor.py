@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -16,6 +13,7 @@ from sao_megatron.algo.policy_loss import WEIGHT_SUFFIX
 from sao_megatron.batch import BatchShard, MicroBatching, RowOutputs
 from sao_megatron.config import SAOConfig
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
+from sao_megatron.weight_sync import BroadcastSync
 from sao_megatron.workers import checkpoint
 from sao_megatron.workers.common import (
     full_sequence,
@@ -29,9 +27,6 @@ from sao_megatron.workers.common import (
     row_outputs,
 )
 from sao_megatron.workers.role import build_actor_role
-
-if TYPE_CHECKING:
-    from sao_megatron.weight_sync import SyncGate
 
 LAG_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 1 << 30, "3+"))
 
@@ -74,12 +69,15 @@ class ActorWorker:
         self.cfg = cfg
         init_rank(cfg.actor.parallel, cfg.run.seed)
         self.role = build_actor_role(cfg.model, cfg.actor)
-        self._sync = None  # this rank's weight-sync group, on a pipeline stage's sender
-        self._sync_urls: list[str] | None = None  # the engines the groups were formed with
-        self._sync_groups = 0  # weight-sync group formations so far (each has its own names)
-        self._sync_calls = 0  # weight syncs so far (each has its own store keys)
-        self._gate: SyncGate | None = None  # the coordinator's word to the senders (store connections)
-        self._gather_group: dist.ProcessGroup | None = None
+        r = cfg.rollout
+        self.broadcast = BroadcastSync(
+            self.role.module,
+            cfg.model,
+            engine_tp=r.tensor_parallel,
+            flat=r.weight_sync_flat,
+            bucket_mb=r.weight_sync_bucket_mb,
+        )
+        """This rank's part of the broadcast weight sync (:meth:`sync_weights`)."""
 
     @property
     def _micro(self) -> MicroBatching:
@@ -200,230 +198,10 @@ class ActorWorker:
     def sync_weights(
         self, engine_urls: list[str], version: int, addresses: str | list[str], master_port: int = 0
     ) -> dict[str, float]:
-        """Stream HF-named weights to the engines, tagged ``version`` (every rank calls it).
-
-        Each pipeline stage's sender (the stage's lowest global rank) gathers its own stage's
-        buckets from its TP / EP / DP peers, a bucket ahead, and broadcasts them over a group of
-        its own; global rank 0 pauses the engines and posts every bucket's request in one order
-        (``sao_megatron.weight_sync``), releasing each bucket to its sender through the world's
-        store (:class:`~sao_megatron.weight_sync.SyncGate`). ``addresses``: every global rank's
-        node address (or one for all), where a sender's group store listens; ``master_port`` 0:
-        any free port, else stage ``s``'s sender listens at ``master_port + s``.
-
-        The groups are re-formed (new names; the old ones destroyed on the engines still
-        listed) when ``engine_urls`` differ from the last call's (an engine restarted or
-        dropped), and after a failed update (an engine died during it), which raises on rank 0.
-        Rank 0 returns the timing; the others ``{}``."""
-        from sao_megatron.models.hf_weights import HFWeightStream
-        from sao_megatron.weight_sync import SyncGate
-
-        if self._gather_group is None:  # the gathers run in a thread of their own, on a group of their own
-            self._gather_group = cast(dist.ProcessGroup, dist.new_group())  # every rank is a member
-        stream = HFWeightStream(self.role.module, self.cfg.model, per_stage=True, group=self._gather_group)
-        rank = dist.get_rank()
-        if self._gate is None:
-            self._gate = SyncGate.of_world()
-        self._sync_calls += 1
-        gate = self._gate.next_update(self._sync_calls)
-        results: list = [None] * dist.get_world_size()
-        formed: list[str | None] = [None] * dist.get_world_size()
-        if self._sync_urls != engine_urls:
-            dist.all_gather_object(
-                formed, self._connect_senders(stream.senders, engine_urls, addresses, master_port, gate)
-            )
-        t0 = time.perf_counter()
-        paused = 0.0
-        if any(formed):  # skipped everywhere: an engine would wait for that sender's buckets forever
-            results = [(0, 0, error) for error in formed]
-        elif rank == 0:
-            try:
-                nbytes, tensors, error, paused = asyncio.run(self._coordinate(stream, gate, engine_urls, version))
-            except Exception as err:  # a bug: the other ranks still get their word below
-                nbytes, tensors, error = 0, 0, f"{type(err).__name__}: {err}"
-            gate.done()  # the engines were resumed
-            dist.all_gather_object(results, (nbytes, tensors, error))
-        else:
-            mine = self._data_plane(stream, gate)
-            gate.wait_done()  # not in the collective: the coordinator may take longer than its timeout
-            dist.all_gather_object(results, mine)
-        errors = [f"trainer rank {r}: {e}" for r, (_, _, e) in enumerate(results) if e]
-        if errors:  # the groups are broken: the next call forms new ones
-            self._sync_urls = None
-            if self._sync is not None:
-                sync, self._sync = self._sync, None
-                asyncio.run(sync.close())
-            if rank == 0:
-                raise RuntimeError(f"weight sync to version {version} failed: {'; '.join(errors)}")
-            return {}
-        if rank != 0:
-            return {}
-        seconds = time.perf_counter() - t0
-        total = sum(b for b, _, _ in results)
-        return {
-            "sync_s": seconds,
-            "sync_pause_s": paused,
-            "sync_gb_per_s": total / max(seconds, 1e-9) / 1e9,
-            "sync_tensors": float(sum(t for _, t, _ in results)),
-            "sync_senders": float(len(stream.senders)),
-        }
-
-    def _connect_senders(
-        self, senders: list[int], engine_urls: list[str], addresses: str | list[str], master_port: int, gate: SyncGate
-    ) -> str | None:
-        """(Re-)form every sender's group, one at a time (an engine joins one group at a time; the
-        next sender starts on the previous one's word in the store). Why this rank's group failed to
-        form, or None (the update is skipped everywhere on any)."""
-        from sao_megatron.weight_sync import WeightSync
-
-        rank = dist.get_rank()
-        if self._sync is not None:
-            old, self._sync = self._sync, None
-            asyncio.run(old.close([u for u in old.engine_urls if u in engine_urls]))
-        self._sync_groups += 1
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        error = None
-        for stage, sender in enumerate(senders):
-            if rank == sender:
-                name = self._group_name(stage, len(senders))
-                address = addresses if isinstance(addresses, str) else addresses[rank]
-                port = master_port + stage if master_port else 0  # two stages' senders may share a node
-                where = f"{backend} group {name} at {address}:%s (trainer rank {rank}, stage {stage})"
-                sync = WeightSync(
-                    list(engine_urls),
-                    engine_tp=self.cfg.rollout.tensor_parallel,
-                    backend=backend,
-                    master_address=address,
-                    master_port=port,
-                    group_name=name,
-                    flat=self.cfg.rollout.weight_sync_flat,
-                )
-                try:
-                    asyncio.run(sync.connect())  # bounded by the engines' HTTP and the group's timeouts
-                    self._sync = sync
-                    print(
-                        f"[sao-weight-sync] {where % sync.master_port} -> engines {' '.join(engine_urls)}",
-                        flush=True,
-                    )
-                except Exception as err:
-                    error = f"{where % (sync.master_port or 'any port')} failed to form: {type(err).__name__}: {err}"
-                    print(f"[sao-weight-sync] {error}", flush=True)
-                gate.formed(stage)
-            gate.wait_formed(stage)
-        self._sync_urls = list(engine_urls)
-        return error
-
-    async def _coordinate(
-        self, stream, gate, engine_urls: list[str], version: int
-    ) -> tuple[int, int, str | None, float]:
-        """Rank 0: pause the engines, start the update, then for every bucket in the global order wait
-        until its sender holds it, release and post it (while sending its own stage's); end and
-        resume. ``(bytes, tensors, error, paused_s)``. On an error the senders are stopped at their
-        next bucket and the engines resumed before this rank's own sending is awaited."""
-        from sao_megatron.weight_sync import BucketSpec, EngineControl, sync_order
-
-        control = EngineControl(engine_urls)
-        try:
-            flat = self.cfg.rollout.weight_sync_flat
-            plan = [
-                [BucketSpec.planned(b, flat) for b in stage]
-                for stage in stream.bucket_plan(self.cfg.rollout.weight_sync_bucket_mb << 20)
-            ]
-            names = [self._group_name(s, len(plan)) for s in range(len(plan))]
-            await control.__aenter__()
-        except Exception as err:  # nothing was sent: the other ranks are told to skip the update
-            error = f"{type(err).__name__}: {err}"
-            gate.start(error)
-            return 0, 0, error, control.paused_s
-        gate.start()
-        sending = asyncio.ensure_future(asyncio.to_thread(self._data_plane, stream, gate))
-        released = [0] * len(plan)  # per stage: buckets released so far
-        error = None
-        try:
-            for s, k in sync_order([len(p) for p in plan]):
-                if (reason := await asyncio.to_thread(gate.wait_ready, s, k)) is not None:
-                    raise RuntimeError(reason)
-                gate.release(s, k)
-                released[s] = k + 1
-                await control.load(names[s], plan[s][k], version)
-        except Exception as err:
-            error = f"{type(err).__name__}: {err}"
-            gate.stop((s, k) for s, k in enumerate(released) if k < len(plan[s]))
-            await control.__aexit__(type(err), err, None)  # resumes
-            sent = await sending
-        else:
-            sent = await sending
-            if sent[2] is not None:  # a sender failed after its last bucket's request was answered
-                error = sent[2]
-            try:
-                await control.__aexit__(RuntimeError if error else None, None, None)
-            except Exception as err:
-                error = error or f"{type(err).__name__}: {err}"
-        return sent[0], sent[1], error, control.paused_s
-
-    def _group_name(self, stage: int, stages: int) -> str:
-        return (
-            "sao_weight_sync"
-            + (f"_{self._sync_groups}" if self._sync_groups > 1 else "")
-            + (f"_pp{stage}" if stages > 1 else "")
-        )
-
-    def _data_plane(self, stream, gate) -> tuple[int, int, str | None]:
-        """This rank's part of an update: gather its stage's buckets and, on the stage's sender, say
-        it holds each and broadcast it once the coordinator releases it, while the next is
-        gathered. Ranks other than 0 first wait for the coordinator's start (and skip the update
-        if it reports an error). Never raises; a sender's error reaches the coordinator at once
-        (its next bucket "failed"), then the stream is drained (the stage's other ranks are inside
-        the gathers)."""
-        from sao_megatron.weight_sync import BucketSpec, WeightSync, prefetched
-
-        rank = dist.get_rank()
-        try:
-            if rank != 0 and gate.started() is not None:
-                return 0, 0, None  # rank 0 reports it
-        except Exception as err:  # the store is gone with rank 0
-            return 0, 0, f"waiting for the coordinator's start: {type(err).__name__}: {err}"
-        bucket_bytes = self.cfg.rollout.weight_sync_bucket_mb << 20
-        flat = self.cfg.rollout.weight_sync_flat
-        sender = rank == stream.sender
-        plan = stream.bucket_plan(bucket_bytes)[stream.stage] if sender else []
-        nbytes = tensors = declared = 0  # declared: buckets this sender said it holds
-        error: str | None = None
-        stopped = not sender  # a sender sends until an error or the coordinator's stop
-
-        def fail(reason: str) -> None:
-            nonlocal error
-            error = reason
-            if declared < len(plan):  # the coordinator waits for that bucket's word
-                try:
-                    gate.failed(stream.stage, declared, f"trainer rank {rank} (stage {stream.stage}): {reason}")
-                except Exception as err:  # the store is gone with rank 0: the final all-gather fails too
-                    error += f"; telling the coordinator failed: {err}"
-
-        if sender and self._sync is None:
-            fail("no weight-sync group")
-        try:
-            buckets = stream.buckets(bucket_bytes)
-            for k, bucket in enumerate(prefetched(buckets) if sender else buckets):
-                if stopped or error is not None:
-                    continue  # drained: the stage's other ranks are inside the gathers
-                try:
-                    got, planned = BucketSpec.of(bucket, flat), BucketSpec.planned(plan[k], flat)
-                    if got != planned:  # a bug: the engines would be told the plan
-                        fail(f"bucket {k} holds {got.names[:3]}..., planned {planned.names[:3]}...")
-                        continue
-                    gate.ready(stream.stage, k)
-                    declared = k + 1
-                    if not gate.wait(stream.stage, k):
-                        stopped = True  # the coordinator reports why
-                        continue
-                    nbytes += cast(WeightSync, self._sync).send(bucket)
-                    tensors += len(bucket)
-                except Exception as err:  # a broadcast failed (an engine died) or the store is gone
-                    fail(f"{type(err).__name__}: {err}")
-        except Exception as err:  # a gather failed: the stream cannot be drained
-            if error is None:
-                fail(f"{type(err).__name__}: {err}")
-        return nbytes, tensors, error
+        """Stream the policy's HF weights to the engines, tagged ``version`` (every rank calls it;
+        :meth:`BroadcastSync.sync <sao_megatron.weight_sync.BroadcastSync.sync>`). Rank 0 returns
+        the timing; the others ``{}``."""
+        return self.broadcast.sync(engine_urls, version, addresses, master_port)
 
     def save(self, directory: str) -> None:
         checkpoint.save_role(self.role, Path(directory))

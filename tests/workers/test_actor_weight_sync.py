@@ -17,7 +17,6 @@ real-engine path is covered by ``tests/test_from_hf.py`` and
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -127,8 +126,7 @@ def _trainer(
         except RuntimeError as err:
             error = str(err)
         outcomes.append({"result": result, "error": error, "seconds": time.perf_counter() - t0, "sent": sent[before:]})
-    if w._sync is not None:
-        asyncio.run(w._sync.close())
+    w.broadcast.close()
     return outcomes
 
 

@@ -1,37 +1,7 @@
-"""Trainer -> engines weight sync over broadcast groups (gloo on CPU, NCCL on GPU).
-
-Data plane: one broadcast group per sender. A sender is the trainer rank that holds one pipeline
-stage's tensors whole (``HFWeightStream(per_stage=True)``: the stage's lowest global rank, which
-gathers them from its TP / EP / DP peers); with one stage, global rank 0. In each group the sender
-is rank 0 and engine ``e`` with TP size t holds ranks ``1 + e*t .. (e+1)*t``; every engine joins
-every sender's group. A bucket travels tensor by tensor, or with ``flat`` (when its tensors share
-one dtype) as one byte buffer: one broadcast, SGLang's ``flattened_bucket``.
-
-Control plane (:class:`EngineControl`, held by one coordinator, trainer rank 0):
-
-    engines: /pause_generation (retract: in-flight requests are kept) -> /begin_weight_update
-    per bucket, in one global order: POST /update_weights_from_distributed {names, dtypes,
-        shapes, group} to every engine || that bucket's sender broadcasts it
-    engines: /end_weight_update -> /continue_generation
-
-An engine takes one update request at a time. If two engines took two senders' buckets in
-different orders, each could wait inside one group for the other, busy in the other group; so
-the coordinator posts bucket j+1 only once every engine has answered bucket j (:func:`sync_order`
-interleaves the stages). The senders meanwhile gather and convert their next bucket, each stage
-on its own ranks: nothing funnels through one rank or one NIC, and only the engines' own
-receive-and-load is serial. The ranks coordinate through keys in the trainer world's store
-(:class:`SyncGate`), not collectives: a sender says it holds bucket j (or why it never will)
-before the coordinator posts it, and broadcasts it only once the coordinator released it. On an
-error the coordinator stops every sender at its next bucket, and the engines end the update and
-resume. An engine that refuses a bucket without receiving it, or dies mid-broadcast, still holds
-that broadcast's other members until the group's timeout (300 s).
-
-In-flight episodes continue under the new version; their later tokens carry it. When the
-engines change (one restarted on a new port, or dropped), the groups are re-formed under new
-names: :meth:`WeightSync.close` destroys the old one on the engines still running
-(``/destroy_weights_update_group``) and here. The disk path (``update_weights_from_disk``) is the
-fallback when no broadcast group can be formed.
-"""
+"""The broadcast transport: one sender's group to every engine (:class:`WeightSync`), the engines'
+control plane of one update (:class:`EngineControl`), what an engine is told about a bucket
+(:class:`BucketSpec`) and the order the buckets travel in (:func:`sync_order`). The protocol:
+:mod:`sao_megatron.weight_sync`."""
 
 from __future__ import annotations
 
@@ -157,99 +127,6 @@ def prefetched[T](items: Iterator[T], depth: int = 1) -> Iterator[T]:
             break
         yield item
     thread.join()
-
-
-class SyncGate:
-    """The trainer ranks' word to each other during an update, through the trainer world's store.
-    Nobody waits inside a collective for a peer that may take long or give up: a rank waits here
-    (:attr:`WAIT_S`, longer than any sync or failure path) and enters a collective only once the
-    peers it needs are there.
-
-    - Formation: stage ``s``'s sender forms its group and says :meth:`formed`; every rank waits
-      for it (:meth:`wait_formed`) before stage ``s + 1``'s sender starts (an engine joins one
-      group at a time).
-    - The coordinator :meth:`start` s the update, or tells every rank to skip it with the reason.
-    - Per bucket, two phases: its sender says it holds the bucket (:meth:`ready`) or why it never
-      will (:meth:`failed`); the coordinator waits for that word (:meth:`wait_ready`), then
-      :meth:`release` s the bucket and posts its request. A sender broadcasts only a released
-      bucket, and the coordinator posts only a bucket whose sender holds it, so neither the
-      engines nor a sender wait in a broadcast the other side never joins (short of a process
-      dying mid-broadcast). On an error the coordinator :meth:`stop` s every sender at its next
-      bucket.
-    - The coordinator says :meth:`done` after the engines resumed; the others wait for it
-      (:meth:`wait_done`) before the final all-gather of every rank's result.
-
-    Keys live under one prefix per update (:meth:`next_update`). A blocking get holds its store
-    connection until the key is set, so the calls that never block, the sender's waits (a thread
-    of its own on rank 0) and the coordinator's waits use three connections."""
-
-    WAIT_S = 3600.0
-
-    def __init__(self, store: Store):
-        self._calls, self._waits, self._coordinator = store.clone(), store.clone(), store.clone()
-        for connection in (self._waits, self._coordinator):
-            connection.set_timeout(timedelta(seconds=self.WAIT_S))
-        self._prefix = "sao_weight_sync/0/"
-
-    @classmethod
-    def of_world(cls) -> SyncGate:
-        """On the default process group's store (torch exposes it only privately)."""
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return cls(_get_default_store())
-
-    def next_update(self, n: int) -> SyncGate:
-        """Use update ``n``'s keys (every rank counts its updates alike)."""
-        self._prefix = f"sao_weight_sync/{n}/"
-        return self
-
-    def formed(self, stage: int) -> None:
-        self._calls.set(f"{self._prefix}formed/{stage}", "")
-
-    def wait_formed(self, stage: int) -> None:
-        self._waits.get(f"{self._prefix}formed/{stage}")
-
-    def start(self, error: str | None = None) -> None:
-        self._calls.set(self._prefix + "start", error or "")
-
-    def started(self) -> str | None:
-        """Blocks until :meth:`start`; None to go, else why the update is skipped."""
-        return self._waits.get(self._prefix + "start").decode() or None
-
-    def ready(self, sender: int, bucket: int) -> None:
-        self._calls.set(f"{self._prefix}ready/{sender}/{bucket}", "")
-
-    def failed(self, sender: int, bucket: int, reason: str) -> None:
-        """The sender will never hold ``bucket`` (nor any later one)."""
-        self._calls.set(f"{self._prefix}ready/{sender}/{bucket}", reason or "failed")
-
-    def wait_ready(self, sender: int, bucket: int) -> str | None:
-        """Blocks until the sender holds the bucket (None) or failed (why)."""
-        key = f"{self._prefix}ready/{sender}/{bucket}"
-        word = self._coordinator.get(key).decode()
-        self._coordinator.delete_key(key)
-        return word or None
-
-    def release(self, sender: int, bucket: int) -> None:
-        self._calls.set(f"{self._prefix}go/{sender}/{bucket}", "go")
-
-    def stop(self, next_buckets: Iterable[tuple[int, int]]) -> None:
-        """``(sender, bucket)``: each sender's first bucket not released."""
-        for sender, bucket in next_buckets:
-            self._calls.set(f"{self._prefix}go/{sender}/{bucket}", "stop")
-
-    def wait(self, sender: int, bucket: int) -> bool:
-        """Blocks until the bucket is released (True) or the update stopped (False)."""
-        key = f"{self._prefix}go/{sender}/{bucket}"
-        word = self._waits.get(key)
-        self._waits.delete_key(key)
-        return word == b"go"
-
-    def done(self) -> None:
-        self._calls.set(self._prefix + "done", "")
-
-    def wait_done(self) -> None:
-        self._waits.get(self._prefix + "done")
 
 
 class EngineControl:

@@ -1,0 +1,66 @@
+"""Trainer -> engines weight sync, two strategies (``rollout.weight_sync``):
+
+- ``distributed`` (the default): broadcast groups, gloo on CPU, NCCL on GPU. Every trainer rank
+  runs :class:`BroadcastSync` (``broadcast.py``) over the transport (``transport.py``: the groups,
+  the engines' control plane) and the ranks' store gate (``gate.py``).
+- ``disk``: the actor exports the policy as an HF checkpoint and every engine loads it
+  (:func:`sync_from_disk`, ``disk.py``, in the driver).
+
+Data plane: one broadcast group per sender. A sender is the trainer rank that holds one pipeline
+stage's tensors whole (``HFWeightStream(per_stage=True)``: the stage's lowest global rank, which
+gathers them from its TP / EP / DP peers); with one stage, global rank 0. In each group the sender
+is rank 0 and engine ``e`` with TP size t holds ranks ``1 + e*t .. (e+1)*t``; every engine joins
+every sender's group. A bucket travels tensor by tensor, or with ``flat`` (when its tensors share
+one dtype) as one byte buffer: one broadcast, SGLang's ``flattened_bucket``.
+
+Control plane (:class:`EngineControl`, held by one coordinator, trainer rank 0):
+
+    engines: /pause_generation (retract: in-flight requests are kept) -> /begin_weight_update
+    per bucket, in one global order: POST /update_weights_from_distributed {names, dtypes,
+        shapes, group} to every engine || that bucket's sender broadcasts it
+    engines: /end_weight_update -> /continue_generation
+
+An engine takes one update request at a time. If two engines took two senders' buckets in
+different orders, each could wait inside one group for the other, busy in the other group; so
+the coordinator posts bucket j+1 only once every engine has answered bucket j (:func:`sync_order`
+interleaves the stages). The senders meanwhile gather and convert their next bucket, each stage
+on its own ranks: nothing funnels through one rank or one NIC, and only the engines' own
+receive-and-load is serial. The ranks coordinate through keys in the trainer world's store
+(:class:`SyncGate`), not collectives: a sender says it holds bucket j (or why it never will)
+before the coordinator posts it, and broadcasts it only once the coordinator released it. On an
+error the coordinator stops every sender at its next bucket, and the engines end the update and
+resume. An engine that refuses a bucket without receiving it, or dies mid-broadcast, still holds
+that broadcast's other members until the group's timeout (300 s).
+
+In-flight episodes continue under the new version; their later tokens carry it. When the
+engines change (one restarted on a new port, or dropped), the groups are re-formed under new
+names: :meth:`WeightSync.close` destroys the old one on the engines still running
+(``/destroy_weights_update_group``) and here. The disk strategy is the fallback when no
+broadcast group can be formed.
+"""
+
+from sao_megatron.weight_sync.broadcast import BroadcastSync
+from sao_megatron.weight_sync.disk import sync_from_disk
+from sao_megatron.weight_sync.gate import SyncGate
+from sao_megatron.weight_sync.transport import (
+    BucketSpec,
+    EngineControl,
+    SyncReport,
+    WeightSync,
+    new_group,
+    prefetched,
+    sync_order,
+)
+
+__all__ = [
+    "BroadcastSync",
+    "BucketSpec",
+    "EngineControl",
+    "SyncGate",
+    "SyncReport",
+    "WeightSync",
+    "new_group",
+    "prefetched",
+    "sync_from_disk",
+    "sync_order",
+]
