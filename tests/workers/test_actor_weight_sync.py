@@ -105,7 +105,7 @@ def _trainer(
     import sao_megatron.models.hf_weights as hf_weights
     from sao_megatron.weight_sync import WeightSync
 
-    hf_weights.HFWeightStream = FakeStream  # type: ignore[misc]  # sync_weights imports it at call time
+    hf_weights.HFWeightStream = FakeStream  # type: ignore[misc]  # BroadcastSync.sync imports it at call time
     sent: list[list[str]] = []
     send = WeightSync.send
 
