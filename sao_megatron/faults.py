@@ -7,12 +7,14 @@ When a process reaches :func:`kill_point` ``name`` for the N-th time (N defaults
 process), it writes ``SAO_KILL_AT <name> pid=<pid>`` to stderr and SIGKILLs, with no cleanup and no
 chance to catch it, its own process group and, when it is not the driver itself, the driver
 (``SAO_DRIVER_PID``, set by ``sao train``) with the driver's process group. That is what the
-OOM killer or a node failure does to a run; ``tests/test_kill_resume.py`` resumes after each point.
+OOM killer or a node failure does to a run. ``tests/test_kill_points.py`` checks every point
+in-process (it replaces :func:`_kill_run`, the SIGKILL, by a copy of the run directory: what a
+SIGKILL there leaves) and resumes from each; ``tests/test_kill_resume.py`` kills a real run once.
 
 Points (where they sit):
 
 * ``rl:after_update``: the RL loop, after a step's learner update, weight sync and metrics record,
-  before its checkpoint (``pipeline.run_stage``): the resumed run trains and logs the step again;
+  before its checkpoint (``stages.StageRun.after_step``): the resumed run trains and logs the step again;
 * ``checkpoint:staged``: actor, critic and ``state.json`` written to ``checkpoint.staging/``, before
   publishing (``Session.checkpoint``);
 * ``checkpoint:renaming``: between the two renames of ``RunState.publish`` (``checkpoint/`` is

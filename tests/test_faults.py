@@ -1,6 +1,7 @@
 """``SAO_KILL_AT`` (sao_megatron.faults) and servers dying with the process that started them.
 
-Fast and Ray-free; ``tests/test_kill_resume.py`` kills a real ``sao train`` at every point."""
+Fast and Ray-free; ``tests/test_kill_points.py`` checks what a kill at every point leaves and resumes
+from it, ``tests/test_kill_resume.py`` kills a real ``sao train``."""
 
 from __future__ import annotations
 
