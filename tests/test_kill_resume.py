@@ -1,12 +1,22 @@
-"""SIGKILL the whole ``sao train`` at each fault point, resume, and train the same prompts.
+"""A real ``sao train`` stopped by SIGTERM, resumed and SIGKILLed, resumed to the end: together the
+three runs train the prompts of an uninterrupted run.
 
-One run directory is killed in turn at every point of :mod:`sao_megatron.faults` (a chain: killed
--> ``--resume-if-present`` killed at the next point -> ... -> a resume that completes), with no
-chance to clean up, as the OOM killer or a failed node would. Synchronous with lag 0, so the
-prompts trained at each step are deterministic: the chain must train exactly the prompts of an
-uninterrupted run (step k: prompts 4(k-1)..4k-1), step by step, none twice, and every resume must
-load a complete checkpoint.
-After each kill no process of the run may be left (Ray's processes, the SGLang engine).
+One run directory, three runs of ``sao train --resume-if-present`` through real processes (Ray, the
+Megatron workers, the SGLang engine), synchronous with lag 0 so that the prompts trained at each
+step are deterministic (step k: prompts 4(k-1)..4k-1, the cursor's order):
+
+1. a fresh run (SFT, then RL) gets SIGTERM (preemption, ``scancel``) after its first RL step: it
+   checkpoints and exits 143 (``ray.init`` replaces Python's SIGTERM handler; the driver takes it
+   back), having trained the uninterrupted run's prompts for its steps;
+2. its resume is SIGKILLed mid-way through a weight sync by actor rank 0's Ray worker
+   (``SAO_KILL_AT=weight_sync:bucket@2``), which takes the driver and its process group down with
+   no chance to clean up, as the OOM killer or a failed node would;
+3. the next resume completes.
+
+No process of a run may be left after it ended (Ray's, the engine's); every resume starts from the
+latest complete checkpoint (cursor, buffer and weights come from it). What a SIGKILL leaves at each
+fault point of :mod:`sao_megatron.faults`, and the resume from there, is checked in-process by
+``tests/test_kill_points.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from sao_megatron.observe import read_metrics
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
-STEPS = 3
+STEPS = 4
 RUN = [
     "configs/tiny_cpu.yaml",
     "model.num_layers=2",
@@ -40,10 +50,10 @@ RUN = [
     "rollout.env_kwargs={max_turns: 2}",
     "rollout.loop.max_new_tokens=16",
     "rollout.loop.max_response_tokens=64",
-    "train.eval_prompts=4",
+    "train.eval_prompts=0",
     "train.eval_every=0",
     "train.sample_trajectories=1",
-    "train.sft_steps=0",
+    "train.sft_steps=2",
     "train.value_pretrain_steps=0",
     "cluster.cpus_per_rank=0.5",
     "algo.synchronous=true",
@@ -51,51 +61,43 @@ RUN = [
     f"train.steps={STEPS}",
     "train.save_every=1",
 ]
-
-# (SAO_KILL_AT, RL step of the complete checkpoint the next run resumes from). Counts are per
-# process: a resumed run starts counting again.
-CHAIN = [
-    ("rl:after_update@2", 1),  # step 2 trained, synced and logged; its checkpoint never written
-    ("checkpoint:staged@2", 2),  # step 2's checkpoint published; step 3's staged, not published
-    ("checkpoint:renaming", 2),  # step 3's publish: checkpoint/ is checkpoint.old/, the new one unplaced
-    ("weight_sync:bucket@2", 2),  # actor rank 0's Ray worker: 1st sync at start, 2nd after step 3's update
-]
-# Not in the chain, to keep CI under 40 minutes: ``rollout:generate`` (mid-episode), whose SIGKILL
-# leaves the same on-disk state as one at ``rl:after_update`` (the last published checkpoint, the
-# engine and episodes in flight).
+KILL_AT = "weight_sync:bucket@2"
+"""Counted per process: the resumed run's first sync (at its start), then the one after its first update."""
 RUN_TIMEOUT_S = 600
 GRACE_S = 60.0
-"""How long the run's processes may take to exit on their own after the driver was killed (Ray's
-agents notice the raylet's death, then try to report it to the dead GCS first)."""
+"""How long the run's processes may take to exit on their own after the driver ended or was killed
+(Ray's agents notice the raylet's death, then try to report it to the dead GCS first)."""
 
 
-def _sao_train(run_dir: Path, out: Path, token: str, kill_at: str = "", resume: bool = False):
-    """One ``sao train`` in a session of its own; (return code, stdout, stderr, driver pid, seconds)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
-    env["SAO_KILL_TEST"] = token  # inherited by everything the run starts: how leftovers are found
-    if kill_at:
-        env["SAO_KILL_AT"] = kill_at
-    cmd = [
-        sys.executable,
-        "-m",
-        "sao_megatron.cli",
-        "train",
-        *(["--resume-if-present"] if resume else []),
-        *RUN,
-        f"run.run_dir={run_dir}",
-    ]
-    t0 = time.perf_counter()
-    with (out.with_suffix(".out")).open("w") as so, (out.with_suffix(".err")).open("w") as se:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=env, stdout=so, stderr=se, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+def _uninterrupted(steps: int) -> dict[int, set]:
+    return {k: {("train", i, 0) for i in range(4 * (k - 1), 4 * k)} for k in range(1, steps + 1)}
+
+
+class Run:
+    """One ``sao train --resume-if-present`` in a session of its own, its output in ``<out>.out/.err``."""
+
+    def __init__(self, run_dir: Path, out: Path, token: str, kill_at: str = ""):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
+        env["SAO_KILL_TEST"] = token  # inherited by everything the run starts: how leftovers are found
+        if kill_at:
+            env["SAO_KILL_AT"] = kill_at
+        cmd = [sys.executable, "-m", "sao_megatron.cli", "train", "--resume-if-present", *RUN, f"run.run_dir={run_dir}"]
+        self.out, self.err = out.with_suffix(".out"), out.with_suffix(".err")
+        self.t0 = time.perf_counter()
+        with self.out.open("w") as so, self.err.open("w") as se:
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO_ROOT, env=env, stdout=so, stderr=se, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        self.pid = self.proc.pid
+
+    def wait(self) -> tuple[int, str, str, float]:
+        """(return code, stdout, stderr, seconds); killed after ``RUN_TIMEOUT_S``."""
         try:
-            rc = proc.wait(timeout=RUN_TIMEOUT_S)
+            rc = self.proc.wait(timeout=max(1.0, RUN_TIMEOUT_S - (time.perf_counter() - self.t0)))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-    seconds = time.perf_counter() - t0
-    return rc, out.with_suffix(".out").read_text(), out.with_suffix(".err").read_text(), proc.pid, seconds
+            os.killpg(self.pid, signal.SIGKILL)
+            rc = self.proc.wait()
+        return rc, self.out.read_text(), self.err.read_text(), time.perf_counter() - self.t0
 
 
 def _processes(token: str, sid: int) -> dict[int, str]:
@@ -133,8 +135,15 @@ def _leftovers(token: str, sid: int, exits: dict[str, float], name: str) -> dict
     return alive
 
 
-def _per_step_prompts(checkpoint: Path) -> dict[int, set]:
-    state = json.loads((checkpoint / "state.json").read_text())
+def _complete(run_dir: Path) -> tuple[Path, dict]:
+    """The latest complete checkpoint (what the next run resumes) and its run state."""
+    checkpoint = RunState.complete_checkpoint(run_dir)
+    assert checkpoint is not None, f"no complete checkpoint in {run_dir}"
+    assert (checkpoint / "actor").is_dir() and (checkpoint / "critic").is_dir(), sorted(checkpoint.iterdir())
+    return checkpoint, json.loads((checkpoint / "state.json").read_text())
+
+
+def _per_step_prompts(state: dict) -> dict[int, set]:
     steps: dict[int, set] = {}
     for step, split, index, member in state["trained_prompts"]:
         steps.setdefault(step, set()).add((split, index, member))
@@ -159,48 +168,47 @@ def _assert_continues(stdout: str, checkpoint_step: int) -> None:
     assert not steps or steps == list(range(checkpoint_step + 1, checkpoint_step + 1 + len(steps))), steps
 
 
-def test_sigkill_at_every_fault_point_then_resume_trains_the_same_prompts(tmp_path):
-    token = uuid.uuid4().hex
+def test_sigterm_then_sigkill_then_resume_trains_the_same_prompts(tmp_path):
+    token, run_dir = uuid.uuid4().hex, tmp_path / "run"
     timings: dict[str, float] = {}
     exits: dict[str, float] = {}
     leftovers: dict[str, dict[int, str]] = {}
     try:
-        run_dir = tmp_path / "chain"
-        for i, (point, checkpoint_step) in enumerate(CHAIN):
-            rc, out, err, pid, timings[point] = _sao_train(run_dir, tmp_path / f"kill{i}", token, point, resume=True)
-            leftovers[point] = _leftovers(token, pid, exits, point)
-            assert rc == -signal.SIGKILL, f"{point}: exit {rc}\n{out[-3000:]}\n{err[-3000:]}"
-            killer, where = _kill_line(run_dir, err, point)
-            if point.startswith("weight_sync:"):  # actor rank 0's Ray worker took the driver down
-                assert killer != pid and where == "actor_rank0.log", (killer, where)
-            else:
-                assert killer == pid and where == "driver stderr", (killer, where)
-            if i == 0:
-                assert "no complete checkpoint" in out and "starting a fresh run" in out, out
-            else:
-                assert "resuming from the complete checkpoint" in out, out
-                _assert_continues(out, CHAIN[i - 1][1])
-            # What the next run will resume: complete (published), at the expected step.
-            checkpoint = RunState.complete_checkpoint(run_dir)
-            assert checkpoint is not None, f"{point}: no complete checkpoint left"
-            state = json.loads((checkpoint / "state.json").read_text())
-            assert state["stage"] == "rl" and state["step"] == checkpoint_step, (
-                point,
-                checkpoint,
-                state["step"],
-            )
-            assert (checkpoint / "actor").is_dir() and (checkpoint / "critic").is_dir(), sorted(checkpoint.iterdir())
-            if point.startswith("checkpoint:renaming"):
-                assert checkpoint.name == "checkpoint.old" and not (run_dir / "checkpoint").exists()
-            if point.startswith("checkpoint:"):
-                staged = json.loads((RunState.staging_dir(run_dir) / "state.json").read_text())
-                assert staged["step"] == checkpoint_step + 1  # the half-published one is not picked
+        # 1. SIGTERM after the first RL step: a checkpoint, exit 143.
+        run = Run(run_dir, tmp_path / "sigterm", token)
+        deadline, metrics = time.monotonic() + RUN_TIMEOUT_S, run_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"stage": "rl"' in metrics.read_text()):
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.out.read_text()[-3000:]
+            time.sleep(0.1)
+        run.proc.send_signal(signal.SIGTERM)
+        rc, out, err, timings["sigterm"] = run.wait()
+        leftovers["sigterm"] = _leftovers(token, run.pid, exits, "sigterm")
+        assert rc == 143 and "stopped by a signal" in err, f"exit {rc}\n{out[-3000:]}\n{err[-3000:]}"
+        assert "no complete checkpoint" in out and "starting a fresh run" in out, out
+        checkpoint, state = _complete(run_dir)
+        stopped_at = state["step"]
+        assert checkpoint.name == "checkpoint" and state["stage"] == "rl", (checkpoint, state["stage"])
+        assert 1 <= stopped_at < STEPS and _per_step_prompts(state) == _uninterrupted(stopped_at), state
 
-        rc, out, err, pid, timings["final resume"] = _sao_train(run_dir, tmp_path / "final", token, resume=True)
-        leftovers["final resume"] = _leftovers(token, pid, exits, "final resume")
+        # 2. The resume, SIGKILLed by actor rank 0's Ray worker during its second weight sync.
+        run = Run(run_dir, tmp_path / "sigkill", token, KILL_AT)
+        rc, out, err, timings["sigkill"] = run.wait()
+        leftovers["sigkill"] = _leftovers(token, run.pid, exits, "sigkill")
+        assert rc == -signal.SIGKILL, f"exit {rc}\n{out[-3000:]}\n{err[-3000:]}"
+        killer, where = _kill_line(run_dir, err, KILL_AT)
+        assert killer != run.pid and where == "actor_rank0.log", (killer, where)
+        assert "resuming from the complete checkpoint" in out, out
+        _assert_continues(out, stopped_at)
+        checkpoint, state = _complete(run_dir)  # the killed sync's step was never checkpointed
+        assert checkpoint.name == "checkpoint" and state["step"] == stopped_at, (checkpoint, state["step"])
+
+        # 3. The resume that completes.
+        run = Run(run_dir, tmp_path / "final", token)
+        rc, out, err, timings["final"] = run.wait()
+        leftovers["final"] = _leftovers(token, run.pid, exits, "final")
         assert rc == 0, out[-3000:] + err[-3000:]
         assert "resuming from the complete checkpoint" in out and "done in" in out, out
-        _assert_continues(out, CHAIN[-1][1])
+        _assert_continues(out, stopped_at)
     finally:
         for pid in _processes(token, -1):  # whatever a failed assertion left behind
             try:
@@ -208,22 +216,18 @@ def test_sigkill_at_every_fault_point_then_resume_trains_the_same_prompts(tmp_pa
             except ProcessLookupError:
                 pass
         print(
-            "\nkill/resume wall times: "
+            "\nsigterm/sigkill/resume wall times: "
             + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
             + f"; total {sum(timings.values()):.0f} s; processes gone after: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in exits.items())
         )
 
     assert not any(leftovers.values()), f"processes left {GRACE_S:.0f} s after a run ended: {leftovers}"
-    # An uninterrupted synchronous run trains step k on prompts 4(k-1)..4k-1 (the cursor's order;
-    # tests/test_pipeline.py checks it on a run's first steps, then across a stop and resume).
-    full = {k: {("train", i, 0) for i in range(4 * (k - 1), 4 * k)} for k in range(1, STEPS + 1)}
-    chain = _per_step_prompts(run_dir / "checkpoint")
-    assert chain == full, f"resumed run trained other prompts:\n{chain}\nvs uninterrupted\n{full}"
-    trained = json.loads((run_dir / "checkpoint" / "state.json").read_text())["trained_prompts"]
-    keys = [tuple(k[1:]) for k in trained]
+    _, state = _complete(run_dir)
+    assert state["step"] == STEPS and _per_step_prompts(state) == _uninterrupted(STEPS), state["trained_prompts"]
+    keys = [tuple(k[1:]) for k in state["trained_prompts"]]
     assert len(keys) == len(set(keys)) == 4 * STEPS, "a prompt was trained twice (or lost)"
-
-    # metrics.jsonl: every RL step once (a step re-run after a resume replaces the lost attempt's record).
-    rl = [r["step"] for r in read_metrics(run_dir) if r["stage"] == "rl"]
-    assert rl == list(range(1, STEPS + 1)), rl
+    # metrics.jsonl: every RL step once (a step re-run after a resume replaces the lost attempt's record)
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if r["stage"] == "rl"] == list(range(1, STEPS + 1))
+    assert {r["stage"] for r in records} == {"sft", "rl"}  # train.eval_prompts=0: no eval record
