@@ -1,31 +1,42 @@
 """The SAO loop end to end: real Ray, real Megatron actor/critic workers, a real CPU SGLang engine.
 
-Small and few steps; the figures that matter are exact: engine logprobs equal the actor's
-after each sync, the version advances, trajectories span updates, nothing is trained twice,
-and a run stopped by SIGTERM resumes with the same prompt sequence.
+One started session (module-scoped: Ray, the roles and the engine start once) runs two stages in
+turn on one run state and run directory:
+
+1. three asynchronous RL steps: engine logprobs equal the actor's before and after the syncs, the
+   version advances, trajectories span updates, nothing is trained twice;
+2. last, because it kills the engine: RL goes on while the engine is SIGKILLed twice; it is
+   restarted, re-synced and its episodes retried, and every prompt is accounted for exactly once
+   over both stages.
+
+A run stopped by SIGTERM (and by SIGKILL) resumes with the same prompt sequence:
+``tests/test_kill_resume.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import os
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sao_megatron.batch import build_batch
-from sao_megatron.config import REPO_ROOT, load_config
+from sao_megatron.config import SAOConfig, load_config
 from sao_megatron.driver import stages
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
 from sao_megatron.observe import RunLog, read_metrics
-from sao_megatron.pipeline import run_stage, train
+from sao_megatron.pipeline import run_stage
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.rollout.client import SamplingParams
+from sao_megatron.rollout.manager import RolloutManager
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
@@ -42,6 +53,7 @@ SMALL = [
     "train.value_pretrain_steps=0",
     "train.sample_trajectories=1",
 ]
+KILLS = 2
 
 
 async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, int, set[str]]:
@@ -65,88 +77,153 @@ async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, i
     return (actor[mask] - batch.behavior_logprobs[mask]).abs().max().item(), n, set(gen.weight_versions)
 
 
-def test_async_loop_versions_sync_and_buffer(tmp_path):
-    cfg = load_config(None, [*SMALL, "train.steps=3", "algo.max_policy_lag=null", "train.sft_steps=0"])
+@dataclass
+class Started:
+    """A started session, its run state and log (one run directory), and its own event loop."""
 
-    async def go():
-        state = RunState(stage="rl")
-        log = RunLog(tmp_path, tensorboard=False, console=False)
-        session = await Session.start(cfg, tmp_path, state)
-        try:
-            await session.start_rollouts(state.version)
-            before = await engine_vs_actor(session, [2, 40, 41, 42, 3])
-            await run_stage(session, state, log, stages.rl(cfg, session.critic is not None))
-            after = await engine_vs_actor(session, [2, 50, 51, 52, 3])
-            return state, before, after
-        finally:
-            await session.shutdown()
+    cfg: SAOConfig
+    session: Session
+    state: RunState
+    log: RunLog
+    run_dir: Path
+    finished: list[Trajectory]
+    """Every trajectory a rollout manager of the session handed on (retries happen before that)."""
+    loop: asyncio.AbstractEventLoop
 
-    state, before, after = asyncio.run(go())
+    def run[R](self, work: Coroutine[Any, Any, R]) -> R:
+        return self.loop.run_until_complete(work)
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory) -> Iterator[Started]:
+    """Asynchronous RL (lag unbounded, no SFT) with an engine watchdog of 1 s, rollouts started."""
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            "train.steps=3",
+            "algo.max_policy_lag=null",
+            "train.sft_steps=0",
+            "rollout.engine_check_s=1",
+            "rollout.loop.generate_timeout_s=120",
+        ],
+    )
+    run_dir = tmp_path_factory.mktemp("run")
+    loop = asyncio.new_event_loop()
+    state, finished = RunState(stage="rl"), []
+    log = RunLog(run_dir, tensorboard=False, console=False)
+    session = loop.run_until_complete(Session.start(cfg, run_dir, state))
+    manager = session.manager
+
+    def recording(buffer, version, cursor) -> RolloutManager:
+        m = manager(buffer, version, cursor)
+        hand_on = m.on_finished
+        m.on_finished = lambda t: (finished.append(t), hand_on(t))[1]
+        return m
+
+    session.manager = recording  # type: ignore[method-assign]
+    try:
+        loop.run_until_complete(session.start_rollouts(state.version))
+        yield Started(cfg, session, state, log, run_dir, finished, loop)
+    finally:
+        loop.run_until_complete(session.shutdown())
+        log.close()
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+def test_async_loop_versions_sync_and_buffer(started):
+    s, state = started.session, started.state
+    assert state.step == 0, "the shared session's first stage"
+    before = started.run(engine_vs_actor(s, [2, 40, 41, 42, 3]))
+    started.run(run_stage(s, state, started.log, stages.rl(started.cfg, s.critic is not None)))
+    after = started.run(engine_vs_actor(s, [2, 50, 51, 52, 3]))
+
     assert state.version == 3 and state.step == 3
     assert before[0] <= 1e-4 and before[2] == {"0"}, before  # engine == Megatron actor, same weights
     assert after[0] <= 1e-4 and after[2] == {"3"}, after  # ... and again after three syncs
     keys = [tuple(k[1:]) for k in state.trained_prompts]
     assert len(keys) == 12 and len(set(keys)) == 12, "a trajectory was trained twice"
-    rl = [r for r in read_metrics(tmp_path) if r["stage"] == "rl"]
+    rl = [r for r in read_metrics(started.run_dir) if r["stage"] == "rl"]
     assert [r["policy_version"] for r in rl] == [1.0, 2.0, 3.0]
     assert any(r["rollout/multi_version"] > 0 or r["lag/max"] > 0 for r in rl[1:]), "no trajectory spanned an update"
     assert all("actor/kept_frac" in r and "critic/explained_var" in r for r in rl)
     assert all(any(k.startswith("dis/kept_frac/lag") for k in r) for r in rl)
 
 
-def test_sigterm_checkpoints_mid_run_and_the_resume_trains_the_same_prompt_sequence(tmp_path):
-    """``sao train`` gets SIGTERM (preemption, ``scancel``) after its first RL step: it checkpoints
-    and exits 143 (ray.init replaces Python's SIGTERM handler; the driver takes it back). Synchronous
-    with lag 0, an uninterrupted run trains step k on prompts 4(k-1)..4k-1 (the cursor's order): the
-    stopped run shows it for its steps, and resumed to the end it continues the sequence exactly
-    (cursor, buffer and weights come from its checkpoint)."""
-    steps, run_dir = 4, tmp_path / "cut"
-    base = [
-        *SMALL,
-        "algo.synchronous=true",
-        "algo.max_policy_lag=0",
-        "train.sft_steps=2",
-        "train.eval_every=0",
-        "train.eval_prompts=0",
-        f"train.steps={steps}",
-        f"run.run_dir={run_dir}",
-    ]
+def kill_engine(session: Session, i: int = 0) -> int:
+    """SIGKILL engine ``i``'s server and everything SGLang spawned: its process group, by the PID
+    this run started (the server leads its own session). Returns the PID."""
+    pid = session.engines[i].proc.pid  # type: ignore[attr-defined]  # a local EngineProcess
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    return pid
 
-    def per_step():
-        state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
-        out: dict[int, set] = {}
-        for step, split, index, member in state["trained_prompts"]:
-            out.setdefault(step, set()).add((split, index, member))
-        return state["step"], out
 
-    def uninterrupted(n):
-        return {k: {("train", i, 0) for i in range(4 * (k - 1), 4 * k)} for k in range(1, n + 1)}
+def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(started):
+    """Last on the shared session (it kills its engine), continuing its run state. Two kills, each at
+    least a step after the last restart; the stage ends (its ``done`` rule) two steps after the
+    last restart, 30 steps being only an upper bound."""
+    s, state = started.session, started.state
+    kills: list[tuple[int, int]] = []  # (pid, step at the kill)
+    served: list[tuple[str, int]] = []  # after each restart: the engine's weight label, the session's version
+    after_last: list[int] = []  # steps finished once the last restart was done
 
-    log = tmp_path / "cut.out"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sao_megatron.cli", "train", *base],
-            cwd=REPO_ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 600
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and '"stage": "rl"' in metrics.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert rc == 143 and "stopped by a signal" in text, text[-3000:]
-    stopped_at, trained = per_step()
-    assert 1 <= stopped_at < steps and trained == uninterrupted(stopped_at), (stopped_at, trained)
+    async def killer() -> None:
+        states, last = s.engine_states, -1
+        for k in range(KILLS):
+            while state.step <= last or not states.up[0] or states.restarts[0] != k:
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(2.0)  # episodes are in flight (max_concurrent of them, always)
+            last = state.step
+            kills.append((kill_engine(s), last))
+            while states.restarts[0] == k or not states.up[0]:
+                await asyncio.sleep(0.2)
+            served.append((await s.clients[0].weight_version(), s.served_version))
 
-    asyncio.run(train(load_config(None, base), run_dir, resume=True))
-    assert per_step() == (steps, uninterrupted(steps))
-    assert {r["stage"] for r in read_metrics(run_dir)} == {"sft", "rl"}  # eval_prompts=0: no eval record
+    def done(metrics: dict[str, float]) -> bool:
+        if metrics["rollout/engine_restarts"] >= KILLS and s.engine_states.up[0]:
+            after_last.append(state.step)
+        return len(after_last) >= 2
+
+    async def go():
+        kill_task = asyncio.create_task(killer())
+        t0 = time.monotonic()
+        stage = dataclasses.replace(stages.rl(started.cfg, s.critic is not None), steps=30, done=done)
+        try:
+            await run_stage(s, state, started.log, stage)
+        finally:
+            if not kill_task.done():
+                kill_task.cancel()
+        elapsed = time.monotonic() - t0
+        assert kill_task.done() and not kill_task.cancelled(), f"the run ended before {KILLS} kills ({kills})"
+        kill_task.result()
+        return await engine_vs_actor(s, [2, 50, 51, 52, 3]), elapsed
+
+    after, elapsed = started.run(go())
+    engine_states, finished = s.engine_states, started.finished
+    print(
+        f"run with {KILLS} kills: {elapsed:.0f} s, {state.step} steps; kills (pid, step) {kills}; "
+        f"served (label, version) {served}; retries {engine_states.episode_retries}"
+    )
+    assert len(after_last) == 2 and state.step < 30 and state.version == state.step  # every step trained
+    assert len(kills) == KILLS and len({pid for pid, _ in kills}) == KILLS  # a new server each time
+    assert all(label == str(version) for label, version in served), served  # current policy once up
+    assert after[0] <= 1e-4 and after[2] == {str(state.version)}, after  # engine == actor after the restarts
+    # Every prompt exactly once over the session's stages: trained or failed (with a reason),
+    # waiting, or to be resubmitted.
+    keys = [(t.split, t.sample_index, t.reward_details.get("group_index", 0)) for t in finished]
+    assert len(keys) == len(set(keys)), "a submission finished twice"
+    trained = [tuple(k[1:]) for k in state.trained_prompts]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    by_key = {k: t for k, t in zip(keys, finished, strict=True)}
+    assert all(by_key[k].status != "failed" for k in trained)
+    assert all(t.status_reason for t in finished if t.status == "failed")
+    resubmit = {tuple(x) for x in state.cursor["resubmit"]}
+    assert resubmit.isdisjoint(keys)
+    assert set(keys) | resubmit == {("train", i, 0) for i in range(state.cursor["next_index"])}
+    rl = [r for r in read_metrics(started.run_dir) if r["stage"] == "rl"]
+    assert len(rl) == state.step
+    assert rl[-1]["rollout/engine_restarts"] == KILLS == sum(engine_states.restarts)
+    assert rl[-1]["rollout/engine_dropped"] == 0
+    assert rl[-1]["rollout/episode_retries"] >= KILLS  # every kill hit episodes in flight
+    assert rl[-1]["rollout/episode_retries"] <= engine_states.episode_retries

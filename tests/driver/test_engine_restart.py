@@ -1,17 +1,13 @@
 """Engine faults: a killed engine is restarted, re-synced and its episodes retried; budgets hold.
 
-The first test is a real run (Ray, a Megatron actor and critic, a CPU SGLang engine) whose engine
-is SIGKILLed (its whole process group) twice mid-run; the others drive the
-:class:`~sao_megatron.driver.session.Session`'s fault handling and the manager's retries on fakes.
+These drive the :class:`~sao_megatron.driver.session.Session`'s fault handling and the manager's
+retries on fakes. A real run (Ray, a Megatron actor and critic, a CPU SGLang engine) whose engine
+is SIGKILLed twice mid-run is the last test of the shared session in ``tests/test_pipeline.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
-import signal
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -19,123 +15,12 @@ from typing import cast
 import pytest
 
 from sao_megatron.config import load_config
-from sao_megatron.driver import stages
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
-from sao_megatron.observe import RunLog, read_metrics
-from sao_megatron.pipeline import run_stage
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineClient
 from sao_megatron.rollout.manager import EnginesLost, EngineStates, RolloutManager
 from tests.rollout.fakes import CountingTask, make_trajectory
-
-KILLS = 2
-
-
-def kill_engine(session: Session, i: int = 0) -> int:
-    """SIGKILL engine ``i``'s server and everything SGLang spawned: its process group, by the PID
-    this run started (the server leads its own session). Returns the PID."""
-    pid = session.engines[i].proc.pid  # type: ignore[attr-defined]  # a local EngineProcess
-    os.killpg(os.getpgid(pid), signal.SIGKILL)
-    return pid
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(2400)
-def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(tmp_path):
-    """Two kills, each at least a step after the last restart; the stage ends (its ``done`` rule)
-    two steps after the third restart, ``train.steps`` being only an upper bound."""
-    from tests.test_pipeline import SMALL, engine_vs_actor
-
-    cfg = load_config(
-        None,
-        [
-            *SMALL,
-            "train.steps=30",
-            "algo.max_policy_lag=null",
-            "train.sft_steps=0",
-            "rollout.engine_check_s=1",
-            "rollout.loop.generate_timeout_s=120",
-        ],
-    )
-    finished = []  # every trajectory a manager handed on (retries happen before that)
-    kills: list[tuple[int, int]] = []  # (pid, step at the kill)
-    served: list[tuple[str, int]] = []  # after each restart: the engine's weight label, the session's version
-    after_last: list[int] = []  # steps finished once the last restart was done
-
-    async def killer(session: Session, state: RunState) -> None:
-        states, last = session.engine_states, -1
-        for k in range(KILLS):
-            while state.step <= last or not states.up[0] or states.restarts[0] != k:
-                await asyncio.sleep(0.2)
-            await asyncio.sleep(2.0)  # episodes are in flight (max_concurrent of them, always)
-            last = state.step
-            kills.append((kill_engine(session), last))
-            while states.restarts[0] == k or not states.up[0]:
-                await asyncio.sleep(0.2)
-            served.append((await session.clients[0].weight_version(), session.served_version))
-
-    async def go():
-        state = RunState(stage="rl")
-        log = RunLog(tmp_path, tensorboard=False, console=False)
-        session = await Session.start(cfg, tmp_path, state)
-        manager = session.manager
-
-        def recording(buffer, version, cursor) -> RolloutManager:
-            m = manager(buffer, version, cursor)
-            hand_on = m.on_finished
-            m.on_finished = lambda t: (finished.append(t), hand_on(t))[1]
-            return m
-
-        def done(metrics: dict[str, float]) -> bool:
-            if metrics["rollout/engine_restarts"] >= KILLS and session.engine_states.up[0]:
-                after_last.append(state.step)
-            return len(after_last) >= 2
-
-        session.manager = recording  # type: ignore[method-assign]
-        try:
-            await session.start_rollouts(state.version)
-            kill_task = asyncio.create_task(killer(session, state))
-            t0 = time.monotonic()
-            stage = dataclasses.replace(stages.rl(cfg, session.critic is not None), done=done)
-            await run_stage(session, state, log, stage)
-            elapsed = time.monotonic() - t0
-            assert kill_task.done(), f"the run ended before {KILLS} kills ({kills})"
-            kill_task.result()
-            after = await engine_vs_actor(session, [2, 50, 51, 52, 3])
-            return state, after, session.engine_states, elapsed
-        finally:
-            await session.shutdown()
-
-    state, after, engine_states, elapsed = asyncio.run(go())
-    print(
-        f"run with {KILLS} kills: {elapsed:.0f} s, {state.step} steps; kills (pid, step) {kills}; "
-        f"served (label, version) {served}; retries {engine_states.episode_retries}"
-    )
-    assert len(after_last) == 2 and state.step < 30 and state.version == state.step  # every step trained
-    assert len(kills) == KILLS and len({pid for pid, _ in kills}) == KILLS  # a new server each time
-    assert all(label == str(version) for label, version in served), served  # current policy once up
-    assert after[0] <= 1e-4 and after[2] == {str(state.version)}, after  # engine == actor after the restarts
-    # Every prompt exactly once: trained or failed (with a reason), waiting, or to be resubmitted.
-    keys = [(t.split, t.sample_index, t.reward_details.get("group_index", 0)) for t in finished]
-    assert len(keys) == len(set(keys)), "a submission finished twice"
-    trained = [tuple(k[1:]) for k in state.trained_prompts]
-    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
-    by_key = {k: t for k, t in zip(keys, finished, strict=True)}
-    assert all(by_key[k].status != "failed" for k in trained)
-    assert all(t.status_reason for t in finished if t.status == "failed")
-    resubmit = {tuple(x) for x in state.cursor["resubmit"]}
-    assert resubmit.isdisjoint(keys)
-    assert set(keys) | resubmit == {("train", i, 0) for i in range(state.cursor["next_index"])}
-    rl = [r for r in read_metrics(tmp_path) if r["stage"] == "rl"]
-    assert len(rl) == state.step
-    assert rl[-1]["rollout/engine_restarts"] == KILLS == sum(engine_states.restarts)
-    assert rl[-1]["rollout/engine_dropped"] == 0
-    assert rl[-1]["rollout/episode_retries"] >= KILLS  # every kill hit episodes in flight
-    assert rl[-1]["rollout/episode_retries"] <= engine_states.episode_retries
-
-
-# ---- fakes ------------------------------------------------------------------------------------
 
 
 class EngineLoop:
