@@ -14,7 +14,7 @@ from sao_megatron.config import ModelConfig
 from sao_megatron.weight_sync.gate import SyncGate
 from sao_megatron.weight_sync.transport import BucketSpec, EngineControl, WeightSync, prefetched, sync_order
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported by sync() when it runs: Megatron stays out of the package's import
     from sao_megatron.models.hf_weights import HFWeightStream
 
 
