@@ -18,7 +18,9 @@ def test_ddp_steps_reduce_loss_and_keep_replicas_identical(results, case):
         losses = r[case]["losses"]
         assert losses[-1] < 0.9 * losses[0], losses
     checksums = results[0][case]["checksums"]
-    assert abs(checksums[0] - checksums[1]) <= 1e-9 * max(1.0, abs(checksums[0])), checksums
+    # Exact by construction: both replicas apply the same all-reduced gradients (2 ranks: a + b == b + a)
+    # to the same weights, then sum their identical parameters in the same order
+    assert checksums[0] == checksums[1], checksums
 
 
 def test_distributed_optimizer_is_used(results):
@@ -39,6 +41,8 @@ def test_frozen_attention_critic(results):
 def test_checkpoint_saved_at_tp1_loads_into_tp2(results):
     for r in results:
         assert r["ckpt"]["before"] > 1e-2, "the fresh model must differ before loading"
+        # Model-level, not one sum: the whole float32 forward at TP=2 vs TP=1, its row-parallel sums split
+        # over ranks in every layer. Measured 4.8e-7 on the logits (x86-64 CPUs); other weights: ~1.2.
         assert r["ckpt"]["after"] <= 1e-5, r["ckpt"]
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from tests.distributed import run_distributed
+from tests.tolerance import sum_rtol
 from tests.workers import worker_cases
 
 
@@ -15,18 +16,24 @@ def test_actor_update_reports_dis_metrics_and_resumes_exactly(results):
     m1, m2, m3, m4 = results[0]["actor"]
     assert m1["updated"] == 1.0 and m1["grad_norm"] > 0
     assert any(k.startswith("kept") or "kept" in k for k in m1), sorted(m1)
+    # the same step from the same weights, optimizer state and data: the same computation, bit for bit
     for key in m2:
         if key in ("lr",):
             continue
-        assert m2[key] == pytest.approx(m3[key], rel=1e-5, abs=1e-6), key
-        assert m2[key] == pytest.approx(m4[key], rel=1e-5, abs=1e-6), key  # fresh role + load
+        assert m2[key] == m3[key], key
+        assert m2[key] == m4[key], key  # fresh role + load
 
 
 def test_gradient_norms_per_module_group(results):
     m1 = results[0]["actor"][0]
     assert {"grad_rms/attention", "grad_rms/experts", "grad_rms/router", "grad_rms/head"} <= set(m1)
-    total = sum(v**2 for k, v in m1.items() if k.startswith("grad_norm/")) ** 0.5
-    assert total == pytest.approx(m1["grad_norm"], rel=0.05)  # groups add up to Megatron's global norm
+    norms = {k.removeprefix("grad_norm/"): v for k, v in m1.items() if k.startswith("grad_norm/")}
+    total = sum(v**2 for v in norms.values()) ** 0.5
+    # Groups add up to Megatron's global norm. Both sum the same n squared gradient entries (nonnegative),
+    # Megatron in float32 in its own order: at most sum_rtol(n) apart relative (tests/tolerance.py), their
+    # square roots half that. n = (norm / rms)^2 per group, about 1e6 here: the worst case is loose (~6%).
+    n = round(sum((v / m1[f"grad_rms/{g}"]) ** 2 for g, v in norms.items() if v > 0))
+    assert total == pytest.approx(m1["grad_norm"], rel=sum_rtol(n) / 2), n
     c1 = results[0]["critic"][0]
     assert "grad_rms/attention" not in c1 and "grad_rms/experts" in c1  # critic attention is frozen
 
