@@ -90,9 +90,9 @@ def case(rank, world, overrides: dict, n: int, turns: int, action: int, reps: in
     from sao_megatron import algo
     from sao_megatron.batch import build_batch
     from sao_megatron.config import load_config
-    from sao_megatron.workers.actor import ActorWorker, kept_by_lag
-    from sao_megatron.workers.common import reduce_metrics
+    from sao_megatron.workers.actor import ActorWorker
     from sao_megatron.workers.critic import CriticWorker
+    from sao_megatron.workers.metrics import reduce_metrics
 
     cfg = load_config(
         None,
@@ -130,7 +130,7 @@ def case(rank, world, overrides: dict, n: int, turns: int, action: int, reps: in
             )
             loss.backward()
             kept = algo.dis_band(logprobs[sl].detach(), batch.behavior_logprobs[sl], 0.3, 5.0)
-            m.update(kept_by_lag(kept, torch.zeros_like(batch.policy_versions[sl]), adv[sl], mask[sl]))
+            m.update(algo.kept_by_lag(kept, torch.zeros_like(batch.policy_versions[sl]), adv[sl], mask[sl]))
             m["micro_tokens"] = float(mask[sl].sum())
             per_micro.append(m)
         reduce_metrics(per_micro, dp=False)

@@ -11,14 +11,16 @@ The driver builds one :class:`TrainBatch` per learner step and splits it into on
 :class:`BatchShard` per data-parallel replica of a role, balanced by token count
 (:func:`balanced_split`). A shard carries the whole batch's token and sequence counts, so every
 replica normalises its loss by the *global* batch. Each rank then cuts its shard into
-micro-batches (:class:`MicroBatching`): rows padded to the micro-batch's longest, or packed into
-one row with per-sequence segments, under a row count or a token budget.
+micro-batches (:class:`MicroBatch`, cut as :class:`MicroBatching` says): rows padded to the
+micro-batch's longest, or packed into one row with per-sequence segments, under a row count or
+a token budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TypedDict, Unpack
 
 import torch
 
@@ -56,7 +58,7 @@ class TrainBatch:
         groups = balanced_split(self.lengths.tolist(), dp_size)
         return [BatchShard(self.select(rows), rows, tokens, seqs) for rows in groups]
 
-    def micro_batch(self, rows: list[int], how: MicroBatching, per_row: dict[str, torch.Tensor]) -> dict:
+    def micro_batch(self, rows: list[int], how: MicroBatching, **extras: Unpack[RowExtras]) -> MicroBatch:
         """The model inputs and loss tensors of ``rows`` (this batch's indices) as one micro-batch.
 
         Padded (``how.pack`` off): ``[len(rows), t]`` with t the longest row rounded up to
@@ -68,24 +70,18 @@ class TrainBatch:
         Padding positions are exact no-ops for the loss: ``action_mask`` 0, labels and tokens 0,
         ``policy_versions`` -1; positions continue their segment's ``arange``. Attention is
         causal (and block-diagonal over packed segments), so padding after a token never changes
-        its outputs. ``per_row`` extras (``[B, T]`` or ``[B]``) are cut the same way."""
-        fields = {**self.__dict__, **per_row}
+        its outputs. ``extras`` (``[B, T]`` each, :class:`RowExtras`) are cut the same way."""
         if how.pack:
-            return self._packed(rows, how, fields)
-        if not rows:
-            t = how.multiple
-            mb = {
-                k: torch.full((1, t) if v.dim() == 2 else (1,), _PAD.get(k, 0), dtype=v.dtype)
-                for k, v in fields.items()
-            }
-            mb["positions"] = torch.arange(t).unsqueeze(0)
-            return {**mb, "rows": []}
-        t = padded_length(int(self.lengths[rows].max()), how.multiple)
-        mb = {k: pad_columns(v[rows], t, _PAD.get(k, 0)) if v.dim() == 2 else v[rows] for k, v in fields.items()}
-        mb["positions"] = torch.arange(t).expand(len(rows), t).contiguous()
-        return {**mb, "rows": list(rows)}
+            return self._packed(rows, how, extras)
+        t = padded_length(int(self.lengths[rows].max()), how.multiple) if rows else how.multiple
 
-    def _packed(self, rows: list[int], how: MicroBatching, fields: dict[str, torch.Tensor]) -> dict:
+        def cut(v: torch.Tensor, fill: int) -> torch.Tensor:
+            return pad_columns(v[rows], t, fill) if rows else torch.full((1, t), fill, dtype=v.dtype)
+
+        positions = torch.arange(t).expand(max(len(rows), 1), t).contiguous()
+        return self._cut(cut, extras, positions, list(rows))
+
+    def _packed(self, rows: list[int], how: MicroBatching, extras: RowExtras) -> MicroBatch:
         spans, bounds = [], [0]
         for r in rows:
             spans.append((bounds[-1], int(self.lengths[r])))
@@ -93,21 +89,107 @@ class TrainBatch:
         t = padded_length(max(bounds[-1], 1), how.multiple)
         if t > bounds[-1]:
             bounds.append(t)  # trailing padding: a segment of its own
-        mb: dict = {}
-        for k, v in fields.items():
-            if v.dim() == 1:
-                mb[k] = v[rows]
-                continue
-            out = torch.full((1, t), _PAD.get(k, 0), dtype=v.dtype)
+
+        def cut(v: torch.Tensor, fill: int) -> torch.Tensor:
+            out = torch.full((1, t), fill, dtype=v.dtype)
             for r, (offset, n) in zip(rows, spans, strict=True):
                 out[0, offset : offset + n] = v[r, :n]
-            mb[k] = out
+            return out
+
         cu = torch.tensor(bounds, dtype=torch.int32)
         sizes = (cu[1:] - cu[:-1]).long()
-        mb["segment_ids"] = torch.repeat_interleave(torch.arange(len(sizes)), sizes).unsqueeze(0)
-        mb["positions"] = (torch.arange(t) - torch.repeat_interleave(cu[:-1].long(), sizes)).unsqueeze(0)
-        mb["cu_seqlens"] = cu
-        return {**mb, "rows": list(rows), "spans": spans}
+        positions = (torch.arange(t) - torch.repeat_interleave(cu[:-1].long(), sizes)).unsqueeze(0)
+        return replace(
+            self._cut(cut, extras, positions, list(rows)),
+            spans=spans,
+            segment_ids=torch.repeat_interleave(torch.arange(len(sizes)), sizes).unsqueeze(0),
+            cu_seqlens=cu,
+        )
+
+    def _cut(
+        self,
+        cut: Callable[[torch.Tensor, int], torch.Tensor],
+        extras: RowExtras,
+        positions: torch.Tensor,
+        rows: list[int],
+    ) -> MicroBatch:
+        """A micro-batch of every ``[B, T]`` field passed through ``cut(field, padding fill)``."""
+
+        def extra(v: torch.Tensor | None) -> torch.Tensor | None:
+            return None if v is None else cut(v, 0)
+
+        return MicroBatch(
+            tokens=cut(self.tokens, 0),
+            positions=positions,
+            labels=cut(self.labels, 0),
+            action_mask=cut(self.action_mask, 0),
+            behavior_logprobs=cut(self.behavior_logprobs, 0),
+            policy_versions=cut(self.policy_versions, -1),
+            rows=rows,
+            advantages=extra(extras.get("advantages")),
+            lag=extra(extras.get("lag")),
+            returns=extra(extras.get("returns")),
+            old_values=extra(extras.get("old_values")),
+        )
+
+
+class RowExtras(TypedDict, total=False):
+    """Per-role ``[B, T]`` tensors of a shard's rows, cut into micro-batches with the batch's own
+    (:meth:`TrainBatch.micro_batch`); each becomes the :class:`MicroBatch` field of its name."""
+
+    advantages: torch.Tensor
+    lag: torch.Tensor
+    returns: torch.Tensor
+    old_values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a shard (:meth:`TrainBatch.micro_batch`): the model's inputs and the
+    loss's tensors, aligned as in :class:`TrainBatch` (position p predicts token p + 1).
+
+    Padded: ``[b, t]`` for b of the shard's rows, t their longest length rounded up to the
+    layout's multiple. Packed: ``[1, t]``, the rows end to end (``spans``, ``segment_ids`` and
+    ``cu_seqlens`` set). Under context parallelism each rank holds ``t / cp`` positions of every
+    sequence (``workers.micro.split_context``; ``cp_lengths`` set). The role extras are set only
+    where the role's step passed them (:class:`RowExtras`)."""
+
+    tokens: torch.Tensor  # [b, t] int64 input ids, 0 on padding
+    positions: torch.Tensor  # [b, t] int64 position ids, restarting at each packed segment
+    labels: torch.Tensor  # [b, t] int64 token predicted at each position, 0 on padding
+    action_mask: torch.Tensor  # [b, t] float 1 where the label is a model-generated token
+    behavior_logprobs: torch.Tensor  # [b, t] float the engine's logprob of each label, 0 off actions
+    policy_versions: torch.Tensor  # [b, t] int64 weight version that sampled each label, -1 off actions
+    rows: list[int]
+    """The shard's row indices held, in order (empty for a filler micro-batch)."""
+    advantages: torch.Tensor | None = None  # [b, t] float; the actor's update
+    lag: torch.Tensor | None = None  # [b, t] int64 policy lag per action token; the actor's update
+    returns: torch.Tensor | None = None  # [b, t] float value targets; the critic's update
+    old_values: torch.Tensor | None = None  # [b, t] float V(s) before the update; the critic's update
+    spans: list[tuple[int, int]] | None = None
+    """Packed: (offset, length) of each row in the packed row."""
+    segment_ids: torch.Tensor | None = None  # packed: [1, t] int64 segment of each position
+    cu_seqlens: torch.Tensor | None = None  # packed: [segments + 1] int32 segment bounds, whole under CP
+    cp_lengths: list[int] | None = None
+    """Context parallel: the (padded) sequence lengths the split cut (``workers.micro.full_sequence``)."""
+
+    @classmethod
+    def of_tokens(cls, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> MicroBatch:
+        """Padded rows of model inputs only, for checks and tests that bring their own loss:
+        every position an action whose label is the next token (the last wraps round to the
+        first), behaviour logprobs 0, versions 0; ``positions`` default to each row's arange."""
+        b, t = tokens.shape
+        if positions is None:
+            positions = torch.arange(t, device=tokens.device).expand(b, t).contiguous()
+        return cls(
+            tokens=tokens,
+            positions=positions,
+            labels=torch.roll(tokens, -1, 1),
+            action_mask=torch.ones(b, t, device=tokens.device),
+            behavior_logprobs=torch.zeros(b, t, device=tokens.device),
+            policy_versions=torch.zeros(b, t, dtype=torch.long, device=tokens.device),
+            rows=list(range(b)),
+        )
 
 
 def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
@@ -133,7 +215,7 @@ class MicroBatching:
     max_tokens: int = 0
     """Token budget per micro-batch, padding included (0: ``rows`` rows each instead)."""
     multiple: int = 1
-    """What each micro-batch's length must divide by (``workers.common.seq_multiple``)."""
+    """What each micro-batch's length must divide by (``workers.micro.seq_multiple``)."""
     segment_multiple: int = 1
     """What each packed sequence's length must divide by (2 * CP under context parallelism)."""
     pack: bool = False
@@ -183,10 +265,6 @@ def spread(plan: list[list[int]], count: int) -> list[list[int]]:
         half = len(plan[k]) // 2
         plan[k : k + 1] = [plan[k][:half], plan[k][half:]]
     return plan
-
-
-_PAD = {"policy_versions": -1}
-"""Fill of padding positions per ``[B, T]`` field (0 otherwise)."""
 
 
 def padded_length(length: int, multiple: int) -> int:

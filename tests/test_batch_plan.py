@@ -47,34 +47,38 @@ def test_spread_halves_then_adds_fillers():
     assert spread([[0, 1, 2, 3], [4]], 3) == [[0, 1], [2, 3], [4]]
     assert spread([[0], [1]], 4) == [[0], [1], [], []]
     batch = build_batch(ragged_cases.ragged_trajectories())
-    filler = batch.micro_batch([], MicroBatching(multiple=4), {"advantages": torch.ones(4, 12)})
-    assert filler["tokens"].shape == (1, 4) and filler["rows"] == []
-    assert not filler["action_mask"].any() and (filler["policy_versions"] == -1).all()
-    packed = batch.micro_batch([], MicroBatching(multiple=4, pack=True), {})
-    assert packed["tokens"].shape == (1, 4) and packed["spans"] == [] and packed["cu_seqlens"].tolist() == [0, 4]
+    filler = batch.micro_batch([], MicroBatching(multiple=4), advantages=torch.ones(4, 12))
+    assert filler.tokens.shape == (1, 4) and filler.rows == []
+    assert not filler.action_mask.any() and (filler.policy_versions == -1).all()
+    assert filler.advantages is not None and not filler.advantages.any()
+    packed = batch.micro_batch([], MicroBatching(multiple=4, pack=True))
+    assert packed.tokens.shape == (1, 4) and packed.spans == [] and packed.cu_seqlens is not None
+    assert packed.cu_seqlens.tolist() == [0, 4]
 
 
 def test_packed_micro_batch_lays_rows_end_to_end_with_exact_segments():
     batch = build_batch(ragged_cases.ragged_trajectories())  # lengths 7, 12, 5, 9
     extra = torch.randn(4, 12)
     how = MicroBatching(multiple=8, segment_multiple=2, pack=True)
-    mb = batch.micro_batch([0, 2, 3], how, {"advantages": extra})
+    mb = batch.micro_batch([0, 2, 3], how, advantages=extra)
+    assert mb.spans is not None and mb.cu_seqlens is not None and mb.segment_ids is not None
+    assert mb.advantages is not None and mb.lag is None and mb.returns is None and mb.cp_lengths is None
     # 7 -> 8, 5 -> 6, 9 -> 10: 24 tokens, already a multiple of 8 (no trailing segment)
-    assert mb["spans"] == [(0, 7), (8, 5), (14, 9)] and mb["tokens"].shape == (1, 24)
-    assert mb["cu_seqlens"].tolist() == [0, 8, 14, 24]
-    assert mb["segment_ids"][0].tolist() == [0] * 8 + [1] * 6 + [2] * 10
-    assert mb["positions"][0].tolist() == list(range(8)) + list(range(6)) + list(range(10))
-    for row, (offset, n) in zip([0, 2, 3], mb["spans"], strict=True):
+    assert mb.spans == [(0, 7), (8, 5), (14, 9)] and mb.tokens.shape == (1, 24) and mb.rows == [0, 2, 3]
+    assert mb.cu_seqlens.tolist() == [0, 8, 14, 24]
+    assert mb.segment_ids[0].tolist() == [0] * 8 + [1] * 6 + [2] * 10
+    assert mb.positions[0].tolist() == list(range(8)) + list(range(6)) + list(range(10))
+    for row, (offset, n) in zip([0, 2, 3], mb.spans, strict=True):
         for key in ("tokens", "labels", "action_mask", "behavior_logprobs", "policy_versions"):
-            assert torch.equal(mb[key][0, offset : offset + n], getattr(batch, key)[row, :n]), key
-        assert torch.equal(mb["advantages"][0, offset : offset + n], extra[row, :n])
+            assert torch.equal(getattr(mb, key)[0, offset : offset + n], getattr(batch, key)[row, :n]), key
+        assert torch.equal(mb.advantages[0, offset : offset + n], extra[row, :n])
     gaps = torch.ones(24, dtype=torch.bool)
-    for offset, n in mb["spans"]:
+    for offset, n in mb.spans:
         gaps[offset : offset + n] = False
-    assert not mb["action_mask"][0, gaps].any() and (mb["policy_versions"][0, gaps] == -1).all()
-    assert mb["rewards"].tolist() == batch.rewards[[0, 2, 3]].tolist()
-    odd = batch.micro_batch([1], MicroBatching(multiple=8, pack=True), {})  # 12 -> 16, tail segment
-    assert odd["cu_seqlens"].tolist() == [0, 12, 16] and odd["segment_ids"][0, 12:].tolist() == [1] * 4
+    assert not mb.action_mask[0, gaps].any() and (mb.policy_versions[0, gaps] == -1).all()
+    odd = batch.micro_batch([1], MicroBatching(multiple=8, pack=True))  # 12 -> 16, tail segment
+    assert odd.cu_seqlens is not None and odd.segment_ids is not None
+    assert odd.cu_seqlens.tolist() == [0, 12, 16] and odd.segment_ids[0, 12:].tolist() == [1] * 4
 
 
 def test_packing_under_a_budget_keeps_padding_under_ten_percent_on_a_long_tail():

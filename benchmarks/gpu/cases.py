@@ -64,7 +64,7 @@ def _batch(spec: dict) -> tuple[TrainBatch, torch.Tensor]:
 
 def _shard(batch: TrainBatch) -> BatchShard:
     """This rank's data-parallel replica's rows, as the driver places them (a role must exist)."""
-    from sao_megatron.workers.common import coordinates
+    from sao_megatron.workers.rank import coordinates
 
     c = coordinates()
     return batch.shard(c.dp_size)[c.dp_rank]
@@ -244,7 +244,7 @@ def te_case(rank: int, world: int, spec: dict) -> dict:
     from sao_megatron.config import ParallelConfig
     from sao_megatron.models import hf_bridge, layout
     from sao_megatron.models.builder import transformer_config
-    from sao_megatron.workers.common import init_rank
+    from sao_megatron.workers.rank import init_rank
 
     cfg = run_config(spec, bf16=False)
     m, p = cfg.model, ParallelConfig()

@@ -26,8 +26,8 @@ import torch
 from sao_megatron.batch import BatchShard, RowOutputs, TrainBatch, assemble_rows
 from sao_megatron.config import SAOConfig
 from sao_megatron.workers.actor import ActorWorker, ExportReport
-from sao_megatron.workers.common import RankCoordinates
 from sao_megatron.workers.critic import CriticWorker
+from sao_megatron.workers.rank import RankCoordinates
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class RankActor:
     def start(self, host: str, port: int) -> RankCoordinates:
         """Join the world at rank 0's store, build the worker; this rank's place in the world."""
         from sao_megatron import parallel
-        from sao_megatron.workers.common import coordinates
+        from sao_megatron.workers.rank import coordinates
 
         store = self._store or parallel.join_store(host, port, self.world)
         parallel.init_distributed(self.rank, self.world, host, port, backend=self.cfg.run.backend, store=store)

@@ -14,16 +14,15 @@ from pathlib import Path
 
 import torch
 
+from sao_megatron.batch import MicroBatch
 from sao_megatron.config import SAOConfig
 
 SEQ = 64
 
 
-def _batch(vocab: int, seed: int, micro_batch_size: int):
+def _batch(vocab: int, seed: int, micro_batch_size: int) -> list[MicroBatch]:
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (micro_batch_size, SEQ), generator=g)
-    positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens).contiguous()
-    return [{"tokens": tokens, "positions": positions}]
+    return [MicroBatch.of_tokens(torch.randint(0, vocab, (micro_batch_size, SEQ), generator=g))]
 
 
 def _actor_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
@@ -43,10 +42,8 @@ def _actor_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
     )
     dp = ps.get_data_parallel_world_size()
 
-    def nll(logits, mb):
-        logprobs, _ = vocab_parallel_logprobs(
-            logits, torch.roll(mb["tokens"], -1, 1), ps.get_tensor_model_parallel_group()
-        )
+    def nll(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs, _ = vocab_parallel_logprobs(logits, mb.labels, ps.get_tensor_model_parallel_group())
         loss = -logprobs.mean() / dp
         return loss, {"nll": loss.item() * dp}
 
@@ -82,8 +79,8 @@ def _critic_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
     micro = _batch(cfg.model.vocab_size, cfg.run.seed, cfg.critic.parallel.micro_batch_size)
     dp = ps.get_data_parallel_world_size()
 
-    def value_loss(values, mb):
-        returns = torch.linspace(0.0, 1.0, SEQ, device=values.device).expand_as(mb["tokens"])
+    def value_loss(values: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        returns = torch.linspace(0.0, 1.0, SEQ, device=values.device).expand_as(mb.tokens)
         loss = 0.5 * ((values.squeeze(-1).float() - returns) ** 2).mean() / dp
         return loss, {"value_loss": loss.item() * dp}
 

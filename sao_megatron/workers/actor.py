@@ -9,26 +9,22 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron import algo
-from sao_megatron.algo.policy_loss import WEIGHT_SUFFIX
-from sao_megatron.batch import BatchShard, MicroBatching, RowOutputs
+from sao_megatron.batch import BatchShard, MicroBatch, MicroBatching, RowOutputs
 from sao_megatron.config import SAOConfig
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
 from sao_megatron.weight_sync import BroadcastSync
 from sao_megatron.workers import checkpoint
-from sao_megatron.workers.common import (
+from sao_megatron.workers.metrics import reduce_metrics
+from sao_megatron.workers.micro import (
     full_sequence,
-    init_rank,
     micro_batches,
     micro_batching,
     nan_loss,
     nonfinite_free,
-    parallel_state,
-    reduce_metrics,
     row_outputs,
 )
+from sao_megatron.workers.rank import init_rank, parallel_state
 from sao_megatron.workers.role import build_actor_role
-
-LAG_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 1 << 30, "3+"))
 
 
 @dataclass(frozen=True)
@@ -36,30 +32,6 @@ class ExportReport:
     tensors: int
     bytes: int
     seconds: float
-
-
-def kept_by_lag(
-    kept: torch.Tensor, lag: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """Fraction of action tokens inside the DIS band, per token-lag bucket and advantage sign.
-
-    Each fraction ``K`` comes with its token count ``K#n`` (``WEIGHT_SUFFIX``, the weight of its
-    reduction in :func:`~sao_megatron.workers.common.reduce_metrics`); ``dis/tokens/lag{b}`` is the
-    bucket's token count (summed). Empty buckets and signs report nothing."""
-    out = {}
-    for lo, hi, name in LAG_BUCKETS:
-        sel = mask & (lag >= lo) & (lag <= hi)
-        n = int(sel.sum())
-        out[f"dis/tokens/lag{name}"] = float(n)
-        if n:
-            out[f"dis/kept_frac/lag{name}"] = float((kept & sel).sum()) / n
-            out[f"dis/kept_frac/lag{name}{WEIGHT_SUFFIX}"] = float(n)
-        for sign, sel_sign in (("pos", advantages > 0), ("neg", advantages < 0)):
-            both = sel & sel_sign
-            if nb := int(both.sum()):
-                out[f"dis/kept_frac/lag{name}/adv_{sign}"] = float((kept & both).sum()) / nb
-                out[f"dis/kept_frac/lag{name}/adv_{sign}{WEIGHT_SUFFIX}"] = float(nb)
-    return out
 
 
 class ActorWorker:
@@ -84,10 +56,12 @@ class ActorWorker:
         """How this role's layout cuts a shard into micro-batches."""
         return micro_batching(self.cfg.actor.parallel)
 
-    def _logprobs(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, t]`` logprob of each label under the policy at the sampling temperature, and the
+        entropy there (no gradient), from this TP rank's vocabulary slice of ``logits``."""
         return vocab_parallel_logprobs(
             logits,
-            mb["labels"],
+            mb.labels,
             parallel_state().get_tensor_model_parallel_group(),
             temperature=self.cfg.rollout.loop.temperature,
         )
@@ -100,37 +74,30 @@ class ActorWorker:
         a = self.cfg.algo
         b = shard.batch
         lag = algo.policy_lag(version, b.policy_versions, b.action_mask)
-        micro = micro_batches(shard, {"advantages": advantages, "lag": lag}, self._micro)
-        token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
-        norm = {
-            "num_tokens_global": shard.num_tokens_global if token_mean else None,
-            "num_seqs_global": None if token_mean else shard.num_seqs_global,
-        }
-        bounds = {"eps_low": a.eps_low, "eps_high": a.eps_high} if a.policy_loss != "vanilla" else {}
-        extra = {"detach_ratio": a.detach_ratio} if a.policy_loss == "dis" else {}
+        micro = micro_batches(shard, self._micro, advantages=advantages, lag=lag)
 
-        def loss_fn(logits, mb):
+        def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs, entropy = self._logprobs(logits, mb)
-            mask = mb["action_mask"] > 0
-            if not nonfinite_free(logprobs, mb["advantages"], mask=mask):
-                return nan_loss(logprobs, mask)  # the step is skipped on every rank (engine.step)
-            loss, metrics = algo.policy_loss(
-                a.policy_loss,
+            assert mb.advantages is not None and mb.lag is not None  # cut in just above
+            mask = mb.action_mask > 0
+            if not nonfinite_free(logprobs, mb.advantages, mask=mask):
+                return nan_loss(logprobs, mask)  # the step is skipped on every rank (role.step)
+            return algo.policy_objective(
                 logprobs,
-                mb["behavior_logprobs"],
-                mb["advantages"],
-                mask,
+                entropy,
+                mb.behavior_logprobs,
+                mb.advantages,
+                mb.action_mask,
+                mb.lag,
+                loss=a.policy_loss,
+                eps_low=a.eps_low,
+                eps_high=a.eps_high,
+                detach_ratio=a.detach_ratio,
                 agg=a.loss_agg,
-                segment_ids=mb.get("segment_ids"),
-                **bounds,
-                **extra,
-                **norm,
+                num_tokens_global=shard.num_tokens_global,
+                num_seqs_global=shard.num_seqs_global,
+                segment_ids=mb.segment_ids,
             )
-            metrics["entropy"] = algo.masked_mean(entropy, mask.float()).item()
-            metrics["micro_tokens"] = float(mask.sum())
-            kept = algo.dis_band(logprobs.detach(), mb["behavior_logprobs"], a.eps_low, a.eps_high)
-            metrics.update(kept_by_lag(kept, mb["lag"], mb["advantages"], mask))
-            return loss, metrics
 
         out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()
@@ -147,12 +114,12 @@ class ActorWorker:
         """``[b, T]`` logprobs of each position's label under the current policy (reporting ranks)."""
         collected: list[torch.Tensor] = []
 
-        def loss_fn(logits, mb):
+        def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs, _ = self._logprobs(logits, mb)
             collected.append(full_sequence(logprobs.float(), mb))
             return logits.sum() * 0.0, {}
 
-        micro = micro_batches(shard, {}, self._micro)
+        micro = micro_batches(shard, self._micro)
         self.role.forward_backward(micro, loss_fn, forward_only=True)
         return row_outputs(collected, micro, shard)
 
@@ -167,15 +134,11 @@ class ActorWorker:
 
     def sft_step(self, shard: BatchShard) -> dict[str, float]:
         """Supervised step: mean negative logprob of the action tokens (demonstrations)."""
-        tokens = shard.num_tokens_global
-        micro = micro_batches(shard, {}, self._micro)
+        micro = micro_batches(shard, self._micro)
 
-        def loss_fn(logits, mb):
+        def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs, _ = self._logprobs(logits, mb)
-            mask = mb["action_mask"]
-            n = float(mask.sum())
-            nll = -(logprobs * mask).sum()
-            return nll / tokens, {"nll": (nll / max(n, 1.0)).item(), "micro_tokens": n}
+            return algo.sft_nll(logprobs, mb.action_mask, num_tokens_global=shard.num_tokens_global)
 
         out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()

@@ -7,19 +7,19 @@ from pathlib import Path
 import torch
 
 from sao_megatron import algo
-from sao_megatron.batch import BatchShard, MicroBatching, RowOutputs
+from sao_megatron.batch import BatchShard, MicroBatch, MicroBatching, RowOutputs
 from sao_megatron.config import SAOConfig
 from sao_megatron.workers import checkpoint
-from sao_megatron.workers.common import (
+from sao_megatron.workers.metrics import reduce_metrics
+from sao_megatron.workers.micro import (
     full_sequence,
-    init_rank,
     micro_batches,
     micro_batching,
     nan_loss,
     nonfinite_free,
-    reduce_metrics,
     row_outputs,
 )
+from sao_megatron.workers.rank import init_rank
 from sao_megatron.workers.role import build_critic_role
 
 
@@ -44,38 +44,36 @@ class CriticWorker:
         """``[b, T]`` values V(s) at each position (zero off actions), on reporting ranks."""
         collected: list[torch.Tensor] = []
 
-        def loss_fn(values, mb):
-            collected.append(full_sequence(values.squeeze(-1).float() * mb["action_mask"], mb))
+        def loss_fn(values: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            collected.append(full_sequence(values.squeeze(-1).float() * mb.action_mask, mb))
             return values.sum() * 0.0, {}
 
-        micro = micro_batches(shard, {}, self._micro)
+        micro = micro_batches(shard, self._micro)
         self.role.forward_backward(micro, loss_fn, forward_only=True)
         return row_outputs(collected, micro, shard)
 
     def update(self, shard: BatchShard, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the value loss on the whole batch (``returns``, ``old_values``: ``[b, T]``)."""
         a = self.cfg.algo
-        micro = micro_batches(shard, {"returns": returns, "old_values": old_values}, self._micro)
-        token_mean = a.loss_agg == "token_mean"  # the global normaliser of the aggregation
+        micro = micro_batches(shard, self._micro, returns=returns, old_values=old_values)
 
-        def loss_fn(values, mb):
-            mask = mb["action_mask"] > 0
-            if not nonfinite_free(values.squeeze(-1), mb["returns"], mask=mask):
-                return nan_loss(values.squeeze(-1), mask)  # the step is skipped on every rank (engine.step)
-            clipped = a.value_clip > 0
-            loss, metrics = algo.value_loss(
-                values.squeeze(-1).float(),
-                mb["returns"],
-                mask,
+        def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            values = output.squeeze(-1)  # [b, t]
+            assert mb.returns is not None  # cut in just above
+            mask = mb.action_mask > 0
+            if not nonfinite_free(values, mb.returns, mask=mask):
+                return nan_loss(values, mask)  # the step is skipped on every rank (role.step)
+            return algo.value_objective(
+                values,
+                mb.returns,
+                mb.action_mask,
+                mb.old_values,
+                value_clip=a.value_clip,
                 agg=a.loss_agg,
-                old_values=mb["old_values"] if clipped else None,
-                clip_range=a.value_clip if clipped else None,
-                num_tokens_global=shard.num_tokens_global if token_mean else None,
-                num_seqs_global=None if token_mean else shard.num_seqs_global,
-                segment_ids=mb.get("segment_ids"),
+                num_tokens_global=shard.num_tokens_global,
+                num_seqs_global=shard.num_seqs_global,
+                segment_ids=mb.segment_ids,
             )
-            metrics["micro_tokens"] = float(mask.sum())
-            return loss, metrics
 
         out = self.role.forward_backward(micro, loss_fn)
         step = self.role.step()

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from sao_megatron.batch import MicroBatch
 from sao_megatron.config import ActorConfig, CriticConfig, ModelConfig, OptimizerConfig, ParallelConfig
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+"""``loss_fn(output, micro_batch) -> (loss, metrics)``: the model's output on the micro-batch
+(vocab-parallel logits ``[b, t, V/tp]``, or values ``[b, t, 1]`` for a critic) to its loss, normalised
+as the module docstring says, and its metrics (reduced by ``workers.metrics.reduce_metrics``)."""
 
 
 @dataclass
@@ -102,13 +106,16 @@ class MegatronRole:
     def module(self) -> torch.nn.Module:
         return self.model.module
 
-    def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool = False) -> list[dict]:
+    def forward_backward(
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool = False
+    ) -> list[dict[str, float]]:
         """Run the (pipelined) schedule over ``micro_batches``; returns per-micro-batch metrics
-        on the last pipeline stage (empty elsewhere). Each micro-batch dict needs ``tokens``
-        and ``positions`` ``[b, t]`` (this context-parallel rank's share of the sequence);
-        ``loss_fn(output, micro_batch)`` sees the model output (vocab-parallel logits, or values
-        for a critic) of the same micro-batch. Micro-batches may differ in length; each length
-        must divide by ``common.seq_multiple`` of the layout."""
+        on the last pipeline stage (empty elsewhere). The model reads each micro-batch's
+        ``tokens`` and ``positions`` ``[b, t]`` (this context-parallel rank's share of the sequence)
+        and its packing (:func:`attention_inputs`); ``loss_fn(output, micro_batch)`` sees the model
+        output (vocab-parallel logits, or values for a critic) of the same micro-batch, moved to
+        this rank's device. Micro-batches may differ in length; each length must divide by
+        ``micro.seq_multiple`` of the layout."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -116,9 +123,9 @@ class MegatronRole:
         # over the data- and context-parallel ranks: undo both (module docstring).
         scale = len(micro_batches) * ps.get_data_parallel_world_size(with_context_parallel=True)
 
-        def forward_step(data_iterator: Iterator[dict], model):
+        def forward_step(data_iterator: Iterator[MicroBatch], model):
             micro = to_device(next(data_iterator))
-            output = model(micro["tokens"], micro["positions"], **attention_inputs(micro))
+            output = model(micro.tokens, micro.positions, **attention_inputs(micro))
 
             def loss_func(output_tensor):
                 loss, metrics = loss_fn(output_tensor, micro)
@@ -132,7 +139,7 @@ class MegatronRole:
         # Pipeline stages exchange [s/(tp*cp), b, h] activations. Equal micro-batches: one fixed
         # shape (the schedule divides the full length by TP and CP). Ragged ones: Megatron sends
         # each tensor's shape ahead of it (variable_seq_lengths), on every stage alike.
-        shapes = {tuple(m["tokens"].shape) for m in micro_batches}
+        shapes = {tuple(m.tokens.shape) for m in micro_batches}
         self.config.variable_seq_lengths = len(shapes) > 1
         rows = max(b for b, _ in shapes)
         seq_length = max(t for _, t in shapes) * ps.get_context_parallel_world_size()
@@ -166,27 +173,34 @@ class MegatronRole:
         return OptimizerStep(grad_norm=float(grad_norm or 0.0), lr=float(lr), updated=bool(updated), group_norms=groups)
 
     @torch.no_grad()
-    def forward(self, micro_batches: list[dict], fn: Callable[[torch.Tensor, dict], torch.Tensor]) -> list:
+    def forward(
+        self, micro_batches: list[MicroBatch], fn: Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+    ) -> list[torch.Tensor]:
         """Forward-only pass without the pipeline schedule (PP=1); ``fn`` post-processes outputs."""
         self.model.eval()
         try:
             out = []
             for m in map(to_device, micro_batches):
-                out.append(fn(self.model(m["tokens"], m["positions"], **attention_inputs(m)), m))
+                out.append(fn(self.model(m.tokens, m.positions, **attention_inputs(m)), m))
             return out
         finally:
             self.model.train()
 
 
-def to_device(micro: dict) -> dict:
+def to_device(micro: MicroBatch) -> MicroBatch:
     """The one place a micro-batch moves to this rank's device (``parallel.device``)."""
     from sao_megatron.parallel import device
 
     where = device()
-    return {k: v.to(where, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in micro.items()}
+    moved = {
+        f.name: v.to(where, non_blocking=True)
+        for f in fields(micro)
+        if isinstance(v := getattr(micro, f.name), torch.Tensor)
+    }
+    return replace(micro, **moved)
 
 
-def attention_inputs(micro: dict) -> dict:
+def attention_inputs(micro: MicroBatch) -> dict[str, object]:
     """Attention arguments of a micro-batch for the model's forward.
 
     Padded rows: none (each attention layer applies its causal mask). A packed row (``cu_seqlens``
@@ -196,20 +210,21 @@ def attention_inputs(micro: dict) -> dict:
     segment, or the future). RoPE on a packed row without THD rotates by the row position, and
     attention scores depend only on position differences, so each segment sees what it would
     see alone."""
-    if "cu_seqlens" not in micro:
+    cu, seg = micro.cu_seqlens, micro.segment_ids  # both set on a packed row, neither otherwise
+    if cu is None or seg is None:
         return {"attention_mask": None}
     from sao_megatron.models.builder import have_transformer_engine
 
     if have_transformer_engine():
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = micro["cu_seqlens"].to(torch.int32)
+        cu = cu.to(torch.int32)
         longest = int((cu[1:] - cu[:-1]).max())
         params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
         return {"attention_mask": None, "packed_seq_params": params}
-    seg = micro["segment_ids"][0]
+    seg = seg[0]
     t = seg.shape[0]
     future = torch.ones(t, t, dtype=torch.bool, device=seg.device).triu(1)
     return {"attention_mask": ((seg[:, None] != seg[None, :]) | future)[None, None]}

@@ -24,8 +24,8 @@ from sao_megatron.batch import BatchShard, TrainBatch, assemble_rows, build_batc
 from sao_megatron.models import layout
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.workers.actor import ActorWorker
-from sao_megatron.workers.common import coordinates
 from sao_megatron.workers.critic import CriticWorker
+from sao_megatron.workers.rank import coordinates
 from tests.workers.worker_cases import config
 
 COUNT_PARTS = {"tokens", "num_tokens"}

@@ -18,24 +18,25 @@ def case_cp_share(rank, world, pack: bool):
     from sao_megatron.batch import build_batch
     from sao_megatron.context_parallel import cp_indices
     from sao_megatron.parallel import initialize_model_parallel
-    from sao_megatron.workers.common import full_sequence, micro_batches, micro_batching
+    from sao_megatron.workers.micro import full_sequence, micro_batches, micro_batching
 
     p = ParallelConfig(world_size=2, context_parallel=2, micro_batch_size=2, pack_sequences=pack)
     initialize_model_parallel(p)
     batch = build_batch(ragged_cases.ragged_trajectories())
     shard = batch.shard(1)[0]
     extra = torch.randn(4, 12, generator=torch.Generator().manual_seed(0))
-    micro = micro_batches(shard, {"advantages": extra}, micro_batching(p))
-    whole = [shard.batch.micro_batch(mb["rows"], micro_batching(p), {"advantages": extra}) for mb in micro]
+    micro = micro_batches(shard, micro_batching(p), advantages=extra)
+    whole = [shard.batch.micro_batch(mb.rows, micro_batching(p), advantages=extra) for mb in micro]
     out = {"shapes": [], "split_ok": True, "gather_ok": True}
     for mine, full in zip(micro, whole, strict=True):
-        idx = cp_indices(mine["cp_lengths"], 2, ps.get_context_parallel_rank())
-        out["shapes"].append((tuple(full["tokens"].shape), tuple(mine["tokens"].shape)))
+        assert mine.cp_lengths is not None and mine.advantages is not None
+        idx = cp_indices(mine.cp_lengths, 2, ps.get_context_parallel_rank())
+        out["shapes"].append((tuple(full.tokens.shape), tuple(mine.tokens.shape)))
         for key in ("tokens", "labels", "action_mask", "advantages", "positions"):
-            out["split_ok"] &= torch.equal(mine[key], full[key][:, idx])
-        out["gather_ok"] &= torch.equal(full_sequence(mine["advantages"], mine), full["advantages"])
+            out["split_ok"] &= torch.equal(getattr(mine, key), getattr(full, key)[:, idx])
+        out["gather_ok"] &= torch.equal(full_sequence(mine.advantages, mine), full.advantages)
         if pack:
-            out["gather_ok"] &= torch.equal(mine["cu_seqlens"], full["cu_seqlens"])  # whole, for TE
+            out["gather_ok"] &= torch.equal(mine.cu_seqlens, full.cu_seqlens)  # whole, for TE
     ps.destroy_model_parallel()
     return out
 

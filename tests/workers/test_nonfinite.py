@@ -10,7 +10,7 @@ def case_nan_update(rank, world):
     from sao_megatron.batch import build_batch
     from sao_megatron.models import layout
     from sao_megatron.workers.actor import ActorWorker
-    from sao_megatron.workers.common import coordinates
+    from sao_megatron.workers.rank import coordinates
     from tests.workers.worker_cases import config, trajectories
 
     actor = ActorWorker(config(world))

@@ -8,7 +8,7 @@ import torch
 
 from sao_megatron.batch import MicroBatching, build_batch
 from sao_megatron.config import ParallelConfig
-from sao_megatron.workers.common import seq_multiple
+from sao_megatron.workers.micro import seq_multiple
 from tests.distributed import run_distributed
 from tests.workers import ragged_cases
 
@@ -49,20 +49,20 @@ def test_micro_batches_pad_to_the_layout_multiple_with_exact_masks():
     extra = torch.randn(4, 12)
     for multiple, widths in ((1, [12, 9]), (2, [12, 10]), (8, [16, 16])):
         how = MicroBatching(rows=2, multiple=multiple)
-        micro = [batch.micro_batch(rows, how, {"advantages": extra}) for rows in how.plan([7, 12, 5, 9])]
-        assert [mb["tokens"].shape[1] for mb in micro] == widths
+        micro = [batch.micro_batch(rows, how, advantages=extra) for rows in how.plan([7, 12, 5, 9])]
+        assert [mb.tokens.shape[1] for mb in micro] == widths
         for i, mb in enumerate(micro):
-            rows, t = slice(2 * i, 2 * i + 2), mb["tokens"].shape[1]
-            assert mb["rows"] == [2 * i, 2 * i + 1]
+            rows, t = slice(2 * i, 2 * i + 2), mb.tokens.shape[1]
+            assert mb.rows == [2 * i, 2 * i + 1] and mb.spans is None and mb.advantages is not None
             w = min(t, 12)
             for key in ("tokens", "labels", "action_mask", "behavior_logprobs", "policy_versions"):
-                assert torch.equal(mb[key][:, :w], getattr(batch, key)[rows, :w]), key
-            assert torch.equal(mb["advantages"][:, :w], extra[rows, :w])
+                assert torch.equal(getattr(mb, key)[:, :w], getattr(batch, key)[rows, :w]), key
+            assert torch.equal(mb.advantages[:, :w], extra[rows, :w])
             pad = torch.arange(t) >= batch.lengths[rows, None]  # past each row's own length
-            assert (mb["action_mask"][pad] == 0).all() and (mb["labels"][pad] == 0).all()
-            assert (mb["tokens"][pad] == 0).all() and (mb["policy_versions"][pad] == -1).all()
-            assert (mb["advantages"][:, w:] == 0).all()
-            assert torch.equal(mb["positions"], torch.arange(t).expand(2, t))
+            assert (mb.action_mask[pad] == 0).all() and (mb.labels[pad] == 0).all()
+            assert (mb.tokens[pad] == 0).all() and (mb.policy_versions[pad] == -1).all()
+            assert (mb.advantages[:, w:] == 0).all()
+            assert torch.equal(mb.positions, torch.arange(t).expand(2, t))
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))

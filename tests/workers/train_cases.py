@@ -7,6 +7,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from sao_megatron.batch import MicroBatch
 from sao_megatron.config import ActorConfig, CriticConfig, OptimizerConfig, ParallelConfig
 from sao_megatron.models import layout
 from sao_megatron.models.builder import build_gpt
@@ -22,16 +23,12 @@ def _setup(p: ParallelConfig):
     seed_everything(1234)
 
 
-def _micro_batches(seed: int, n: int = 2):
-    out = []
-    for i in range(n):
-        tokens, positions = batch(seed * 100 + i)
-        out.append({"tokens": tokens, "positions": positions})
-    return out
+def _micro_batches(seed: int, n: int = 2) -> list[MicroBatch]:
+    return [MicroBatch.of_tokens(*batch(seed * 100 + i)) for i in range(n)]
 
 
-def _nll(output, micro, n_micro: int, dp: int):
-    logprobs, _ = vocab_parallel_logprobs(output, torch.roll(micro["tokens"], -1, 1), tp_group())
+def _nll(output, micro: MicroBatch, n_micro: int, dp: int):
+    logprobs, _ = vocab_parallel_logprobs(output, micro.labels, tp_group())
     loss = -logprobs.mean() / (n_micro * dp)  # normalised by the global batch
     return loss, {"nll": loss.detach().item() * n_micro * dp}
 
@@ -77,12 +74,10 @@ def case_frozen_critic(rank, world):
     before = {n: t.clone() for n, t in layout.gather_full(role.module).items()}
     trunk_equal = max((before[k] - actor_state[k]).abs().max().item() for k in before if not k.startswith("output"))
     micro = _micro_batches(seed=0)
-    for mb in micro:
-        mb["targets"] = torch.linspace(-1, 1, SEQ).expand(2, SEQ)
+    target = torch.linspace(-1, 1, SEQ).expand(2, SEQ)
 
     def value_loss(values, mb):
-        target = mb["targets"]
-        loss = 0.5 * ((values.squeeze(-1) - target) ** 2).mean() / len(micro)
+        loss = 0.5 * ((values.squeeze(-1) - target.to(values.device)) ** 2).mean() / len(micro)
         return loss, {"value_loss": loss.item() * len(micro)}
 
     losses = []
@@ -142,11 +137,10 @@ def case_never_stepped_role(rank, world, directory: str):
     checkpoint.load_role(loaded, directory)
     equal_loaded = all(torch.equal(a, b) for a, b in pairs)
     micro = _micro_batches(seed=rank)
-    for mb in micro:
-        mb["targets"] = torch.linspace(-1, 1, SEQ).expand(2, SEQ)
+    target = torch.linspace(-1, 1, SEQ).expand(2, SEQ)
 
     def value_loss(values, mb):
-        return 0.5 * ((values.squeeze(-1) - mb["targets"]) ** 2).mean() / len(micro), {}
+        return 0.5 * ((values.squeeze(-1) - target.to(values.device)) ** 2).mean() / len(micro), {}
 
     before_step = [a.detach().clone() for a, _ in pairs]
     for role in (original, loaded):

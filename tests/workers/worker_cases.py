@@ -11,8 +11,8 @@ from sao_megatron.batch import assemble_rows, build_batch
 from sao_megatron.config import load_config
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.workers.actor import ActorWorker
-from sao_megatron.workers.common import coordinates
 from sao_megatron.workers.critic import CriticWorker
+from sao_megatron.workers.rank import coordinates
 
 
 def trajectories(n=4, seed=0):

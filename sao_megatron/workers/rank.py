@@ -1,0 +1,73 @@
+"""Where a rank sits in its role's Megatron world, and its start-up (model-parallel groups, seed)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from sao_megatron.config import ParallelConfig
+
+
+def parallel_state():
+    """Megatron's ``parallel_state`` module, imported when a worker first needs it."""
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    """Where this rank sits in its role's Megatron world."""
+
+    rank: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    pp_last: bool
+    cp_rank: int
+
+    @property
+    def reports(self) -> bool:
+        """Holds complete per-row outputs and metrics: last pipeline stage, TP and CP rank 0."""
+        return self.pp_last and self.tp_rank == 0 and self.cp_rank == 0
+
+
+def coordinates() -> RankCoordinates:
+    ps = parallel_state()
+    return RankCoordinates(
+        rank=dist.get_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_last=ps.is_pipeline_last_stage(),
+        cp_rank=ps.get_context_parallel_rank(),
+    )
+
+
+def init_rank(parallel: ParallelConfig, seed: int) -> None:
+    from sao_megatron.parallel import initialize_model_parallel, seed_everything
+
+    initialize_model_parallel(parallel)
+    seed_everything(seed)
+    # Where this rank runs, for anyone reading its log (tests/launch/test_slurm_multinode.py).
+    print(
+        f"[sao-rank] rank {dist.get_rank()} of {dist.get_world_size()} on host {socket.gethostname()} "
+        f"addresses {','.join(node_addresses()) or '-'}",
+        flush=True,
+    )
+
+
+def node_addresses() -> list[str]:
+    """This node's IPv4 addresses other than loopback."""
+    import psutil
+
+    return sorted(
+        {
+            a.address
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")
+        }
+    )
