@@ -332,3 +332,105 @@ def parallel_config(world: int | None, tp: int, pp: int, ep: int) -> ParallelCon
         expert_parallel=ep,
         use_distributed_optimizer=False,
     )
+
+
+class ExportError(ValueError):
+    """A run directory that cannot be exported, stated in one line with the fix."""
+
+
+def export_run(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    *,
+    world: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> ConvertSummary:
+    """The run's actor (``RUN_DIR/checkpoint/actor``) as an HF checkpoint in ``out_dir``.
+
+    Reuses ``sao convert mcore-to-hf``'s rank body: a spawned gloo world of ``world`` ranks at
+    TP/PP/EP builds the run's model (``RUN_DIR/config.yaml``), loads only the model tensors of the
+    role checkpoint (which also holds optimizer state) and streams safetensors shards from rank 0.
+    Config, generation config, tokenizer files and chat template come from the run's last policy
+    export ``RUN_DIR/hf/policy`` when present, else config.json is generated and the tokenizer
+    files of ``actor.init_from`` (an HF directory) or of the bundled ``sao_megatron/tokenizer``
+    are copied. Runs keep only their latest checkpoint, so ``step`` must equal its step
+    (``checkpoint/state.json``)."""
+    from sao_megatron.config import load_config
+    from sao_megatron.spawn import run_world
+
+    t0 = time.perf_counter()
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ExportError(f"{run_dir} is not a run directory (no config.yaml); pass the directory sao train wrote")
+    actor_dir = run_dir / "checkpoint" / "actor"
+    if not (actor_dir / "metadata.json").is_file():
+        raise ExportError(
+            f"{run_dir} has no actor checkpoint ({actor_dir} is missing); runs write it every "
+            "train.save_every steps and at the end: resume with 'sao train --resume RUN_DIR'"
+        )
+    state_file = run_dir / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    saved = state.get("step")
+    if step is not None and saved is None:
+        raise ExportError(f"{state_file} is missing, so the checkpoint's step is unknown; export without --step")
+    if step is not None and step != saved:
+        raise ExportError(
+            f"{run_dir} keeps only its latest checkpoint (stage {state.get('stage', '?')}, step "
+            f"{saved}; {state_file}); step {step} is not stored: export without --step, or set "
+            "train.save_every and copy checkpoint/ aside to keep earlier steps"
+        )
+    cfg = load_config(run_dir / "config.yaml", ["cluster.ray_address="])
+    m = cfg.model
+    template = run_dir / "hf" / "policy"
+    if not (template / "config.json").is_file():
+        template = None
+    else:
+        diff = same_shape(hf_config.model_config_from_hf(hf_config.read_hf_config(template)), m)
+        if diff:
+            raise ExportError(
+                f"{template}/config.json disagrees with {run_dir / 'config.yaml'} on {diff}; "
+                "remove the stale hf/policy directory"
+            )
+    if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose another directory or pass --overwrite")
+    p = parallel_config(world, tp, pp, ep)
+    validate_parallel(p, m, "export")
+    results = run_world(
+        _mcore_to_hf_rank,
+        p.world_size,
+        str(actor_dir.resolve()),
+        str(out_dir.resolve()),
+        dataclasses.asdict(m),
+        dataclasses.asdict(p),
+        cfg.actor.bf16,
+        str(template) if template else None,
+        dtype,
+        max_shard_bytes,
+        overwrite,
+        progress,
+        backend="gloo",
+    )
+    if template is None:  # no policy export yet (stopped during SFT): the run's tokenizer source
+        from sao_megatron.tokenizer import copy_tokenizer_files
+
+        copy_tokenizer_files(cfg.actor.init_from, out_dir)
+    r0 = results[0]
+    phases = {
+        "load_torch_dist": max(r["load_s"] for r in results),
+        "export_hf": max(r["export_s"] for r in results),
+    }
+    return ConvertSummary(
+        "run actor -> HF",
+        r0["tensors"],
+        r0["bytes"],
+        time.perf_counter() - t0,
+        max(r["copy_s"] for r in results),
+        phases,
+    )
