@@ -90,6 +90,7 @@ def case(rank, world, overrides: dict, n: int, turns: int, action: int, reps: in
     from sao_megatron import algo
     from sao_megatron.batch import build_batch
     from sao_megatron.config import load_config
+    from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
     from sao_megatron.workers.actor import ActorWorker
     from sao_megatron.workers.critic import CriticWorker
     from sao_megatron.workers.metrics import reduce_metrics
@@ -99,7 +100,7 @@ def case(rank, world, overrides: dict, n: int, turns: int, action: int, reps: in
         [f"{k}={v}" for k, v in overrides.items()]
         + ["actor.parallel.micro_batch_size=4", "critic.parallel.micro_batch_size=4"],
     )
-    actor, critic = ActorWorker(cfg), CriticWorker(cfg, "")
+    actor, critic = ActorWorker(ActorRankConfig.of(cfg)), CriticWorker(CriticRankConfig.of(cfg), "")
     trajectories = _trajectories(n, turns, action, seed=0)
     rows = []
     for _ in range(reps + 1):  # the first round warms up

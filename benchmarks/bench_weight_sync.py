@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_convert import build_checkpoint  # noqa: E402
+from sao_megatron.config.rank import ActorRankConfig  # noqa: E402
 from sao_megatron.parallel import join_store, open_store  # noqa: E402
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec  # noqa: E402
 from sao_megatron.spawn import free_port  # noqa: E402
@@ -97,7 +98,7 @@ def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, r
     from sao_megatron.models.hf_weights import HFWeightStream
     from sao_megatron.workers.actor import ActorWorker
 
-    worker = ActorWorker(cfg)
+    worker = ActorWorker(ActorRankConfig.of(cfg))
     bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
     gather_group = cast(dist.ProcessGroup, dist.new_group())  # every rank is a member
     stream = HFWeightStream(worker.role.module, cfg.model, per_stage=True, group=gather_group)

@@ -20,6 +20,7 @@ import torch
 from benchmarks.gpu.workload import BatchShape, ragged_trajectories
 from sao_megatron.batch import BatchShard, RowOutputs, TrainBatch, assemble_rows, build_batch
 from sao_megatron.config import ModelConfig, SAOConfig, load_config
+from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
 
 
 def run_config(spec: dict, *, bf16: bool, mode: dict | None = None) -> SAOConfig:
@@ -120,12 +121,12 @@ def layout_case(rank: int, world: int, spec: dict) -> dict:
     batch, advantages = _batch(spec)
     mask = batch.action_mask > 0
     ref_cfg = run_config(spec, bf16=False)
-    actor = ActorWorker(ref_cfg)
+    actor = ActorWorker(ActorRankConfig.of(ref_cfg))
     shard = _shard(batch)
     actor_weights, ref_logprobs = _copy_weights(actor.role), _rows(actor.logprobs(shard), batch)
     del actor
     _release()
-    critic = CriticWorker(ref_cfg, "")
+    critic = CriticWorker(CriticRankConfig.of(ref_cfg), "")
     critic_weights, ref_values = _copy_weights(critic.role), _rows(critic.values(shard), batch)
     del critic
     _release()
@@ -162,14 +163,14 @@ def _layout_mode(
 
     batch, shard, mask, advantages = data
     cfg = run_config(spec, bf16=spec["bf16"], mode=mode)
-    actor = ActorWorker(cfg)
+    actor = ActorWorker(ActorRankConfig.of(cfg))
     _load_weights(actor.role, actor_weights)
     logprobs = _rows(actor.logprobs(shard), batch)
     metrics = actor.update(shard, shard.take(advantages), 1)
     after = _rows(actor.logprobs(shard), batch)
     del actor
     _release()
-    critic = CriticWorker(cfg, "")
+    critic = CriticWorker(CriticRankConfig.of(cfg), "")
     _load_weights(critic.role, critic_weights)
     values = _rows(critic.values(shard), batch)
     _, returns, _ = algo.gae(batch.rewards, values, mask, gamma=1.0, lam=0.95)
@@ -363,7 +364,7 @@ def throughput_case(rank: int, world: int, spec: dict) -> dict:
 def _time_actor(spec: dict, cfg: SAOConfig, batch: TrainBatch, advantages: torch.Tensor) -> dict:
     from sao_megatron.workers.actor import ActorWorker
 
-    actor = ActorWorker(cfg)
+    actor = ActorWorker(ActorRankConfig.of(cfg))
     shard = _shard(batch)
     adv, tokens = shard.take(advantages), float(batch.action_mask.sum())
     micro = plain_micro_batches(shard.batch, spec["micro_batch_size"])
@@ -395,7 +396,7 @@ def _time_actor(spec: dict, cfg: SAOConfig, batch: TrainBatch, advantages: torch
 def _time_critic(spec: dict, cfg: SAOConfig, batch: TrainBatch) -> dict:
     from sao_megatron.workers.critic import CriticWorker
 
-    critic = CriticWorker(cfg, "")
+    critic = CriticWorker(CriticRankConfig.of(cfg), "")
     shard = _shard(batch)
     values = _rows(critic.values(shard), batch)
     returns = shard.take(values + 0.1 * batch.action_mask)

@@ -25,6 +25,7 @@ import torch
 
 from sao_megatron.batch import BatchShard, RowOutputs, TrainBatch, assemble_rows
 from sao_megatron.config import SAOConfig
+from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
 from sao_megatron.workers.actor import ActorWorker, ExportReport
 from sao_megatron.workers.critic import CriticWorker
 from sao_megatron.workers.rank import RankCoordinates
@@ -47,12 +48,20 @@ class RankActor:
     rendezvous store on its node (:meth:`rendezvous`), then every rank joins it and builds its
     model (:meth:`start`)."""
 
-    def __init__(self, kind: str, cfg: SAOConfig, rank: int, world: int, log_path: str, init_from: str | None = None):
+    def __init__(
+        self,
+        cfg: ActorRankConfig | CriticRankConfig,
+        rank: int,
+        world: int,
+        log_path: str,
+        init_from: str | None = None,
+    ):
+        """``cfg``: the sections of the run's config this rank reads (:mod:`sao_megatron.config.rank`)."""
         from sao_megatron.logs import quiet_third_party, redirect_process_output
 
         redirect_process_output(Path(log_path))
         quiet_third_party()
-        self.kind, self.cfg, self.rank, self.world, self.init_from = kind, cfg, rank, world, init_from
+        self.cfg, self.rank, self.world, self.init_from = cfg, rank, world, init_from
         self._store = None
 
     def rendezvous(self, host: str) -> tuple[str, int]:
@@ -68,8 +77,10 @@ class RankActor:
         from sao_megatron.workers.rank import coordinates
 
         store = self._store or parallel.join_store(host, port, self.world)
-        parallel.init_distributed(self.rank, self.world, host, port, backend=self.cfg.run.backend, store=store)
-        self.worker = ActorWorker(self.cfg) if self.kind == "actor" else CriticWorker(self.cfg, self.init_from)
+        parallel.init_distributed(self.rank, self.world, host, port, backend=self.cfg.backend, store=store)
+        self.worker = (
+            ActorWorker(self.cfg) if isinstance(self.cfg, ActorRankConfig) else CriticWorker(self.cfg, self.init_from)
+        )
         self.coords = coordinates()
         return self.coords
 
@@ -120,12 +131,13 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
         )
         order = rank_order(placement_group_table(self.group)["bundles_to_node_id"])
         logs = self.run_dir / "logs"
+        rank_cfg = ActorRankConfig.of(self.cfg) if self.kind == "actor" else CriticRankConfig.of(self.cfg)
         self.ranks = [
             RankActor.options(
                 num_cpus=self.cfg.cluster.cpus_per_rank,
                 num_gpus=self._bundle().get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=b),
-            ).remote(self.kind, self.cfg, r, world, str(logs / f"{self.kind}_rank{r}.log"), self.init_from)
+            ).remote(rank_cfg, r, world, str(logs / f"{self.kind}_rank{r}.log"), self.init_from)
             for r, b in enumerate(order)
         ]
         host = await self.ranks[0].node_ip.remote() if self.cfg.cluster.ray_address else "127.0.0.1"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from sao_megatron import algo
 from sao_megatron.batch import BatchShard, MicroBatch, MicroBatching, RowOutputs
-from sao_megatron.config import SAOConfig
+from sao_megatron.config.rank import ActorRankConfig
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
 from sao_megatron.weight_sync import BroadcastSync
 from sao_megatron.workers import checkpoint
@@ -37,17 +37,12 @@ class ExportReport:
 class ActorWorker:
     """The policy on this rank."""
 
-    def __init__(self, cfg: SAOConfig):
+    def __init__(self, cfg: ActorRankConfig):
         self.cfg = cfg
-        init_rank(cfg.actor.parallel, cfg.run.seed)
+        init_rank(cfg.actor.parallel, cfg.seed)
         self.role = build_actor_role(cfg.model, cfg.actor)
-        r = cfg.rollout
         self.broadcast = BroadcastSync(
-            self.role.module,
-            cfg.model,
-            engine_tp=r.tensor_parallel,
-            flat=r.weight_sync_flat,
-            bucket_mb=r.weight_sync_bucket_mb,
+            self.role.module, cfg.model, engine_tp=cfg.engine_tp, flat=cfg.sync_flat, bucket_mb=cfg.sync_bucket_mb
         )
         """This rank's part of the broadcast weight sync (:meth:`sync_weights`)."""
 
@@ -63,7 +58,7 @@ class ActorWorker:
             logits,
             mb.labels,
             parallel_state().get_tensor_model_parallel_group(),
-            temperature=self.cfg.rollout.loop.temperature,
+            temperature=self.cfg.temperature,
         )
 
     def update(self, shard: BatchShard, advantages: torch.Tensor, version: int) -> dict[str, float]:

@@ -8,7 +8,7 @@ import torch
 
 from sao_megatron import algo
 from sao_megatron.batch import BatchShard, MicroBatch, MicroBatching, RowOutputs
-from sao_megatron.config import SAOConfig
+from sao_megatron.config.rank import CriticRankConfig
 from sao_megatron.workers import checkpoint
 from sao_megatron.workers.metrics import reduce_metrics
 from sao_megatron.workers.micro import (
@@ -26,11 +26,11 @@ from sao_megatron.workers.role import build_critic_role
 class CriticWorker:
     """The value model on this rank."""
 
-    def __init__(self, cfg: SAOConfig, init_from: str | None = None):
+    def __init__(self, cfg: CriticRankConfig, init_from: str | None = None):
         """``init_from``: the trunk's checkpoint (HF or Megatron directory), ``""`` for a random
         trunk; ``None`` means ``cfg.critic.init_from``. Each rank reads only its own slices."""
         self.cfg = cfg
-        init_rank(cfg.critic.parallel, cfg.run.seed)
+        init_rank(cfg.critic.parallel, cfg.seed)
         source = cfg.critic.init_from if init_from is None else init_from
         self.role = build_critic_role(cfg.model, cfg.critic, source=source)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from sao_megatron import algo
 from sao_megatron.batch import BatchShard, TrainBatch, assemble_rows, build_batch
+from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
 from sao_megatron.models import layout
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.workers.actor import ActorWorker
@@ -104,7 +105,7 @@ def _run(overrides: dict, batch: TrainBatch, reference: bool, start: dict | None
         torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
         torch.zeros(()),
     )
-    actor = ActorWorker(cfg)
+    actor = ActorWorker(ActorRankConfig.of(cfg))
     start = start or {}
     if "actor" in start:
         layout.load_full(actor.role.module, start["actor"])
@@ -120,7 +121,7 @@ def _run(overrides: dict, batch: TrainBatch, reference: bool, start: dict | None
     }
     ps.destroy_model_parallel()
 
-    critic = CriticWorker(cfg, "")
+    critic = CriticWorker(CriticRankConfig.of(cfg), "")
     if "critic" in start:
         layout.load_full(critic.role.module, start["critic"])
     weights["critic"] = _copy(layout.gather_full(critic.role.module))

@@ -10,6 +10,7 @@ import torch
 from sao_megatron import algo
 from sao_megatron.algo.choices import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, POLICY_LOSSES
 from sao_megatron.batch import assemble_rows, build_batch
+from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
 from sao_megatron.driver.estimator import AdvantageEstimator
 from sao_megatron.workers.actor import ActorWorker
 from sao_megatron.workers.critic import CriticWorker
@@ -28,10 +29,10 @@ def case_every_loss_and_estimator(rank, world):
         t.reward_details = {"group_index": i % 2}
     batch = build_batch(trajs)
     shard = batch.shard(1)[0]
-    critic = CriticWorker(base, "")  # a random trunk: only the plumbing is under test
+    critic = CriticWorker(CriticRankConfig.of(base), "")  # a random trunk: only the plumbing is under test
     values = assemble_rows([critic.values(shard)], batch.size, batch.tokens.shape[1])
     ps.destroy_model_parallel()
-    actor = ActorWorker(base)
+    actor = ActorWorker(ActorRankConfig.of(base))
     out = {}
     for estimator in ADVANTAGE_ESTIMATORS:
         group = 2 if estimator in GROUP_ESTIMATORS else 1

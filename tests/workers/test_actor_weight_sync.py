@@ -88,9 +88,8 @@ def _worker() -> Any:
 
     actor.init_rank = lambda parallel, seed: None  # type: ignore[assignment]  # the world is up already
     actor.build_actor_role = lambda model, cfg: SimpleNamespace(module=None)  # type: ignore[assignment]
-    rollout = SimpleNamespace(tensor_parallel=1, weight_sync_flat=False, weight_sync_bucket_mb=BUCKET_MB)
     cfg = SimpleNamespace(
-        model=None, run=SimpleNamespace(seed=0), actor=SimpleNamespace(parallel=None), rollout=rollout
+        model=None, seed=0, actor=SimpleNamespace(parallel=None), engine_tp=1, sync_flat=False, sync_bucket_mb=BUCKET_MB
     )
     return actor.ActorWorker(cfg)  # type: ignore[arg-type]
 

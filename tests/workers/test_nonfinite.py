@@ -8,12 +8,13 @@ from tests.distributed import run_distributed
 
 def case_nan_update(rank, world):
     from sao_megatron.batch import build_batch
+    from sao_megatron.config.rank import ActorRankConfig
     from sao_megatron.models import layout
     from sao_megatron.workers.actor import ActorWorker
     from sao_megatron.workers.rank import coordinates
     from tests.workers.worker_cases import config, trajectories
 
-    actor = ActorWorker(config(world))
+    actor = ActorWorker(ActorRankConfig.of(config(world)))
     batch = build_batch(trajectories())
     c = coordinates()
     shard = batch.shard(c.dp_size)[c.dp_rank]

@@ -9,6 +9,7 @@ import torch
 from sao_megatron import algo
 from sao_megatron.batch import assemble_rows, build_batch
 from sao_megatron.config import load_config
+from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.workers.actor import ActorWorker
 from sao_megatron.workers.critic import CriticWorker
@@ -58,7 +59,7 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
 
     cfg = config(world, **{"actor.parallel.tensor_parallel": tp, "critic.parallel.tensor_parallel": tp})
     batch = build_batch(trajectories())
-    actor = ActorWorker(cfg)
+    actor = ActorWorker(ActorRankConfig.of(cfg))
     hf_dir = ckpt_dir + "/hf"
     actor.export_hf(hf_dir)  # the critic starts from the actor's weights, as ensure_critic does
     c = coordinates()
@@ -83,7 +84,7 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    critic = CriticWorker(cfg, hf_dir)
+    critic = CriticWorker(CriticRankConfig.of(cfg), hf_dir)
     c = coordinates()
     shard = batch.shard(c.dp_size)[c.dp_rank]
     mine = critic.values(shard)

@@ -1,0 +1,64 @@
+"""What one trainer rank reads of the run's configuration: only these records cross the Ray boundary.
+
+The driver holds the whole :class:`~sao_megatron.config.schema.SAOConfig`; each actor or critic rank
+gets the sections its worker reads (the model shape, its role, the loss settings, the few rollout
+settings that concern it), built by :meth:`ActorRankConfig.of` / :meth:`CriticRankConfig.of`. The
+sections are the run config's own objects, not copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sao_megatron.config.schema import ActorConfig, AlgoConfig, Backend, CriticConfig, ModelConfig, SAOConfig
+
+
+@dataclass(frozen=True)
+class ActorRankConfig:
+    model: ModelConfig
+    actor: ActorConfig
+    algo: AlgoConfig
+    """The policy loss (``algo.policy_loss``, its clip range and aggregation)."""
+    temperature: float
+    """``rollout.loop.temperature``: logprobs are taken at the engines' sampling temperature."""
+    engine_tp: int
+    """``rollout.tensor_parallel``: ranks per engine in the weight-sync group."""
+    sync_flat: bool
+    """``rollout.weight_sync_flat``."""
+    sync_bucket_mb: int
+    """``rollout.weight_sync_bucket_mb``."""
+    seed: int
+    """``run.seed``."""
+    backend: Backend = "auto"
+    """``run.backend``."""
+
+    @classmethod
+    def of(cls, cfg: SAOConfig) -> ActorRankConfig:
+        r = cfg.rollout
+        return cls(
+            model=cfg.model,
+            actor=cfg.actor,
+            algo=cfg.algo,
+            temperature=r.loop.temperature,
+            engine_tp=r.tensor_parallel,
+            sync_flat=r.weight_sync_flat,
+            sync_bucket_mb=r.weight_sync_bucket_mb,
+            seed=cfg.run.seed,
+            backend=cfg.run.backend,
+        )
+
+
+@dataclass(frozen=True)
+class CriticRankConfig:
+    model: ModelConfig
+    critic: CriticConfig
+    algo: AlgoConfig
+    """The value loss (``algo.value_clip``, ...)."""
+    seed: int
+    """``run.seed``."""
+    backend: Backend = "auto"
+    """``run.backend``."""
+
+    @classmethod
+    def of(cls, cfg: SAOConfig) -> CriticRankConfig:
+        return cls(model=cfg.model, critic=cfg.critic, algo=cfg.algo, seed=cfg.run.seed, backend=cfg.run.backend)
