@@ -285,7 +285,8 @@ def test_cpu_smoke_layout_cases_are_finite_and_match_the_reference(smoke):
     assert data["dtype"] == data["reference_dtype"] == "float32"
     assert all(n % 2 == 1 for n in data["lengths"])
     padded = data["modes"]["padded"]
-    assert padded["all_finite"] and padded["logprobs_vs_fp32"]["max"] <= 1e-5
+    # the check's own float32 thresholds: model-level (a whole forward in another layout or packing)
+    assert padded["all_finite"] and padded["logprobs_vs_fp32"]["max"] <= check.LOGPROB_TOL["float32"]
     assert padded["logprob_change_after_update"]["max"] > 1e-4  # the update moved the policy
     assert padded["actor"]["updated"] == 1.0 and padded["actor"]["loss"] != 0.0
     assert set(data["modes"]) == {"padded", "packed", "packed_dynamic"}
@@ -293,7 +294,8 @@ def test_cpu_smoke_layout_cases_are_finite_and_match_the_reference(smoke):
         mode = data["modes"][name]
         assert mode.get("all_finite") or mode.get("skipped"), mode  # measured, or the named hook's reason
         if "all_finite" in mode:
-            assert mode["logprobs_vs_padded"]["max"] <= 1e-4 and mode["logprobs_vs_fp32"]["max"] <= 1e-4
+            tol = check.PACKED_TOL["float32"]
+            assert mode["logprobs_vs_padded"]["max"] <= tol and mode["logprobs_vs_fp32"]["max"] <= tol
     assert all(c["ok"] for c in layout["checks"].values()), layout["checks"]
 
 

@@ -1,7 +1,7 @@
 """TP=2, EP=2 (allgather and alltoall), PP=2 give the single-rank logits and gradients (float32).
 
 All cases run in one spawned 2-rank gloo world (start-up dominates the cost); each test then
-asserts on its case's figures. Tolerance: max abs diff <= 1e-5.
+asserts on its case's figures. Tolerance: max abs diff <= 1e-5 (:data:`TOL`).
 """
 
 import pytest
@@ -10,6 +10,10 @@ from tests.distributed import run_distributed
 from tests.models import parallel_cases
 
 TOL = 1e-5
+"""Model-level, not one sum of n terms: the whole float32 forward and backward in another layout, whose
+split sums (row-parallel linears, expert dispatch, the vocab-parallel softmax) propagate through every
+nonlinear layer, so tests/tolerance.py's bound does not apply. Measured at most 4.8e-7 on the logits and
+4.6e-8 on the gradients (x86-64 CPUs); a wrong shard moves the logits by O(1)."""
 
 
 def _all_cases(rank, world):

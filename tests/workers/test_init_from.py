@@ -14,6 +14,8 @@ from tests.models import hf_cases
 from tests.workers import init_from_cases
 
 TOL = 1e-4
+"""The actor's float32 logits vs ``transformers``' on the same checkpoint: two implementations of the model,
+a model-level difference, not one sum of n terms; the same bound as tests/models/test_hf_models.py."""
 
 
 @pytest.fixture(scope="module")
