@@ -24,6 +24,13 @@ from tests.rollout.engine_fixtures import make_tiny_hf
 
 pytestmark = pytest.mark.timeout(600)
 
+ENGINE_TOL = 1e-4
+"""Max |logprob| difference of the float32 engine against ``transformers`` float32 on the same weights, and
+between two requests of one engine. Model-level, not one sum of n terms (tests/tolerance.py): SGLang's own
+kernels (torch_native attention, fused norms and rotary, its logits processor; another batch composition)
+against transformers' eager forward. docs/rollout.md: ~1e-6 measured (docs/RESULTS.md: <= 2.9e-6 on the
+real vocabulary), so 1e-4 is a wide margin; a wrong weight version moves logprobs by far more."""
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
@@ -167,7 +174,7 @@ def test_distributed_weight_sync_serves_new_weights(engine, checkpoints):
     assert report.tensors == len(names) and report.bytes > 0
     assert set(gen.weight_versions) == {"7"}
     expected = _hf_logprobs(checkpoints[1], ids)
-    assert (torch.tensor(scored) - expected).abs().max().item() <= 1e-4
+    assert (torch.tensor(scored) - expected).abs().max().item() <= ENGINE_TOL
 
 
 def test_a_weight_sync_group_is_re_formed_under_a_new_name(engine, checkpoints):
@@ -226,8 +233,8 @@ def test_tensor_weight_update_serves_new_weights(engine, checkpoints):
     outside, scored_v1, gen, scored_v0 = run(go())
     assert outside.status == 400 and "begin_weight_update" in str(outside)
     assert set(gen.weight_versions) == {"9"}
-    assert (torch.tensor(scored_v1) - _hf_logprobs(checkpoints[1], ids)).abs().max().item() <= 1e-4
-    assert (torch.tensor(scored_v0) - _hf_logprobs(checkpoints[0], ids)).abs().max().item() <= 1e-4
+    assert (torch.tensor(scored_v1) - _hf_logprobs(checkpoints[1], ids)).abs().max().item() <= ENGINE_TOL
+    assert (torch.tensor(scored_v0) - _hf_logprobs(checkpoints[0], ids)).abs().max().item() <= ENGINE_TOL
 
 
 def test_router_proxies_generate(engine, tmp_path):
@@ -248,7 +255,7 @@ def test_router_proxies_generate(engine, tmp_path):
         routed, own, refused = run(go(router.url))
     assert router.proc.poll() is not None  # stopped with its process group
     assert routed.output_ids == own.output_ids and len(routed.output_ids) == 8
-    assert max(abs(a - b) for a, b in zip(routed.behavior_logprobs, own.behavior_logprobs, strict=True)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(routed.behavior_logprobs, own.behavior_logprobs, strict=True)) <= ENGINE_TOL
     assert (
         routed.weight_versions == own.weight_versions and routed.finish_reason == "length" and routed.prompt_tokens == 5
     )
