@@ -34,6 +34,11 @@ LAYOUTS = {  # name: (world size, overrides, add the 23-token row)
     ),
 }
 TOL = 1e-5
+"""Model-level, not one sum of n terms (tests/tolerance.py): each layout runs the whole float32 forward
+and backward with its sums split over ranks, micro-batches and packed rows, and the differences pass
+through every nonlinear layer. Measured over the 9 layouts (x86-64 CPUs): logprobs <= 9.5e-7, values
+<= 8.9e-7, gradients <= 1.4e-6 (their scales > 1e-3); the metrics (``rel=1e-4``, ``abs=TOL``; from those
+logprobs and values) <= 5.7e-7 relative."""
 APPROXIMATE = {"p1", "p50", "p99", "ess", "ess_frac", "explained_var"}
 """Per-micro-batch statistics (quantiles, ESS, explained variance): their reduction is a
 weighted mean of micro-batch values, exact only when the micro-batches are the same
