@@ -1,5 +1,6 @@
 """The weight sync's pieces without an engine: the global bucket order, the gather-ahead thread,
-bucket specs, and the flat wire format (read back with SGLang's own reader).
+bucket specs, the flat wire format (read back with SGLang's own reader), the store gate, and the
+disk strategy against fake engine clients.
 
 The whole protocol against a real engine: ``tests/rollout/test_engine_integration.py`` (one
 sender) and ``tests/test_from_hf.py`` (a PP=2 actor: two senders).
@@ -160,3 +161,49 @@ def test_gate_carries_skip_ready_failed_and_done_between_two_ranks_gates():
     coordinator.done()
     rank1.wait_done()
     assert not store.check(["sao_weight_sync/8/start"])  # the next update has keys of its own
+
+
+class _DiskEngine:
+    """An engine client that records ``update_weights_from_disk`` calls into a shared log."""
+
+    def __init__(self, name: str, log: list[tuple]):
+        self.name, self.log = name, log
+
+    async def update_weights_from_disk(self, model_path: str, version: str) -> dict:
+        self.log.append((self.name, model_path, version))
+        return {"success": True}
+
+
+def test_disk_sync_exports_then_every_engine_loads_the_export_under_the_version(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from sao_megatron.weight_sync import sync_from_disk
+
+    log: list[tuple] = []
+
+    async def export(out_dir):
+        log.append(("export", str(out_dir)))
+        return SimpleNamespace(tensors=3, bytes=12, seconds=0.25)
+
+    engines = [_DiskEngine("engine0", log), _DiskEngine("engine2", log)]
+    metrics = asyncio.run(sync_from_disk(export, tmp_path / "policy", engines, 7))  # type: ignore[arg-type]
+    assert metrics == {"time/sync_s": 0.25}
+    policy = str(tmp_path / "policy")
+    assert log[0] == ("export", policy)
+    assert sorted(log[1:]) == [("engine0", policy, "7"), ("engine2", policy, "7")]
+
+
+def test_disk_sync_asks_no_engine_to_load_when_the_export_fails(tmp_path):
+    import asyncio
+
+    from sao_megatron.weight_sync import sync_from_disk
+
+    log: list[tuple] = []
+
+    async def export(out_dir):
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        asyncio.run(sync_from_disk(export, tmp_path, [_DiskEngine("engine0", log)], 1))  # type: ignore[arg-type]
+    assert log == []
