@@ -8,8 +8,9 @@ import torch.distributed as dist
 from sao_megatron import algo
 from sao_megatron.algo.policy_loss import WEIGHT_SUFFIX
 from sao_megatron.batch import assemble_rows, build_batch
-from sao_megatron.workers.actor import ActorWorker, kept_by_lag
-from sao_megatron.workers.common import coordinates
+from sao_megatron.config.rank import ActorRankConfig
+from sao_megatron.workers.actor import ActorWorker
+from sao_megatron.workers.rank import coordinates
 from tests.workers.worker_cases import config, trajectories
 
 VERSION = 2
@@ -22,7 +23,7 @@ def case_update_metrics_match_whole_batch(rank, world):
     for i, t in enumerate(trajs):
         t.policy_versions = [i % 3 if m else -1 for m in t.action_mask]
     batch = build_batch(trajs)
-    actor = ActorWorker(cfg)
+    actor = ActorWorker(ActorRankConfig.of(cfg))
     c = coordinates()
     shard = batch.shard(c.dp_size)[c.dp_rank]
     mask = batch.action_mask > 0
@@ -35,18 +36,33 @@ def case_update_metrics_match_whole_batch(rank, world):
     got = actor.update(shard, shard.take(adv), VERSION)
 
     a = cfg.algo
-    _, want = algo.policy_loss(
-        a.policy_loss,
-        logprobs,
-        batch.behavior_logprobs,
-        adv,
-        mask,
-        eps_low=a.eps_low,
-        eps_high=a.eps_high,
-        num_tokens_global=float(mask.sum()),
-    )
+
+    def whole_batch_loss(rows):
+        return algo.policy_loss(
+            a.policy_loss,
+            logprobs[rows],
+            batch.behavior_logprobs[rows],
+            adv[rows],
+            mask[rows],
+            eps_low=a.eps_low,
+            eps_high=a.eps_high,
+            num_tokens_global=float(mask.sum()),
+        )
+
+    _, want = whole_batch_loss(slice(None))
     lag = algo.policy_lag(VERSION, batch.policy_versions, batch.action_mask)
     kept = algo.dis_band(logprobs, batch.behavior_logprobs, a.eps_low, a.eps_high)
-    want |= kept_by_lag(kept, lag, adv, mask)
+    want |= algo.kept_by_lag(kept, lag, adv, mask)
     want = {k: v for k, v in want.items() if not k.endswith(WEIGHT_SUFFIX)}
-    return {"got": got, "want": want}
+    # For the tolerances (test_metrics_exact.exact_atol): each half holds one sign of A, and so one sign
+    # of loss terms, so the halves' |loss| add up to the loss's sum |terms|; the metrics' operands per token.
+    loss_abs_sum = sum(abs(whole_batch_loss(rows)[1]["loss"]) for rows in (slice(0, 2), slice(2, 4)))
+    bound = operand_bound(logprobs, batch.behavior_logprobs, mask)
+    return {"got": got, "want": want, "n": int(mask.sum()), "loss_abs_sum": loss_abs_sum, "bound": bound}
+
+
+def operand_bound(logprobs, behavior_logprobs, mask) -> float:
+    """Largest per-token ``rho (1 + |log rho|) + 1 + |log rho|``: the magnitudes of the operands of every
+    policy metric's per-token term add up to at most this (``kl_k3_rev = rho log rho - rho + 1``)."""
+    lr = (logprobs - behavior_logprobs).double()[mask]
+    return float((lr.exp() * (1 + lr.abs()) + 1 + lr.abs()).max())
