@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -169,8 +170,10 @@ def seed_everything(seed: int) -> None:
 
 
 def destroy() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    """Tear down Megatron's model-parallel groups (when this process imported Megatron: a world that
+    never did, e.g. a weight-sync or store test, does not pay its import to find nothing to undo) and
+    the default process group."""
+    if "megatron.core.parallel_state" in sys.modules:
+        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
