@@ -21,6 +21,7 @@ import asyncio
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import pytest
 from aiohttp import web
 
 from sao_megatron import faults
+from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import REPO_ROOT, load_config
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
@@ -36,7 +38,7 @@ from sao_megatron.observe import RunLog, read_metrics
 from sao_megatron.pipeline import run_stage
 from sao_megatron.rollout.client import EngineClient, SamplingParams
 from sao_megatron.weight_sync.transport import BucketSpec, EngineControl
-from tests.driver.fakes import FakeActor, FakeCritic, FakeSession, ScriptedLoop
+from tests.driver.fakes import Admission, FakeActor, FakeCritic, FakeSession, ScriptedLoop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,8 +128,8 @@ class FakeEngine:
 class GeneratingLoop(ScriptedLoop):
     """A scripted episode that first asks the engine for a turn (the real ``EngineClient.generate``)."""
 
-    def __init__(self, engine: EngineClient):
-        super().__init__()
+    def __init__(self, engine: EngineClient, duration: Callable[[int], float] = lambda i: 0.01):
+        super().__init__(duration=duration)
         self.engine = engine
 
     async def run(self, env, sample, split="train", index=-1, submitted_at=None):
@@ -190,16 +192,26 @@ class CheckpointingSession(FakeSession):
         return await super().sync_weights(version)
 
 
-async def _run(run_dir: Path, state: RunState, killed: asyncio.Event | None = None) -> CheckpointingSession:
+async def _run(
+    run_dir: Path,
+    state: RunState,
+    killed: asyncio.Event | None = None,
+    duration: Callable[[int], float] = lambda i: 0.01,
+    on_admit: Callable[[ReadyBuffer, Admission], None] = lambda buffer, admission: None,
+) -> CheckpointingSession:
     """The RL stage in ``run_dir`` from ``state`` (resumed: the roles' weights from its checkpoint), until
-    it ends or, with ``killed``, until that is set; what happens after a kill is abandoned."""
+    it ends or, with ``killed``, until that is set; then the stage's task is cancelled (what a kill
+    leaves was copied at the point; for a stop signal this is the stop). Episode ``i`` lasts
+    ``duration(i)`` seconds."""
     engine = FakeEngine()
     await engine.start()
     cfg = load_config(None, CONFIG)
     log = RunLog(run_dir, tensorboard=False, console=False)
     try:
         async with EngineClient(engine.url) as client:
-            s = CheckpointingSession(cfg, GeneratingLoop(client), run_dir=run_dir, engine_url=engine.url)
+            s = CheckpointingSession(
+                cfg, GeneratingLoop(client, duration), on_admit=on_admit, run_dir=run_dir, engine_url=engine.url
+            )
             s.served_version = state.version  # the engines' sync at the start
             checkpoint = RunState.checkpoint_dir(run_dir)
             if state.step:
@@ -275,3 +287,30 @@ def test_a_kill_at_the_point_leaves_a_complete_checkpoint_and_the_resume_trains_
     assert len(keys) == len(set(keys)) == 4 * STEPS, "a prompt was trained twice (or lost)"
     # metrics.jsonl: every RL step once (a step re-run after a resume replaces the lost attempt's record)
     assert [r["step"] for r in read_metrics(left) if r["stage"] == "rl"] == list(range(1, STEPS + 1))
+
+
+def test_a_stop_while_a_batch_is_generated_checkpoints_it_and_the_resume_trains_the_same_prompts(tmp_path):
+    """A stop (SIGTERM, Slurm's USR1: the run's task cancelled) while step 2's episodes run, two of
+    them finished: the stage checkpoints those (waiting in the buffer) and the other two for
+    resubmission; the resumed run completes that batch with exactly them, as the uninterrupted run
+    did, then goes on with the next prompts."""
+    run_dir = tmp_path / "run"
+    stop = asyncio.Event()
+
+    def on_admit(buffer: ReadyBuffer, admission: Admission) -> None:
+        if admission.index >= 4 and len(buffer) == 2:
+            stop.set()
+
+    def duration(i: int) -> float:  # 6 and 7 run until the stop
+        return 5.0 if i in (6, 7) else 0.01
+
+    asyncio.run(_run(run_dir, RunState(stage="rl"), stop, duration, on_admit))
+    state = RunState.load(run_dir)
+    assert state.step == 1 and _per_step(state) == {1: UNINTERRUPTED[1]}
+    waiting = sorted(t["sample_index"] for t in state.buffer["waiting"])
+    resubmit = sorted(i for _, i, _ in state.cursor["resubmit"])
+    assert (waiting, resubmit) == ([4, 5], [6, 7]), (state.buffer, state.cursor)
+    resumed = asyncio.run(_run(run_dir, state))
+    assert [sorted(u.indices) for u in resumed.actor.updates] == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    final = RunState.load(run_dir)
+    assert final.step == STEPS and _per_step(final) == UNINTERRUPTED

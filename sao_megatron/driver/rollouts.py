@@ -27,11 +27,15 @@ class RolloutSource:
         """Start (or, in synchronous mode, restart) submitting episodes. Synchronous with a batch
         already waiting (a resumed run's buffer), nothing goes out yet: the next batch of prompts is
         submitted after that one is trained, as in an uninterrupted run (submitted now, it would be
-        one version stale by then and dropped)."""
+        one version stale by then and dropped). A resumed run stopped mid-batch completes that batch
+        first: its prompts waiting in the buffer and those the manager resubmits count toward it."""
         if self.prompts_per_batch is not None and self.buffer.ready():
             self._runner = None
             return
-        self._runner = asyncio.create_task(self.manager.run(self._stop, max_prompts=self.prompts_per_batch))
+        prompts = self.prompts_per_batch
+        if prompts is not None and self._runner is None:  # the stage's first submission
+            prompts -= len({(t.split, t.sample_index) for t in self.buffer.waiting()})
+        self._runner = asyncio.create_task(self.manager.run(self._stop, max_prompts=prompts))
 
     async def next_batch(self) -> list[Trajectory]:
         """The next batch of finished trajectories, in the order they became ready."""

@@ -359,7 +359,9 @@ class RolloutManager:
     async def run(self, stop: asyncio.Event, max_prompts: int | None = None) -> None:
         """Keep ``max_concurrent`` episodes in flight until ``stop`` is set, or until ``max_prompts``
         prompts were submitted and have all finished. Waits on events, never polls."""
-        prompts = 0
+        # A resumed manager's first run starts with the checkpoint's unfinished submissions pending
+        # (load_state_dict): they are prompts of this run, as they were of the interrupted one.
+        prompts = len({(s.split, s.index) for s in self._pending})
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
