@@ -5,10 +5,12 @@
 #
 # Installs Debian's munge and Slurm daemons when missing (one apt-get update), starts munged
 # (as the munge user), slurmctld and slurmd from a private slurm.conf whose addresses are
-# 127.0.0.1, and runs tests/launch/test_slurm.py with SAO_SLURM_TEST=1: a few-step tiny CPU run
-# submitted by `sao submit` through launch/slurm/sao.sbatch (the users' script), plus the
-# checkpoint-on-signal path. Every daemon started here is stopped by its PID on exit; a munged
-# that is already running is used and left alone. Nothing is killed by name.
+# 127.0.0.1, and runs tests/launch/test_slurm.py with SAO_SLURM_TEST=1: a job submitted by
+# `sao submit` through launch/slurm/sao.sbatch (the users' script) on one node, whose stand-in
+# driver gets the USR1 Slurm sends before the time limit (as SIGINT). The real `sao train` under
+# Slurm (a tiny run stopped by USR1, requeued, resumed, reported) runs on the five-node cluster of
+# .ci/slurm_multinode.sh. Every daemon started here is stopped by its PID on exit; a munged that
+# is already running is used and left alone. Nothing is killed by name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)

@@ -1,10 +1,11 @@
 """Slurm end to end: ``sao submit`` -> launch/slurm/sao.sbatch on a real (one-node) Slurm cluster.
 
 Runs only with ``SAO_SLURM_TEST=1`` and a reachable cluster (``.ci/slurm.sh`` starts one and sets
-both). Each test submits through the users' path, waits with a bounded timeout, and checks the
-job's state, its per-role logs and that no Ray process of the job outlives it. A requeued job's
-automatic resume is tested on the five-node cluster (``test_slurm_multinode.py``), where it must
-also train the same prompts as an uninterrupted run.
+both). The test submits through the users' path with a stand-in driver (no training: nothing here
+needs one), waits with a bounded timeout, and checks the job's state, its logs and that no Ray
+process of the job outlives it. The helpers serve the five-node tests (``test_slurm_multinode.py``),
+where the real ``sao train`` runs: a tiny run that USR1 stops (it checkpoints), that Slurm requeues,
+that resumes by itself, trains the same prompts as an uninterrupted run and reports.
 """
 
 import os
@@ -82,7 +83,7 @@ def _job(job_id: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
 
 
-def _wait(job_id: str, timeout_s: float, until=lambda job: False) -> dict[str, str]:
+def _wait(job_id: str, timeout_s: float, until=lambda job: False, poll_s: float = 2.0) -> dict[str, str]:
     """Poll until the job ends (or ``until(job)``); cancel it and fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -98,7 +99,7 @@ def _wait(job_id: str, timeout_s: float, until=lambda job: False) -> dict[str, s
             return job
         if until(job):
             return job
-        time.sleep(2)
+        time.sleep(poll_s)
     subprocess.run(["scancel", job_id], timeout=30)
     raise AssertionError(f"job {job_id} still {_job(job_id).get('JobState')} after {timeout_s:.0f} s; cancelled")
 
@@ -121,27 +122,9 @@ def _assert_ray_gone(env: dict[str, str]) -> None:
     shutil.rmtree(env["SAO_RAY_TMP"], ignore_errors=True)
 
 
-def test_tiny_run_finishes_and_writes_its_report(tmp_path):
-    """The acceptance run: a few-step tiny CPU training through sao submit / sbatch / Ray head."""
-    run_dir = tmp_path / "run"
-    env = _env(tmp_path, SAO_TRAIN="sao train --report")
-    t0 = time.monotonic()
-    job_id = _submit([*TINY, "train.steps=2", f"run.run_dir={run_dir}"], env)
-    job = _wait(job_id, JOB_TIMEOUT_S)
-    wall = time.monotonic() - t0
-    logs = _logs(run_dir, job_id)
-    assert job["JobState"] == "COMPLETED", f"job {job_id}: {job.get('JobState')} {job.get('ExitCode')}\n{logs}"
-    job_dir = run_dir / "slurm" / f"job-{job_id}"
-    assert (run_dir / "report.md").exists(), logs
-    assert "report.md" in (job_dir / "train.log").read_text()
-    assert "SAO_HEAD_ADDRESS=127.0.0.1:" in (job_dir / "topology.env").read_text()
-    assert list(job_dir.glob("ray-head-*.log")), logs
-    _assert_ray_gone(env)
-    print(f"\nslurm tiny run: job {job_id} wall {wall:.0f} s (submit to COMPLETED)")
-
-
 def test_usr1_before_time_limit_reaches_the_driver_as_sigint(tmp_path):
-    """``--signal=B:USR1@120`` goes to the batch shell only; the launcher forwards it (stub driver)."""
+    """``--signal=B:USR1@120`` goes to the batch shell only; the launcher forwards it (stub driver).
+    On one node the Ray head is on 127.0.0.1."""
     run_dir, marker = tmp_path / "run", tmp_path / "marker"
     env = _env(tmp_path, SAO_TRAIN=f"{sys.executable} {STUB} {marker}")
     job_id = _submit([*TINY, f"run.run_dir={run_dir}"], env)
@@ -153,20 +136,7 @@ def test_usr1_before_time_limit_reaches_the_driver_as_sigint(tmp_path):
     assert job["JobState"] == "COMPLETED", logs
     assert marker.read_text().strip() == "SIGINT", logs
     assert "received SIGUSR1" in logs
-    _assert_ray_gone(env)
-
-
-def test_usr1_makes_sao_train_checkpoint_and_stop(tmp_path):
-    """The real driver: USR1 during RL -> SIGINT -> ``sao train`` checkpoints in ``finally:`` and exits."""
-    run_dir = tmp_path / "run"
-    env = _env(tmp_path)
-    job_id = _submit([*TINY, "train.steps=200", f"run.run_dir={run_dir}"], env)
-    train_log = run_dir / "slurm" / f"job-{job_id}" / "train.log"
-    _wait(job_id, JOB_TIMEOUT_S, until=lambda job: train_log.exists() and "[rl " in train_log.read_text())
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
-    job = _wait(job_id, 300)
-    logs = _logs(run_dir, job_id)
-    assert job["JobState"] in ("COMPLETED", "FAILED"), logs  # the driver's exit status decides
-    assert "received SIGUSR1" in logs
-    assert (run_dir / "checkpoint" / "state.json").exists(), logs
+    job_dir = run_dir / "slurm" / f"job-{job_id}"
+    assert "SAO_HEAD_ADDRESS=127.0.0.1:" in (job_dir / "topology.env").read_text()
+    assert list(job_dir.glob("ray-head-*.log")), logs
     _assert_ray_gone(env)

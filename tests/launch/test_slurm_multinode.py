@@ -6,9 +6,17 @@ addresses 10.200.0.1..5 on a private bridge, one CPU each as Ray sees them. With
 trainer rank the tiny run's 2-rank actor world must form across n1+n2, the 2-rank critic world
 across n3+n4, and the SGLang engine runs on n5. Evidence comes from each node's own logs: every
 trainer rank prints ``[sao-rank] ... on host nN addresses <its node's IPs>``
-(``workers.common.init_rank``), actor rank 0 prints the weight-sync group address and the engine
+(``workers.rank.init_rank``), actor rank 0 prints the weight-sync group address and the engine
 URLs it broadcasts to (``workers.actor``), SGLang logs the address it serves on, and Ray's per-node
 logs name each node's IP.
+
+One job runs the tiny run over the five nodes, the way a preempted run does: ``sao submit``
+(requeueable, ``sao train --resume-if-present``), stopped after its first RL step by the
+``USR1`` Slurm sends before the time limit (the launcher forwards it to the driver, which
+checkpoints and exits), then ``scontrol requeue``: Slurm restarts it on its five nodes, it resumes
+from that checkpoint by itself, completes and reports. The restarted attempt's logs are the
+evidence above; the run state is the uninterrupted run's, step by step (synchronous, lag 0: step k
+trains prompts B(k-1)..Bk-1 for batch size B).
 """
 
 from __future__ import annotations
@@ -17,13 +25,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from sao_megatron.config import REPO_ROOT
+from sao_megatron.config import load_config
 from tests.launch.test_slurm import JOB_TIMEOUT_S, TINY, _assert_ray_gone, _env, _logs, _submit, _wait
 
 pytestmark = pytest.mark.skipif(
@@ -43,7 +51,7 @@ GROUPS = [
     "critic.parallel.world_size=2",
     "cluster.cpus_per_rank=1",
 ]
-# Synchronous and lag 0: the prompt sequence per step is deterministic (the requeue test compares it).
+# Synchronous and lag 0: the prompt sequence per step is deterministic (the requeued run is compared with it).
 RUN = [
     *TINY,
     *GROUPS,
@@ -68,47 +76,128 @@ def _multinode_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def _last_attempt(path: Path) -> str:
+    """A rank's log from its last process on (the logs are appended to across a job's restarts;
+    ``sao_megatron.logs.redirect_process_output`` starts each process's part with a header)."""
+    text = path.read_text(errors="replace")
+    return text[text.rfind("---- pid ") :]
+
+
 def _ranks(run_dir: Path, role: str) -> dict[int, tuple[str, set[str]]]:
-    """rank -> (hostname, its node's addresses), from each rank's own log."""
+    """rank -> (hostname, its node's addresses), from each rank's own log (the last attempt)."""
     out = {}
     for path in sorted((run_dir / "logs").glob(f"{role}_rank*.log")):
-        for rank, world, host, addresses in RANK_LINE.findall(path.read_text(errors="replace")):
+        for rank, world, host, addresses in RANK_LINE.findall(_last_attempt(path)):
             assert int(world) == 2, path
             out[int(rank)] = (host, set(addresses.split(",")))
     return out
 
 
-def _per_step_prompts(run_dir: Path) -> dict[int, set]:
-    """step -> the (split, index, member) trained at it, from the checkpoint's run state."""
-    state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
+def _per_step_prompts(state: dict) -> dict[int, set]:
+    """step -> the (split, index, member) trained at it, from a run state."""
     steps: dict[int, set] = {}
     for step, split, index, member in state["trained_prompts"]:
         steps.setdefault(step, set()).add((split, index, member))
     return steps
 
 
+def _uninterrupted(steps: int) -> dict[int, set]:
+    """What an uninterrupted synchronous run trains at steps 1..``steps`` (the cursor's order)."""
+    algo = load_config(RUN[0], RUN[1:]).algo
+    prompts, members = algo.batch_size // algo.group_size, algo.group_size
+    return {
+        k: {("train", i, m) for i in range(prompts * (k - 1), prompts * k) for m in range(members)}
+        for k in range(1, steps + 1)
+    }
+
+
+@dataclass
+class RequeuedRun:
+    run_dir: Path
+    job_id: str
+    job: dict[str, str]
+    """``scontrol show job`` once the restarted job ended."""
+    stopped: dict
+    """The run state the stopped attempt left (its checkpoint)."""
+    stopped_logs: str
+    logs: str
+
+    @property
+    def job_dir(self) -> Path:
+        """The restarted attempt's launcher logs (``sao.sbatch``: ``job-<id>-restart<N>``)."""
+        return self.run_dir / "slurm" / f"job-{self.job_id}-restart{self.job['Restarts']}"
+
+
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> tuple[Path, str, str]:
-    """The acceptance run, shared by the tests below: (run_dir, job id, logs)."""
+def requeued_run(tmp_path_factory) -> RequeuedRun:
+    """The acceptance run, shared by the tests below: stopped by USR1 after its first RL step, then
+    requeued; it resumes and completes."""
     tmp_path = tmp_path_factory.mktemp("multinode")
     run_dir = tmp_path / "run"
     env = _multinode_env(tmp_path, SAO_TRAIN="sao train --report")
     t0 = time.monotonic()
     job_id = _submit([*RUN, f"run.run_dir={run_dir}"], env)
-    job = _wait(job_id, JOB_TIMEOUT_S)
-    logs = _logs(run_dir, job_id)
-    assert job["JobState"] == "COMPLETED", f"job {job_id}: {job.get('JobState')} {job.get('ExitCode')}\n{logs}"
+    state = run_dir / "checkpoint" / "state.json"
+
+    def after_first_rl_step(job: dict[str, str]) -> bool:
+        return state.exists() and json.loads(state.read_text()).get("step", 0) >= 1
+
+    _wait(job_id, JOB_TIMEOUT_S, until=after_first_rl_step, poll_s=0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+    job = _wait(job_id, 300)
+    stopped_logs = _logs(run_dir, job_id)
+    assert job["JobState"] in ("COMPLETED", "FAILED"), f"{job}\n{stopped_logs}"  # the driver's exit status decides
+    stopped = json.loads(state.read_text())
     _assert_ray_gone(env)
-    print(f"\nslurm multi-node run: job {job_id} wall {time.monotonic() - t0:.0f} s (submit to COMPLETED)")
-    return run_dir, job_id, logs
+    stopped_s = time.monotonic() - t0
+
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+
+    def restarted(job: dict[str, str]) -> bool:
+        if job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":  # requeue defers the start
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
+        return False
+
+    job = _wait(job_id, JOB_TIMEOUT_S, until=restarted)
+    logs = _logs(run_dir, job_id)
+    assert job["JobState"] == "COMPLETED" and int(job.get("Restarts", "0")) >= 1, f"{job}\n{logs}"
+    _assert_ray_gone(env)
+    print(
+        f"\nslurm multi-node run: job {job_id} stopped at step {stopped['step']} after {stopped_s:.0f} s, "
+        f"requeued, COMPLETED after {time.monotonic() - t0:.0f} s (submit to COMPLETED)"
+    )
+    return RequeuedRun(run_dir, job_id, job, stopped, stopped_logs, logs)
 
 
-def test_tiny_run_over_five_nodes_completes_and_reports(finished_run):
-    run_dir, job_id, logs = finished_run
-    job_dir = run_dir / "slurm" / f"job-{job_id}"
-    assert (run_dir / "report.md").exists(), logs
-    assert "report.md" in (job_dir / "train.log").read_text()
-    topology = (job_dir / "topology.env").read_text().replace("\\", "")  # printf %q escapes commas
+def test_usr1_before_the_time_limit_makes_sao_train_checkpoint_and_stop(requeued_run):
+    """``--signal=B:USR1@120`` reaches the batch shell; the launcher forwards it to the real driver
+    (SIGINT), which checkpoints in ``finally:`` and exits, having trained the uninterrupted run's
+    prompts for its steps."""
+    run, steps = requeued_run, requeued_run.stopped["step"]
+    stopped = (run.run_dir / "slurm" / f"job-{run.job_id}" / "train.log").read_text(errors="replace")
+    assert "received SIGUSR1" in run.stopped_logs, run.stopped_logs
+    assert "stopped by a signal" in stopped, stopped[-3000:]
+    assert 1 <= steps < 3 and _per_step_prompts(run.stopped) == _uninterrupted(steps), run.stopped
+
+
+def test_requeued_job_resumes_and_trains_the_same_prompts(requeued_run):
+    """Slurm restarts the requeued job on its five nodes; it resumes from the latest complete
+    checkpoint by itself and trains, step by step, the prompts of an uninterrupted run."""
+    run = requeued_run
+    train_log = (run.job_dir / "train.log").read_text(errors="replace")
+    assert "resuming from the complete checkpoint" in train_log, train_log[-3000:]
+    assert f"Slurm restart count {run.job['Restarts']}" in train_log, train_log[-3000:]
+    state = json.loads((run.run_dir / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 3 and _per_step_prompts(state) == _uninterrupted(3), run.logs
+    keys = [tuple(k[1:]) for k in state["trained_prompts"]]
+    assert len(keys) == len(set(keys)), "a prompt was trained twice"
+
+
+def test_tiny_run_over_five_nodes_completes_and_reports(requeued_run):
+    run = requeued_run
+    assert (run.run_dir / "report.md").exists(), run.logs
+    assert "report.md" in (run.job_dir / "train.log").read_text()
+    topology = (run.job_dir / "topology.env").read_text().replace("\\", "")  # printf %q escapes commas
     assert f"SAO_HEAD_ADDRESS={NODE_IP['n1']}:" in topology, topology
     for line in (
         "SAO_NUM_NODES=5",
@@ -117,13 +206,11 @@ def test_tiny_run_over_five_nodes_completes_and_reports(finished_run):
         "SAO_ROLLOUT_NODELIST=n5",
     ):
         assert line in topology, topology
-    assert len(_per_step_prompts(run_dir)) == 3, logs
 
 
-def test_every_node_ran_its_own_ray_daemon(finished_run):
+def test_every_node_ran_its_own_ray_daemon(requeued_run):
     """Ray's own per-node logs: the head on n1, a worker on each other node, each at its address."""
-    run_dir, job_id, logs = finished_run
-    job_dir = run_dir / "slurm" / f"job-{job_id}"
+    run = requeued_run
     expected = {
         "ray-head-n1.log": "n1",
         "ray-actor-n2.log": "n2",
@@ -132,33 +219,33 @@ def test_every_node_ran_its_own_ray_daemon(finished_run):
         "ray-rollout-n5.log": "n5",
     }
     for name, node in expected.items():
-        text = (job_dir / name).read_text(errors="replace")
+        text = (run.job_dir / name).read_text(errors="replace")
         assert f"Local node IP: {NODE_IP[node]}" in text, f"{name}:\n{text[-2000:]}"
 
 
-def test_role_worlds_formed_across_their_own_nodes(finished_run):
+def test_role_worlds_formed_across_their_own_nodes(requeued_run):
     """One rank per node: each 2-rank world met across two nodes of its own group (the world's
     collectives then trained it, so the gloo rendezvous crossed nodes)."""
-    run_dir, _, logs = finished_run
+    run = requeued_run
     for role, nodes in (("actor", {"n1", "n2"}), ("critic", {"n3", "n4"})):
-        ranks = _ranks(run_dir, role)
-        assert sorted(ranks) == [0, 1], (role, ranks, logs)
+        ranks = _ranks(run.run_dir, role)
+        assert sorted(ranks) == [0, 1], (role, ranks, run.logs)
         assert {host for host, _ in ranks.values()} == nodes, (role, ranks)
         for host, addresses in ranks.values():
             assert addresses == {NODE_IP[host]}, (role, ranks)
 
 
-def test_engine_on_the_rollout_node_and_weights_synced_across_nodes(finished_run):
+def test_engine_on_the_rollout_node_and_weights_synced_across_nodes(requeued_run):
     """Each pipeline stage's actor rank (one on n1, one on n2) forms its own broadcast group on its
     node; the engine on n5 joins both and receives every update over them, the requests posted
     by rank 0 (the engine's own log names the peers' addresses)."""
-    run_dir, _, logs = finished_run
-    actor_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("actor_rank*.log"))
+    run = requeued_run
+    actor_logs = "".join(_last_attempt(p) for p in (run.run_dir / "logs").glob("actor_rank*.log"))
     syncs = SYNC_LINE.findall(actor_logs)
-    assert len(syncs) == 2, (syncs, logs)  # one group per stage, formed once, reused by every later sync
-    ranks = _ranks(run_dir, "actor")
+    assert len(syncs) == 2, (syncs, run.logs)  # one group per stage, formed once, reused by every later sync
+    ranks = _ranks(run.run_dir, "actor")
     assert sorted((int(rank), int(stage)) for _, rank, stage, _ in syncs) == [(0, 0), (1, 1)], syncs
-    engine_log = (run_dir / "logs" / "engine0.log").read_text(errors="replace")
+    engine_log = (run.run_dir / "logs" / "engine0.log").read_text(errors="replace")  # the last attempt's
     assert f"Uvicorn running on http://{NODE_IP['n5']}:" in engine_log, engine_log[-2000:]
     for master, rank, _, engines in syncs:
         assert master == NODE_IP[ranks[int(rank)][0]], (syncs, ranks)  # the group meets on its sender's node
@@ -170,48 +257,6 @@ def test_engine_on_the_rollout_node_and_weights_synced_across_nodes(finished_run
         rf'{re.escape(coordinator)}:\d+ - "POST /update_weights_from_distributed HTTP/1.1" 200', engine_log
     )
     versions = re.findall(r"Weight version changed\. old_version='[^']*' new_version='(\d+)'", engine_log)
-    # The initial sync (version 0) and one per actor step after the critic warm-up step, each one
-    # bucket per stage.
+    # The restarted attempt: its first sync, then one per actor step (the actor trains from step 2,
+    # after the critic warm-up step, so at least step 3 is left), each one bucket per stage.
     assert len(updates) >= 4 and max(map(int, versions)) >= 1, (updates, versions)
-
-
-def _auto_resume() -> bool:
-    """Whether ``sao submit`` makes jobs requeueable and resumes them (``--requeue``, issue 13)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "sao_megatron.cli", "submit", "--help"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return "--requeue" in out.stdout
-
-
-def test_requeued_job_resumes_and_trains_the_same_prompts(finished_run, tmp_path):
-    """``scontrol requeue`` mid-run: Slurm restarts the job on its five nodes, it resumes from the
-    latest complete checkpoint by itself and trains, step by step, the prompts of the
-    uninterrupted run above (synchronous mode: the sequence is deterministic)."""
-    if not _auto_resume():
-        pytest.xfail("automatic resume of requeued jobs (sao submit --requeue) is not in this checkout")
-    reference, _, _ = finished_run
-    run_dir = tmp_path / "run"
-    env = _multinode_env(tmp_path)
-    job_id = _submit(["--requeue", *RUN, f"run.run_dir={run_dir}"], env)
-    state = run_dir / "checkpoint" / "state.json"
-
-    def after_first_rl_step(job: dict[str, str]) -> bool:
-        return state.exists() and json.loads(state.read_text()).get("step", 0) >= 1
-
-    _wait(job_id, JOB_TIMEOUT_S, until=after_first_rl_step)
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
-
-    def restarted(job: dict[str, str]) -> bool:
-        if job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":  # requeue defers the start
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
-        return False
-
-    job = _wait(job_id, JOB_TIMEOUT_S, until=restarted)
-    logs = _logs(run_dir, job_id)
-    assert job["JobState"] == "COMPLETED" and int(job.get("Restarts", "0")) >= 1, f"{job}\n{logs}"
-    assert _per_step_prompts(run_dir) == _per_step_prompts(reference), logs
-    _assert_ray_gone(env)
