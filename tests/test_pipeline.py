@@ -1,13 +1,17 @@
 """The SAO loop end to end: real Ray, real Megatron actor/critic workers, a real CPU SGLang engine.
 
-One started session (module-scoped: Ray, the roles and the engine start once) runs two stages in
-turn on one run state and run directory:
+One started session (module-scoped: Ray, the roles and the engine start once) runs three RL stages
+in turn on one run state and run directory, on ``faulty`` (``arith_tool`` with hanging tools,
+raising environments and NaN rewards injected into ~40% of the episodes, deterministically per
+prompt):
 
-1. three asynchronous RL steps: engine logprobs equal the actor's before and after the syncs, the
-   version advances, trajectories span updates, nothing is trained twice;
-2. last, because it kills the engine: RL goes on while the engine is SIGKILLed twice; it is
+1. three steps from a fresh state: the run completes, each step's failure counts by cause equal
+   the injected faults exactly, every prompt is accounted for once;
+2. three more: engine logprobs equal the actor's before and after the syncs, the version
+   advances, trajectories span updates, nothing is trained twice;
+3. last, because it kills the engine: RL goes on while the engine is SIGKILLed twice; it is
    restarted, re-synced and its episodes retried, and every prompt is accounted for exactly once
-   over both stages.
+   over the three stages.
 
 A run stopped by SIGTERM (and by SIGKILL) resumes with the same prompt sequence:
 ``tests/test_kill_resume.py``.
@@ -20,6 +24,7 @@ import dataclasses
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +37,14 @@ from sao_megatron.config import SAOConfig, load_config
 from sao_megatron.driver import stages
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
+from sao_megatron.envs import make_task
+from sao_megatron.envs.faulty import CAUSE, injected_fault
 from sao_megatron.observe import RunLog, read_metrics
 from sao_megatron.pipeline import run_stage
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.rollout.client import SamplingParams
 from sao_megatron.rollout.manager import RolloutManager
+from tests.rollout.test_fault_injection import RATES, TIMEOUT_S, expected_reason
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
@@ -54,6 +62,8 @@ SMALL = [
     "train.sample_trajectories=1",
 ]
 KILLS = 2
+SEED = 42
+"""Of the injected faults (``faulty``): each kind occurs among the first 10 prompts."""
 
 
 async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, int, set[str]]:
@@ -77,6 +87,19 @@ async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, i
     return (actor[mask] - batch.behavior_logprobs[mask]).abs().max().item(), n, set(gen.weight_versions)
 
 
+class MarkedLog(RunLog):
+    """A RunLog that remembers how many episodes had finished when each step was logged."""
+
+    def __init__(self, run_dir: Path, finished: list[Trajectory]):
+        super().__init__(run_dir, tensorboard=False, console=False)
+        self.finished = finished
+        self.marks: dict[tuple[str, int], int] = {}
+
+    def log(self, step: int, stage: str, metrics: dict[str, float]) -> None:
+        self.marks[stage, step] = len(self.finished)
+        super().log(step, stage, metrics)
+
+
 @dataclass
 class Started:
     """A started session, its run state and log (one run directory), and its own event loop."""
@@ -84,7 +107,7 @@ class Started:
     cfg: SAOConfig
     session: Session
     state: RunState
-    log: RunLog
+    log: MarkedLog
     run_dir: Path
     finished: list[Trajectory]
     """Every trajectory a rollout manager of the session handed on (retries happen before that)."""
@@ -96,22 +119,30 @@ class Started:
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory) -> Iterator[Started]:
-    """Asynchronous RL (lag unbounded, no SFT) with an engine watchdog of 1 s, rollouts started."""
+    """Asynchronous RL (lag unbounded, no SFT) on ``faulty`` (a hanging tool times out after 1 s),
+    with an engine watchdog of 1 s; rollouts started."""
+    kwargs = ", ".join(f"{k}: {v}" for k, v in RATES.items())
     cfg = load_config(
         None,
         [
             *SMALL,
+            "rollout.env=faulty",
+            f"rollout.env_kwargs={{{kwargs}, seed: {SEED}, max_turns: 2}}",
+            "rollout.loop.env_step_timeout_s=1",
             "train.steps=3",
             "algo.max_policy_lag=null",
             "train.sft_steps=0",
+            "train.eval_every=0",
             "rollout.engine_check_s=1",
             "rollout.loop.generate_timeout_s=120",
+            "rollout.max_failed_fraction=0.9",  # ~40% fail by design; over many steps a window may pass 50%
         ],
     )
+    assert cfg.rollout.env_kwargs == {**RATES, "seed": SEED, "max_turns": 2}
     run_dir = tmp_path_factory.mktemp("run")
     loop = asyncio.new_event_loop()
     state, finished = RunState(stage="rl"), []
-    log = RunLog(run_dir, tensorboard=False, console=False)
+    log = MarkedLog(run_dir, finished)
     session = loop.run_until_complete(Session.start(cfg, run_dir, state))
     manager = session.manager
 
@@ -132,20 +163,84 @@ def started(tmp_path_factory) -> Iterator[Started]:
         loop.close()
 
 
-def test_async_loop_versions_sync_and_buffer(started):
+def test_pipeline_survives_injected_faults_and_its_metrics_count_them(started):
+    """First on the shared session, from a fresh run state: 3 steps with ~40% faulty episodes. It
+    completes; each step's ``buffer/dropped_failed/<cause>`` equals the injected faults among the
+    episodes finished by then; no prompt is trained twice; trained + waiting + failed + in flight at
+    the stop = submitted."""
     s, state = started.session, started.state
     assert state.step == 0, "the shared session's first stage"
-    before = started.run(engine_vs_actor(s, [2, 40, 41, 42, 3]))
+    t0 = time.monotonic()
     started.run(run_stage(s, state, started.log, stages.rl(started.cfg, s.critic is not None)))
+    elapsed = time.monotonic() - t0
+    assert state.step == 3
+
+    task = make_task("faulty")
+    fault: dict[int | None, str | None] = {
+        i: injected_fault(task.get("train", i).prompt_id, SEED, RATES) for i in range(state.cursor["next_index"])
+    }
+    finished = started.finished
+    done = [t.sample_index for t in finished]
+    assert len(done) == len(set(done)), "an episode was handed on twice"
+    for t in finished:  # every injected fault fails its episode with its cause; nothing else fails
+        f = fault[t.sample_index]
+        assert (t.status == "failed") == (f is not None), (t.sample_index, f, t.status, t.status_reason)
+        if f is not None:
+            assert t.status_reason.startswith(expected_reason(f).replace(f"{TIMEOUT_S:g}s", "1s")), (
+                f,
+                t.status_reason,
+            )
+    rl = [r for r in read_metrics(started.run_dir) if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    for r in rl:  # each step's metrics count exactly the faults of the episodes finished by then
+        want = Counter(CAUSE[f] for i in done[: started.log.marks["rl", r["step"]]] if (f := fault[i]))
+        got = {
+            k.removeprefix("buffer/dropped_failed/"): v for k, v in r.items() if k.startswith("buffer/dropped_failed/")
+        }
+        assert got == {k: float(v) for k, v in want.items()}, (r["step"], got, want)
+        assert r["buffer/dropped_failed"] == sum(want.values())
+    final = Counter(CAUSE[f] for i in done if (f := fault[i]))
+    assert state.buffer["stats"]["dropped_failed"] == dict(final)  # the checkpoint, at the stop
+    assert {f for i in done if (f := fault[i])} == {
+        "hang",
+        "raise_reset",
+        "raise_step",
+        "reward_raise",
+        "nan",
+    }
+
+    trained = [(split, index, member) for _, split, index, member in state.trained_prompts]
+    assert len(trained) == 12 and len(set(trained)) == 12, "a trajectory was trained twice"
+    waiting = [Trajectory.from_dict(d).sample_index for d in state.buffer["waiting"]]
+    in_flight = [index for _, index, _ in state.cursor["resubmit"]]
+    failed = [i for i in done if fault[i]]
+    stats = state.buffer["stats"]
+    assert stats["dropped_stale"] == stats["dropped_no_actions"] == 0
+    accounted = [i for _, i, _ in trained] + waiting + failed + in_flight
+    assert sorted(accounted) == list(range(state.cursor["next_index"])), "a prompt was lost or counted twice"
+    print(
+        f"\nsubmitted {state.cursor['next_index']}: trained {len(trained)}, waiting {len(waiting)}, "
+        f"failed {len(failed)} {dict(final)} (kinds {dict(Counter(fault[i] for i in failed))}), in flight at "
+        f"the stop {len(in_flight)}, lost 0; {elapsed:.0f}s"
+    )
+
+
+def test_async_loop_versions_sync_and_buffer(started):
+    """Three more steps on the shared session, continuing its run state."""
+    s, state = started.session, started.state
+    step0, version0, trained0 = state.step, state.version, len(state.trained_prompts)
+    before = started.run(engine_vs_actor(s, [2, 40, 41, 42, 3]))
+    stage = dataclasses.replace(stages.rl(started.cfg, s.critic is not None), steps=step0 + 3)
+    started.run(run_stage(s, state, started.log, stage))
     after = started.run(engine_vs_actor(s, [2, 50, 51, 52, 3]))
 
-    assert state.version == 3 and state.step == 3
-    assert before[0] <= 1e-4 and before[2] == {"0"}, before  # engine == Megatron actor, same weights
-    assert after[0] <= 1e-4 and after[2] == {"3"}, after  # ... and again after three syncs
+    assert state.version == version0 + 3 and state.step == step0 + 3
+    assert before[0] <= 1e-4 and before[2] == {str(version0)}, before  # engine == Megatron actor, same weights
+    assert after[0] <= 1e-4 and after[2] == {str(version0 + 3)}, after  # ... and again after three syncs
     keys = [tuple(k[1:]) for k in state.trained_prompts]
-    assert len(keys) == 12 and len(set(keys)) == 12, "a trajectory was trained twice"
-    rl = [r for r in read_metrics(started.run_dir) if r["stage"] == "rl"]
-    assert [r["policy_version"] for r in rl] == [1.0, 2.0, 3.0]
+    assert len(keys) == trained0 + 12 and len(set(keys)) == len(keys), "a trajectory was trained twice"
+    rl = [r for r in read_metrics(started.run_dir) if r["stage"] == "rl" and r["step"] > step0]
+    assert [r["policy_version"] for r in rl] == [version0 + 1.0, version0 + 2.0, version0 + 3.0]
     assert any(r["rollout/multi_version"] > 0 or r["lag/max"] > 0 for r in rl[1:]), "no trajectory spanned an update"
     assert all("actor/kept_frac" in r and "critic/explained_var" in r for r in rl)
     assert all(any(k.startswith("dis/kept_frac/lag") for k in r) for r in rl)
@@ -209,8 +304,8 @@ def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(started)
     assert len(kills) == KILLS and len({pid for pid, _ in kills}) == KILLS  # a new server each time
     assert all(label == str(version) for label, version in served), served  # current policy once up
     assert after[0] <= 1e-4 and after[2] == {str(state.version)}, after  # engine == actor after the restarts
-    # Every prompt exactly once over the session's stages: trained or failed (with a reason),
-    # waiting, or to be resubmitted.
+    # Every prompt exactly once over the session's stages: trained or failed (with a reason: an
+    # injected fault, or an engine's after its retries), waiting, or to be resubmitted.
     keys = [(t.split, t.sample_index, t.reward_details.get("group_index", 0)) for t in finished]
     assert len(keys) == len(set(keys)), "a submission finished twice"
     trained = [tuple(k[1:]) for k in state.trained_prompts]

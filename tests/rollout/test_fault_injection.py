@@ -2,8 +2,9 @@
 prompt is accounted for once, and the failure counts by cause equal the injected faults exactly.
 
 The faults come from ``sao_megatron.envs.faulty`` (deterministic per prompt id), so the expected
-counts are recomputed here with :func:`injected_fault`. Fast: the real manager and agent loop with
-a scripted engine. Slow: the real pipeline (CPU SGLang engine, Megatron actor and critic).
+counts are recomputed here with :func:`injected_fault`: the real manager and agent loop with a
+scripted engine. The real pipeline (CPU SGLang engine, Megatron actor and critic) on injected
+faults is the first stage of the shared session in ``tests/test_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -17,15 +18,10 @@ import ray
 
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.config import AgentLoopConfig, ConfigError, load_config
-from sao_megatron.driver import stages
 from sao_megatron.driver.observer import buffer_metrics
-from sao_megatron.driver.run_state import RunState
-from sao_megatron.driver.session import Session
 from sao_megatron.envs import make_env, make_task
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.envs.faulty import CAUSE, injected_fault
-from sao_megatron.observe import RunLog, read_metrics
-from sao_megatron.pipeline import run_stage
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.env_workers import EnvFactory
@@ -270,117 +266,3 @@ def test_env_step_timeout_is_validated():
     for bad in ("0", "-1"):
         with pytest.raises(ConfigError, match=r"rollout\.loop\.env_step_timeout_s"):
             load_config(None, [f"rollout.loop.env_step_timeout_s={bad}"])
-
-
-class _MarkedLog(RunLog):
-    """A RunLog that remembers how many episodes had finished when each step was logged."""
-
-    def __init__(self, run_dir, finished: list[Trajectory]):
-        super().__init__(run_dir, tensorboard=False, console=False)
-        self.finished = finished
-        self.marks: dict[int, int] = {}
-
-    def log(self, step: int, stage: str, metrics: dict[str, float]) -> None:
-        self.marks[step] = len(self.finished)
-        super().log(step, stage, metrics)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_pipeline_survives_injected_faults_and_its_metrics_count_them(tmp_path):
-    """The real loop (CPU SGLang engine, Megatron actor and critic), 3 steps, ~40% faulty episodes:
-    it completes; each step's ``buffer/dropped_failed/<cause>`` equals the injected faults among the
-    episodes finished by then; no prompt is trained twice; trained + waiting + failed + in flight at
-    the stop = submitted."""
-    from tests.test_pipeline import SMALL
-
-    seed = 42  # each kind of fault occurs among the first 10 prompts
-    kwargs = ", ".join(f"{k}: {v}" for k, v in RATES.items())
-    cfg = load_config(
-        None,
-        [
-            *SMALL,
-            "rollout.env=faulty",
-            f"rollout.env_kwargs={{{kwargs}, seed: {seed}, max_turns: 2}}",
-            "rollout.loop.env_step_timeout_s=1",
-            "train.steps=3",
-            "algo.max_policy_lag=null",
-            "train.sft_steps=0",
-            "train.eval_every=0",
-        ],
-    )
-    assert cfg.rollout.env_kwargs == {**RATES, "seed": seed, "max_turns": 2}
-    finished: list[Trajectory] = []
-
-    async def go() -> tuple[RunState, _MarkedLog]:
-        state = RunState(stage="rl")
-        log = _MarkedLog(tmp_path, finished)
-        session = await Session.start(cfg, tmp_path, state)
-        make_manager = session.manager
-
-        def manager(*args, **kwargs) -> RolloutManager:  # records every episode handed on, in order
-            m = make_manager(*args, **kwargs)
-            admit = m.on_finished
-            m.on_finished = lambda t: (finished.append(t), admit(t))[1]
-            return m
-
-        session.manager = manager  # type: ignore[method-assign]
-        try:
-            await session.start_rollouts(state.version)
-            await run_stage(session, state, log, stages.rl(cfg, session.critic is not None))
-            return state, log
-        finally:
-            await session.shutdown()
-
-    t0 = time.monotonic()
-    state, log = asyncio.run(go())
-    elapsed = time.monotonic() - t0
-    assert state.step == 3
-
-    task = make_task("faulty")
-    fault: dict[int | None, str | None] = {
-        i: injected_fault(task.get("train", i).prompt_id, seed, RATES) for i in range(state.cursor["next_index"])
-    }
-    done = [t.sample_index for t in finished]
-    assert len(done) == len(set(done)), "an episode was handed on twice"
-    for t in finished:  # every injected fault fails its episode with its cause; nothing else fails
-        f = fault[t.sample_index]
-        assert (t.status == "failed") == (f is not None), (t.sample_index, f, t.status, t.status_reason)
-        if f is not None:
-            assert t.status_reason.startswith(expected_reason(f).replace(f"{TIMEOUT_S:g}s", "1s")), (
-                f,
-                t.status_reason,
-            )
-    rl = [r for r in read_metrics(tmp_path) if r["stage"] == "rl"]
-    assert [r["step"] for r in rl] == [1, 2, 3]
-    for r in rl:  # each step's metrics count exactly the faults of the episodes finished by then
-        want = Counter(CAUSE[f] for i in done[: log.marks[r["step"]]] if (f := fault[i]))
-        got = {
-            k.removeprefix("buffer/dropped_failed/"): v for k, v in r.items() if k.startswith("buffer/dropped_failed/")
-        }
-        assert got == {k: float(v) for k, v in want.items()}, (r["step"], got, want)
-        assert r["buffer/dropped_failed"] == sum(want.values())
-    final = Counter(CAUSE[f] for i in done if (f := fault[i]))
-    assert state.buffer["stats"]["dropped_failed"] == dict(final)  # the checkpoint, at the stop
-    assert {f for i in done if (f := fault[i])} == {
-        "hang",
-        "raise_reset",
-        "raise_step",
-        "reward_raise",
-        "nan",
-    }
-
-    trained = [(split, index, member) for _, split, index, member in state.trained_prompts]
-    assert len(trained) == 12 and len(set(trained)) == 12, "a trajectory was trained twice"
-    waiting = [Trajectory.from_dict(d).sample_index for d in state.buffer["waiting"]]
-    in_flight = [index for _, index, _ in state.cursor["resubmit"]]
-    failed = [i for i in done if fault[i]]
-    stats = state.buffer["stats"]
-    assert stats["dropped_stale"] == stats["dropped_no_actions"] == 0
-    accounted = [i for _, i, _ in trained] + waiting + failed + in_flight
-    assert sorted(accounted) == list(range(state.cursor["next_index"])), "a prompt was lost or counted twice"
-    print(
-        f"\nsubmitted {state.cursor['next_index']}: trained {len(trained)}, waiting {len(waiting)}, "
-        f"failed {len(failed)} {dict(final)} (kinds {dict(Counter(fault[i] for i in failed))}), in flight at "
-        f"the stop {len(in_flight)}, lost 0; {elapsed:.0f}s"
-    )
