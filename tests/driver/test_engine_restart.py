@@ -191,6 +191,7 @@ def test_a_dead_engine_is_restarted_and_synced_then_dropped_after_max_restarts(t
 
     async def go():
         states = s.engine_states
+        s.state.version = 1  # the actor trained version 1 (the run state records it; restarts sync it)
         async with s.weights_lock:
             await s.sync_weights(1)
         s._watchdog = asyncio.create_task(s._watch())
@@ -201,6 +202,7 @@ def test_a_dead_engine_is_restarted_and_synced_then_dropped_after_max_restarts(t
             assert await s.clients[0].weight_version() == "1" and s.loops[0].client is s.clients[0]
         async with s.weights_lock:  # a sync that fails on a dead engine restarts it; its budget is spent: dropped
             s.engines[0].stop()
+            s.state.version = 2
             await s.sync_weights(2)
         assert states.dropped == {0} and states.up == [False, True]
         assert await s.clients[1].weight_version() == "2"
