@@ -1,22 +1,22 @@
-"""A real ``sao train`` stopped by SIGTERM, resumed and SIGKILLed, resumed to the end: together the
-three runs train the prompts of an uninterrupted run.
+"""A real ``sao train`` SIGKILLed, then resumed and stopped by SIGTERM: the resume trains the
+prompts of an uninterrupted run, and the stop checkpoints them.
 
-One run directory, three runs of ``sao train --resume-if-present`` through real processes (Ray, the
+One run directory, two runs of ``sao train --resume-if-present`` through real processes (Ray, the
 Megatron workers, the SGLang engine), synchronous with lag 0 so that the prompts trained at each
 step are deterministic (step k: prompts 4(k-1)..4k-1, the cursor's order):
 
-1. a fresh run (SFT, then RL) gets SIGTERM (preemption, ``scancel``) after its first RL step: it
-   checkpoints and exits 143 (``ray.init`` replaces Python's SIGTERM handler; the driver takes it
-   back), having trained the uninterrupted run's prompts for its steps;
-2. its resume is SIGKILLed mid-way through a weight sync by actor rank 0's Ray worker
-   (``SAO_KILL_AT=weight_sync:bucket@2``), which takes the driver and its process group down with
-   no chance to clean up, as the OOM killer or a failed node would;
-3. the next resume completes.
+1. a fresh run (SFT, then RL) is SIGKILLed mid-way through its third weight sync (after step 2's
+   update) by actor rank 0's Ray worker (``SAO_KILL_AT=weight_sync:bucket@3``), which takes the
+   driver and its process group down with no chance to clean up, as the OOM killer or a failed
+   node would; step 1's checkpoint is the latest complete one;
+2. its resume gets SIGTERM (preemption, ``scancel``) after its first RL step: it checkpoints and
+   exits 143 (``ray.init`` replaces Python's SIGTERM handler; the driver takes it back), having
+   trained, from step 2 on, the uninterrupted run's prompts.
 
-No process of a run may be left after it ended (Ray's, the engine's); every resume starts from the
-latest complete checkpoint (cursor, buffer and weights come from it). What a SIGKILL leaves at each
-fault point of :mod:`sao_megatron.faults`, and the resume from there, is checked in-process by
-``tests/test_kill_points.py``.
+No process of either run may be left after it ended (Ray's, the engine's). What a SIGKILL leaves at
+each fault point of :mod:`sao_megatron.faults` and the resume from there, and the resume after a
+stop mid-batch, are checked in-process by ``tests/test_kill_points.py``; a resume after a stop
+through real processes is the five-node Slurm requeue (``tests/launch/test_slurm_multinode.py``).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ RUN = [
     f"train.steps={STEPS}",
     "train.save_every=1",
 ]
-KILL_AT = "weight_sync:bucket@2"
-"""Counted per process: the resumed run's first sync (at its start), then the one after its first update."""
+KILL_AT = "weight_sync:bucket@3"
+"""Counted per process (one bucket per sync here): the sync at the start, then one after each update."""
 RUN_TIMEOUT_S = 600
 GRACE_S = 60.0
 """How long the run's processes may take to exit on their own after the driver ended or was killed
@@ -168,47 +168,44 @@ def _assert_continues(stdout: str, checkpoint_step: int) -> None:
     assert not steps or steps == list(range(checkpoint_step + 1, checkpoint_step + 1 + len(steps))), steps
 
 
-def test_sigterm_then_sigkill_then_resume_trains_the_same_prompts(tmp_path):
+def _rl_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return [r["step"] for r in lines if r.get("stage") == "rl"]
+
+
+def test_sigkill_then_resume_and_sigterm_trains_the_same_prompts(tmp_path):
     token, run_dir = uuid.uuid4().hex, tmp_path / "run"
     timings: dict[str, float] = {}
     exits: dict[str, float] = {}
     leftovers: dict[str, dict[int, str]] = {}
     try:
-        # 1. SIGTERM after the first RL step: a checkpoint, exit 143.
-        run = Run(run_dir, tmp_path / "sigterm", token)
-        deadline, metrics = time.monotonic() + RUN_TIMEOUT_S, run_dir / "metrics.jsonl"
-        while not (metrics.exists() and '"stage": "rl"' in metrics.read_text()):
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.out.read_text()[-3000:]
-            time.sleep(0.1)
-        run.proc.send_signal(signal.SIGTERM)
-        rc, out, err, timings["sigterm"] = run.wait()
-        leftovers["sigterm"] = _leftovers(token, run.pid, exits, "sigterm")
-        assert rc == 143 and "stopped by a signal" in err, f"exit {rc}\n{out[-3000:]}\n{err[-3000:]}"
-        assert "no complete checkpoint" in out and "starting a fresh run" in out, out
-        checkpoint, state = _complete(run_dir)
-        stopped_at = state["step"]
-        assert checkpoint.name == "checkpoint" and state["stage"] == "rl", (checkpoint, state["stage"])
-        assert 1 <= stopped_at < STEPS and _per_step_prompts(state) == _uninterrupted(stopped_at), state
-
-        # 2. The resume, SIGKILLed by actor rank 0's Ray worker during its second weight sync.
+        # 1. A fresh run, SIGKILLed by actor rank 0's Ray worker during step 2's weight sync.
         run = Run(run_dir, tmp_path / "sigkill", token, KILL_AT)
         rc, out, err, timings["sigkill"] = run.wait()
         leftovers["sigkill"] = _leftovers(token, run.pid, exits, "sigkill")
         assert rc == -signal.SIGKILL, f"exit {rc}\n{out[-3000:]}\n{err[-3000:]}"
         killer, where = _kill_line(run_dir, err, KILL_AT)
         assert killer != run.pid and where == "actor_rank0.log", (killer, where)
-        assert "resuming from the complete checkpoint" in out, out
-        _assert_continues(out, stopped_at)
-        checkpoint, state = _complete(run_dir)  # the killed sync's step was never checkpointed
-        assert checkpoint.name == "checkpoint" and state["step"] == stopped_at, (checkpoint, state["step"])
+        assert "no complete checkpoint" in out and "starting a fresh run" in out, out
+        checkpoint, state = _complete(run_dir)  # step 2 trained, its sync killed: never checkpointed
+        assert checkpoint.name == "checkpoint" and state["stage"] == "rl", (checkpoint, state["stage"])
+        assert state["step"] == 1 and _per_step_prompts(state) == _uninterrupted(1), state
 
-        # 3. The resume that completes.
-        run = Run(run_dir, tmp_path / "final", token)
-        rc, out, err, timings["final"] = run.wait()
-        leftovers["final"] = _leftovers(token, run.pid, exits, "final")
-        assert rc == 0, out[-3000:] + err[-3000:]
-        assert "resuming from the complete checkpoint" in out and "done in" in out, out
-        _assert_continues(out, stopped_at)
+        # 2. The resume gets SIGTERM after its first RL step: a checkpoint, exit 143.
+        run = Run(run_dir, tmp_path / "sigterm", token)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not any(step > 1 for step in _rl_steps(run_dir)):
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.out.read_text()[-3000:]
+            time.sleep(0.1)
+        run.proc.send_signal(signal.SIGTERM)
+        rc, out, err, timings["sigterm"] = run.wait()
+        leftovers["sigterm"] = _leftovers(token, run.pid, exits, "sigterm")
+        assert rc == 143 and "stopped by a signal" in err, f"exit {rc}\n{out[-3000:]}\n{err[-3000:]}"
+        assert "resuming from the complete checkpoint" in out, out
+        _assert_continues(out, 1)
     finally:
         for pid in _processes(token, -1):  # whatever a failed assertion left behind
             try:
@@ -216,18 +213,20 @@ def test_sigterm_then_sigkill_then_resume_trains_the_same_prompts(tmp_path):
             except ProcessLookupError:
                 pass
         print(
-            "\nsigterm/sigkill/resume wall times: "
+            "\nsigkill/resume/sigterm wall times: "
             + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
             + f"; total {sum(timings.values()):.0f} s; processes gone after: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in exits.items())
         )
 
     assert not any(leftovers.values()), f"processes left {GRACE_S:.0f} s after a run ended: {leftovers}"
-    _, state = _complete(run_dir)
-    assert state["step"] == STEPS and _per_step_prompts(state) == _uninterrupted(STEPS), state["trained_prompts"]
+    checkpoint, state = _complete(run_dir)
+    stopped_at = state["step"]
+    assert checkpoint.name == "checkpoint" and 2 <= stopped_at < STEPS, (checkpoint, stopped_at)
+    assert _per_step_prompts(state) == _uninterrupted(stopped_at), state["trained_prompts"]
     keys = [tuple(k[1:]) for k in state["trained_prompts"]]
-    assert len(keys) == len(set(keys)) == 4 * STEPS, "a prompt was trained twice (or lost)"
+    assert len(keys) == len(set(keys)) == 4 * stopped_at, "a prompt was trained twice (or lost)"
     # metrics.jsonl: every RL step once (a step re-run after a resume replaces the lost attempt's record)
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records if r["stage"] == "rl"] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records if r["stage"] == "rl"] == list(range(1, stopped_at + 1))
     assert {r["stage"] for r in records} == {"sft", "rl"}  # train.eval_prompts=0: no eval record
