@@ -13,8 +13,8 @@ prompt):
    restarted, re-synced and its episodes retried, and every prompt is accounted for exactly once
    over the three stages.
 
-A run stopped by SIGTERM (and by SIGKILL) resumes with the same prompt sequence:
-``tests/test_kill_resume.py``.
+A SIGKILLed run resumes with the same prompt sequence and a SIGTERM checkpoints it:
+``tests/test_kill_resume.py`` (every fault point in-process: ``tests/test_kill_points.py``).
 """
 
 from __future__ import annotations
