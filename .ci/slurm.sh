@@ -46,17 +46,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# 1. Packages (Debian 12: slurm-wlm 22.05, munge 0.5.15).
-missing=()
-command -v munged >/dev/null || missing+=(munge)
-command -v slurmctld >/dev/null || missing+=(slurmctld)
-command -v slurmd >/dev/null || missing+=(slurmd)
-command -v sbatch >/dev/null || missing+=(slurm-client)
-if ((${#missing[@]})); then
-  log "installing ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+# 1. Packages (.ci/slurm_packages.sh: munge and Slurm, when missing).
+bash .ci/slurm_packages.sh
 
 # 2. munge: reuse a working daemon, else start one as the munge user (no systemd here).
 if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then

@@ -59,17 +59,8 @@ trap cleanup EXIT
 trap 'exit 143' TERM # through cleanup, with a failing status
 trap 'exit 130' INT
 
-# 1. Packages (Debian 12: slurm-wlm 22.05, munge 0.5.15; iproute2 and util-linux are base).
-missing=()
-command -v munged >/dev/null || missing+=(munge)
-command -v slurmctld >/dev/null || missing+=(slurmctld)
-command -v slurmd >/dev/null || missing+=(slurmd)
-command -v sbatch >/dev/null || missing+=(slurm-client)
-if ((${#missing[@]})); then
-  log "installing ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+# 1. Packages (.ci/slurm_packages.sh: munge and Slurm, when missing; iproute2 and util-linux are base).
+bash .ci/slurm_packages.sh
 
 # 2. The network: a private bridge, one namespace per node joined to it by a veth pair.
 for ns in "${NODES[@]/#/sao-}"; do
