@@ -40,7 +40,7 @@ def case_every_loss_and_estimator(rank, world):
         adv, returns, adv_metrics = AdvantageEstimator(a)(batch, values if algo.uses_critic(estimator) else None, trajs)
         assert (returns is not None) == algo.uses_critic(estimator), estimator
         for loss in POLICY_LOSSES:
-            actor.cfg = dataclasses.replace(base, algo=dataclasses.replace(a, policy_loss=loss))
+            actor.cfg = dataclasses.replace(actor.cfg, algo=dataclasses.replace(a, policy_loss=loss))
             m = actor.update(shard, shard.take(adv), 0)
             out[f"{estimator}/{loss}"] = {
                 "updated": m["updated"],
