@@ -75,7 +75,7 @@ def case_actor_critic(rank, world, ckpt_dir, tp):
     actor.load(ckpt_dir + "/actor")
     m3 = actor.update(shard, shard.take(adv), 0)  # after restore, the second step repeats exactly
     fresh = ActorWorker.__new__(ActorWorker)  # a new process's view: fresh role, no optimizer state
-    fresh.cfg = cfg
+    fresh.cfg = ActorRankConfig.of(cfg)
     from sao_megatron.workers.role import build_actor_role
 
     fresh.role = build_actor_role(cfg.model, cfg.actor)
