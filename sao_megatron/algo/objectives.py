@@ -19,7 +19,7 @@ from sao_megatron.algo._checks import check_choice
 from sao_megatron.algo.choices import POLICY_LOSSES, LossAgg, PolicyLossName
 from sao_megatron.algo.diagnostics import kept_by_lag
 from sao_megatron.algo.masked import masked_mean
-from sao_megatron.algo.policy_loss import dis_band, dis_loss, ppo_clip_loss, vanilla_pg_loss
+from sao_megatron.algo.policy_loss import dis_band, policy_loss
 from sao_megatron.algo.value_loss import value_loss
 
 
@@ -62,44 +62,21 @@ def policy_objective(
     check_choice("policy loss", loss, POLICY_LOSSES)
     mask = action_mask > 0
     tokens, seqs = _normalisers(agg, num_tokens_global, num_seqs_global)
-    if loss == "dis":
-        value, metrics = dis_loss(
-            logprobs,
-            behavior_logprobs,
-            advantages,
-            mask,
-            eps_low=eps_low,
-            eps_high=eps_high,
-            detach_ratio=detach_ratio,
-            agg=agg,
-            num_tokens_global=tokens,
-            num_seqs_global=seqs,
-            segment_ids=segment_ids,
-        )
-    elif loss == "ppo_clip":
-        value, metrics = ppo_clip_loss(
-            logprobs,
-            behavior_logprobs,
-            advantages,
-            mask,
-            eps_low=eps_low,
-            eps_high=eps_high,
-            agg=agg,
-            num_tokens_global=tokens,
-            num_seqs_global=seqs,
-            segment_ids=segment_ids,
-        )
-    else:  # vanilla: no band, so no below/above_frac metrics
-        value, metrics = vanilla_pg_loss(
-            logprobs,
-            behavior_logprobs,
-            advantages,
-            mask,
-            agg=agg,
-            num_tokens_global=tokens,
-            num_seqs_global=seqs,
-            segment_ids=segment_ids,
-        )
+    bounds = {"eps_low": eps_low, "eps_high": eps_high} if loss != "vanilla" else {}  # vanilla: no band
+    extra = {"detach_ratio": detach_ratio} if loss == "dis" else {}
+    value, metrics = policy_loss(
+        loss,
+        logprobs,
+        behavior_logprobs,
+        advantages,
+        mask,
+        agg=agg,
+        num_tokens_global=tokens,
+        num_seqs_global=seqs,
+        segment_ids=segment_ids,
+        **bounds,
+        **extra,
+    )
     metrics["entropy"] = masked_mean(entropy, mask.float()).item()
     metrics["micro_tokens"] = float(mask.sum())
     kept = dis_band(logprobs.detach(), behavior_logprobs, eps_low, eps_high)
