@@ -21,6 +21,7 @@ import pytest
 from sao_megatron.cli import main
 from sao_megatron.config import ConfigError, load_config
 from sao_megatron.config import hf as hf_config
+from sao_megatron.config.cluster import one_node_gpus
 from sao_megatron.config.schema import DEFAULT_RUN_CONFIG, DataConfig
 from sao_megatron.tokenizer import TOKENIZER_DIR
 
@@ -193,6 +194,14 @@ CASES: list[tuple[str, Build, str]] = [
     ("model-file-missing", _yaml("model: models/nope.yaml\n"),
      r"^{tmp}/run\.yaml: model file models/nope\.yaml not found; set 'model' to an existing YAML file or a name in "),
     ("bad-regex", _overrides("critic.freeze_patterns=['(']"), r"^critic\.freeze_patterns/train_patterns: bad regex '\('"),
+    ("engine-env-sets-gpus", _overrides("cluster.gpus_per_node=4", "rollout.engine_env={CUDA_VISIBLE_DEVICES: '0'}"),
+     r"^rollout\.engine_env\.CUDA_VISIBLE_DEVICES is set on a GPU run \(cluster\.gpus_per_node=4\): the run assigns "
+     r"each engine its GPUs .*; remove it"),
+    # A cluster config has no ray_address until its launcher adds it: checked where the local Ray starts.
+    ("one-node-gpus-overflow", lambda tmp: lambda: one_node_gpus(load_config(None, ["cluster.gpus_per_node=2"])),
+     r"^cluster\.gpus_per_node=2 < 3 GPUs this run needs on one node \(no cluster\.ray_address\): "
+     r"actor\.parallel\.world_size=1 \+ critic\.parallel\.world_size=1 \+ rollout\.num_engines=1 x "
+     r"rollout\.tensor_parallel=1; shrink them to fit, or run on several nodes"),
     # ---- datasets (every row is read at start-up)
     ("data-line-not-json", _data((GOOD_ROW + "{prompt: 1}\n").encode()),
      r"^{tmp}/train\.jsonl:2: bad JSON \(.* at column 2\); write one JSON object per line$"),

@@ -1,8 +1,10 @@
-"""Validation of the ``cluster`` section: node groups, engines on whole nodes, containers, env."""
+"""Validation of the ``cluster`` section: node groups, engines on whole nodes, containers, env;
+the GPUs of a run on one node (:func:`one_node_gpus`)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from sao_megatron.algo.choices import uses_critic
 from sao_megatron.config.schema import ConfigError, SAOConfig
@@ -62,6 +64,12 @@ def validate_cluster(cfg: SAOConfig) -> None:
             )
     check_env("cluster.env", c.env)
     check_env("rollout.engine_env", r.engine_env)
+    if c.gpus_per_node and "CUDA_VISIBLE_DEVICES" in r.engine_env:
+        raise ConfigError(
+            "rollout.engine_env.CUDA_VISIBLE_DEVICES is set on a GPU run (cluster.gpus_per_node="
+            f"{c.gpus_per_node}): the run assigns each engine its GPUs (Ray on a cluster, disjoint from "
+            "the trainers' on one node); remove it (docs/launch.md, GPU placement)"
+        )
     if c.engine_dp_attention < 1 or r.tensor_parallel % c.engine_dp_attention:
         raise ConfigError(
             f"cluster.engine_dp_attention={c.engine_dp_attention} must divide "
@@ -96,3 +104,43 @@ def validate_cluster(cfg: SAOConfig) -> None:
                 f"cluster.{key}={nodes} x gpus_per_node={g} < {gpus} GPUs the role needs; set it "
                 f"to {-(-gpus // g)} or 0 (derived)"
             )
+
+
+@dataclass(frozen=True)
+class OneNodeGpus:
+    """GPU ids of a run on one node: the trainers' ranks take ``0 .. trainers - 1`` (the local Ray
+    holds exactly these), engine ``i`` the ``engine_tp`` ids after them, engine after engine."""
+
+    trainers: int
+    engine_tp: int
+
+    def engine(self, index: int) -> range:
+        """Device ids (indices into the node's visible GPUs) of engine ``index``."""
+        first = self.trainers + index * self.engine_tp
+        return range(first, first + self.engine_tp)
+
+
+def one_node_gpus(cfg: SAOConfig) -> OneNodeGpus | None:
+    """The GPU split of a run on one node (no ``cluster.ray_address``, ``cluster.gpus_per_node`` > 0);
+    None when Ray places every GPU (a cluster) or the run has none (``gpus_per_node=0``).
+
+    Checked where the run starts its local Ray and its engines, not when a config is loaded: a
+    cluster config has no ``ray_address`` until the launcher adds it (``sao submit``, ``sao plan``
+    read it without). Raises :class:`ConfigError` when the actor, the critic (if the advantage
+    estimator uses one) and the engines need more GPUs than the node has."""
+    c, r = cfg.cluster, cfg.rollout
+    if c.ray_address or not c.gpus_per_node:
+        return None
+    actor, critic = cfg.actor.parallel.world_size, cfg.critic.parallel.world_size
+    critic_key = f"critic.parallel.world_size={critic}"
+    if not uses_critic(cfg.algo.advantage):
+        critic, critic_key = 0, f"no critic (algo.advantage={cfg.algo.advantage})"
+    engines = r.num_engines * r.tensor_parallel
+    if actor + critic + engines > c.gpus_per_node:
+        raise ConfigError(
+            f"cluster.gpus_per_node={c.gpus_per_node} < {actor + critic + engines} GPUs this run needs on one "
+            f"node (no cluster.ray_address): actor.parallel.world_size={actor} + {critic_key} + "
+            f"rollout.num_engines={r.num_engines} x rollout.tensor_parallel={r.tensor_parallel}; shrink them "
+            "to fit, or run on several nodes (sao submit; launch/slurm sets cluster.ray_address)"
+        )
+    return OneNodeGpus(trainers=actor + critic, engine_tp=r.tensor_parallel)

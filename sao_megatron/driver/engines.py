@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -10,6 +11,7 @@ import ray
 from ray.exceptions import GetTimeoutError
 
 from sao_megatron.config import SAOConfig
+from sao_megatron.config.cluster import one_node_gpus
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec
 from sao_megatron.spawn import free_port
 
@@ -147,6 +149,30 @@ def engine_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
     return out
 
 
+def engine_env(cfg: SAOConfig, index: int, parent_visible: str | None) -> dict[str, str]:
+    """Environment variables of engine ``index``: ``rollout.engine_env``, and on a GPU run on one node
+    (:func:`~sao_megatron.config.cluster.one_node_gpus`) ``CUDA_VISIBLE_DEVICES`` naming the engine's
+    own GPUs, the ids after the trainers' (which the local Ray hands out). ``parent_visible``: this
+    process's ``CUDA_VISIBLE_DEVICES`` (None: unset, every GPU visible); when set, the engine's ids
+    index into its list, as Ray's do for the trainers. On a cluster Ray sets the variable for the
+    engine's host (:class:`RemoteEngine`)."""
+    env = {str(k): str(v) for k, v in cfg.rollout.engine_env.items()}
+    gpus = one_node_gpus(cfg)
+    if gpus is None:
+        return env
+    ids = gpus.engine(index)
+    if parent_visible is None:
+        return {**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+    visible = [d.strip() for d in parent_visible.split(",") if d.strip()]
+    if ids[-1] >= len(visible):
+        raise RuntimeError(
+            f"CUDA_VISIBLE_DEVICES={parent_visible!r} lists {len(visible)} GPUs, but engine {index} needs "
+            f"GPUs {ids[0]}..{ids[-1]} of them (the trainers take the first {gpus.trainers}); make it "
+            f"list cluster.gpus_per_node={cfg.cluster.gpus_per_node} GPUs, or unset it"
+        )
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(visible[i] for i in ids)}
+
+
 def launch_engines(
     cfg: SAOConfig,
     model_path: Path,
@@ -157,10 +183,12 @@ def launch_engines(
 ) -> list[Engine]:
     """Start ``rollout.num_engines`` servers of ``model_path`` (or only engines ``indices``), each on
     a fresh port, without waiting for them (:func:`wait_healthy`). ``restart`` > 0: the engines'
-    ``restart``-th start (its own log, ``engine<i>.restart<k>.log``, so the dead server's log stays)."""
+    ``restart``-th start (its own log, ``engine<i>.restart<k>.log``, so the dead server's log stays).
+    On one node each engine gets its own GPUs (:func:`engine_env`); a restarted engine the same."""
     r, c = cfg.rollout, cfg.cluster
     remote = bool(c.ray_address)  # the rollout node group (the run directory is on a shared filesystem)
     suffix = f".restart{restart}" if restart else ""
+    parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     specs = [
         EngineSpec(
             model_path=str(model_path),
@@ -174,7 +202,7 @@ def launch_engines(
             random_seed=cfg.run.seed + i,
             load_format=load_format,
             log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
-            env={str(k): str(v) for k, v in r.engine_env.items()},
+            env=engine_env(cfg, i, parent_visible),
         )
         for i in (range(r.num_engines) if indices is None else indices)
     ]

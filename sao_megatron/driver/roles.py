@@ -1,7 +1,7 @@
 """Typed handles on the role groups: each rank of the actor and critic worlds is a Ray actor.
 
 A role group is one Megatron world (its own ``torch.distributed`` rendezvous) placed by Ray:
-one GPU per rank on a cluster, fractional CPUs locally. Every method of a handle is a
+one GPU per rank when ``cluster.gpus_per_node`` > 0, else a share of a CPU. Every method of a handle is a
 collective: it runs the same worker method on every rank and waits for all of them, so a
 failure on any rank raises here instead of hanging. Handles call worker methods by reference
 (``ActorWorker.update``), so a wrong argument is a static error, not a runtime surprise.
@@ -25,6 +25,7 @@ import torch
 
 from sao_megatron.batch import BatchShard, RowOutputs, TrainBatch, assemble_rows
 from sao_megatron.config import SAOConfig
+from sao_megatron.config.cluster import one_node_gpus
 from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
 from sao_megatron.workers.actor import ActorWorker, ExportReport
 from sao_megatron.workers.critic import CriticWorker
@@ -55,13 +56,16 @@ class RankActor:
         world: int,
         log_path: str,
         init_from: str | None = None,
+        gpus_per_node: int = 0,
     ):
-        """``cfg``: the sections of the run's config this rank reads (:mod:`sao_megatron.config.rank`)."""
+        """``cfg``: the sections of the run's config this rank reads (:mod:`sao_megatron.config.rank`);
+        ``gpus_per_node``: ``cluster.gpus_per_node`` (> 0: this rank must see a GPU)."""
         from sao_megatron.logs import quiet_third_party, redirect_process_output
 
         redirect_process_output(Path(log_path))
         quiet_third_party()
         self.cfg, self.rank, self.world, self.init_from = cfg, rank, world, init_from
+        self.gpus_per_node = gpus_per_node
         self._store = None
 
     def rendezvous(self, host: str) -> tuple[str, int]:
@@ -74,8 +78,10 @@ class RankActor:
     def start(self, host: str, port: int) -> RankCoordinates:
         """Join the world at rank 0's store, build the worker; this rank's place in the world."""
         from sao_megatron import parallel
-        from sao_megatron.workers.rank import coordinates
+        from sao_megatron.workers.rank import check_cuda, coordinates
 
+        role = "actor" if isinstance(self.cfg, ActorRankConfig) else "critic"
+        check_cuda(self.gpus_per_node, f"{role} rank {self.rank}", self.node_ip())
         store = self._store or parallel.join_store(host, port, self.world)
         parallel.init_distributed(self.rank, self.world, host, port, backend=self.cfg.backend, store=store)
         self.worker = (
@@ -110,7 +116,9 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
         self.group: Any = None  # the placement group
 
     def _bundle(self) -> dict[str, float]:
-        gpus = 1 if torch.cuda.is_available() else 0
+        """A GPU iff the config says the run has GPUs (``cluster.gpus_per_node`` > 0), whatever the
+        driver's process sees: a rank that gets none then fails at start (:func:`check_cuda`)."""
+        gpus = 1 if self.cfg.cluster.gpus_per_node > 0 else 0
         bundle: dict[str, float] = {"CPU": self.cfg.cluster.cpus_per_rank}
         if gpus:
             bundle["GPU"] = gpus
@@ -125,6 +133,7 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
 
         role = self.cfg.actor if self.kind == "actor" else self.cfg.critic
         world = role.parallel.world_size
+        one_node_gpus(self.cfg)  # refuses a one-node run whose trainers and engines overflow the node
         self.group = placement_group([self._bundle()] * world, strategy="PACK", name=f"sao_{self.kind}")
         await wait_placed(
             self.group, f"the {self.kind}'s {world} ranks", self._bundle(), self.cfg.cluster.placement_timeout_s
@@ -132,12 +141,13 @@ class RoleGroup[W: (ActorWorker, CriticWorker)]:
         order = rank_order(placement_group_table(self.group)["bundles_to_node_id"])
         logs = self.run_dir / "logs"
         rank_cfg = ActorRankConfig.of(self.cfg) if self.kind == "actor" else CriticRankConfig.of(self.cfg)
+        gpus_per_node = self.cfg.cluster.gpus_per_node
         self.ranks = [
             RankActor.options(
                 num_cpus=self.cfg.cluster.cpus_per_rank,
                 num_gpus=self._bundle().get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=b),
-            ).remote(rank_cfg, r, world, str(logs / f"{self.kind}_rank{r}.log"), self.init_from)
+            ).remote(rank_cfg, r, world, str(logs / f"{self.kind}_rank{r}.log"), self.init_from, gpus_per_node)
             for r, b in enumerate(order)
         ]
         host = await self.ranks[0].node_ip.remote() if self.cfg.cluster.ray_address else "127.0.0.1"
@@ -296,9 +306,32 @@ class CriticGroup(RoleGroup[CriticWorker]):
         return await self._reported(CriticWorker.update, batch, self.rows(batch, returns), self.rows(batch, old_values))
 
 
-def init_ray(address: str = "", num_cpus: int | None = None, resources: dict[str, float] | None = None) -> None:
+def ray_args(cfg: SAOConfig) -> dict[str, Any]:
+    """:func:`init_ray`'s arguments for a run: the job's cluster (``cluster.ray_address``), else a
+    local instance. On a GPU run on one node the local Ray holds only the trainers' GPUs, so it hands
+    the actor and critic ranks ids ``0 .. n-1`` and the engines, started outside Ray, take the ids
+    after them (:func:`~sao_megatron.driver.engines.engine_env`); too many GPUs for the node raise
+    :class:`~sao_megatron.config.ConfigError` (:func:`~sao_megatron.config.cluster.one_node_gpus`)."""
+    if cfg.cluster.ray_address:
+        return {"address": cfg.cluster.ray_address}
+    gpus = one_node_gpus(cfg)
+    return {"num_gpus": gpus.trainers} if gpus else {}
+
+
+def start_ray(cfg: SAOConfig) -> None:
+    """:func:`init_ray` for the run ``cfg`` (:func:`ray_args`)."""
+    init_ray(**ray_args(cfg))
+
+
+def init_ray(
+    address: str = "",
+    num_cpus: int | None = None,
+    resources: dict[str, float] | None = None,
+    num_gpus: int | None = None,
+) -> None:
     """Local Ray by default; the job's cluster when ``address`` is given (``cluster.ray_address``).
-    ``resources``: custom resources the local node advertises (tests: a node group's ``sao_<group>``)."""
+    ``resources``: custom resources the local node advertises (tests: a node group's ``sao_<group>``);
+    ``num_gpus``: GPUs the local node gives Ray (None: every GPU it detects)."""
     import os
 
     from sao_megatron.logs import RAY_WORKER_SETUP_HOOK
@@ -312,6 +345,7 @@ def init_ray(address: str = "", num_cpus: int | None = None, resources: dict[str
     else:
         ray.init(
             num_cpus=num_cpus or os.cpu_count(),
+            num_gpus=num_gpus,
             resources=resources,
             include_dashboard=False,
             log_to_driver=False,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from sao_megatron.config import ParallelConfig
@@ -44,6 +46,18 @@ def coordinates() -> RankCoordinates:
         pp_last=ps.is_pipeline_last_stage(),
         cp_rank=ps.get_context_parallel_rank(),
     )
+
+
+def check_cuda(gpus_per_node: int, who: str, node_ip: str) -> None:
+    """A rank of a GPU run (``cluster.gpus_per_node`` > 0) whose process sees no CUDA device fails
+    at start, naming its node, instead of training on CPU."""
+    if gpus_per_node > 0 and not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(
+            f"{who} on host {socket.gethostname()} ({node_ip}) sees no CUDA device (CUDA_VISIBLE_DEVICES "
+            f"{'unset' if visible is None else repr(visible)}) but cluster.gpus_per_node={gpus_per_node}; "
+            "check the node's GPUs and driver, or set cluster.gpus_per_node=0 for a CPU-only run"
+        )
 
 
 def init_rank(parallel: ParallelConfig, seed: int) -> None:
