@@ -47,7 +47,7 @@ def _actor_world(rank: int, world: int, cfg: SAOConfig, run_dir: str) -> dict:
         loss = -logprobs.mean() / dp
         return loss, {"nll": loss.item() * dp}
 
-    full = layout.gather_full(role.module)
+    full = layout.gather_full(role.module, rank0_only=True)  # {} on other ranks: only rank 0 writes it
     if rank == 0:
         torch.save(full, Path(run_dir) / "actor_init_full.pt")
     t0 = time.perf_counter()

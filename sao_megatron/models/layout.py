@@ -114,15 +114,26 @@ def shard(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
     return full.chunk(size, dim=dim)[rank]
 
 
-def _gather_tp(tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+def _gather_tp(tensor: torch.Tensor, param: torch.Tensor, name: str, to_first: bool = False) -> torch.Tensor | None:
+    """The full tensor of ``param`` from this rank's shard ``tensor``, gathered over its TP group on
+    ``tensor``'s own device (NCCL gathers only GPU tensors). ``to_first``: only the group's first
+    rank receives it; the others get None."""
     if not _is_tp_sharded(param):
         return tensor
     group = _tp_group_of(name)
     size = dist.get_world_size(group)
     if size == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    tensor = tensor.contiguous()
+    if to_first:
+        first = dist.get_global_rank(group, 0)
+        parts = [torch.empty_like(tensor) for _ in range(size)] if dist.get_rank() == first else None
+        dist.gather(tensor, parts, dst=first, group=group)
+        if parts is None:
+            return None
+    else:
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(parts, tensor, group=group)
     dim = partition_dim(param)
     if is_glu_fc1(name) and dim == 0:
         gates, ups = zip(*(p.chunk(2, dim=0) for p in parts), strict=True)
@@ -130,39 +141,65 @@ def _gather_tp(tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
-def _gather_objects(obj, group) -> list:
+def _gather_objects(obj, group, to_first: bool = False) -> list:
+    """``obj`` of every rank of ``group``; ``to_first``: on the group's first rank only (empty elsewhere)."""
     size = dist.get_world_size(group)
     if size == 1:
         return [obj]
-    out: list = [None] * size
+    if to_first:
+        first = dist.get_global_rank(group, 0)
+        out: list | None = [None] * size if dist.get_rank() == first else None
+        dist.gather_object(obj, out, dst=first, group=group)
+        return out or []
+    out = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def gather_full(
-    model: torch.nn.Module, select: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None
+    model: torch.nn.Module,
+    select: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+    rank0_only: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Full-layout tensors on every rank: parameters by default, or ``select(param)`` (e.g. grads).
+    """Full-layout CPU tensors on every rank: parameters by default, or ``select(param)`` (e.g. grads).
 
     Collective over the model's whole world; meant for tests, checks and small models. The
-    streaming, bucketed export for large models lives with the HF bridge.
+    streaming, bucketed export for large models lives with the HF bridge. Shards are gathered on
+    their own device, then copied to CPU one tensor at a time.
+
+    ``rank0_only``: only global rank 0 receives the full copy (the others return ``{}``), and only
+    the ranks holding the parts it needs take part: data- and context-parallel replica 0 (expert
+    data-parallel replica 0 for experts) gathers over TP to TP rank 0, experts over EP and stages
+    over PP to rank 0. Megatron orders ranks TP first, so a stage's first rank is TP, CP, DP,
+    expert-TP, EP and expert-DP rank 0 alike: it receives its stage's experts and sends the stage.
     """
     ps = _groups()
     select = select or (lambda p: p.detach())
+    dense_copy = experts_copy = stage_sender = True
+    if rank0_only:
+        dense_copy = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        experts_copy = ps.get_expert_data_parallel_rank() == 0
+        stage_sender = dense_copy and ps.get_tensor_model_parallel_rank() == 0
     local: dict[str, torch.Tensor] = {}
     expert_local: dict[str, torch.Tensor] = {}
     for name, param in unwrap(model).named_parameters():
+        expert = is_expert_param(name)
+        if not (experts_copy if expert else dense_copy):
+            continue  # another replica's copy of what replica 0 sends
         tensor = select(param)
         if tensor is None:
             continue
-        full = _gather_tp(tensor.detach().cpu(), param, name)
-        (expert_local if is_expert_param(name) else local)[global_name(model, name)] = full
-    for part in _gather_objects(expert_local, ps.get_expert_model_parallel_group()):
-        local.update(part)
+        full = _gather_tp(tensor.detach(), param, name, rank0_only)
+        if full is not None:
+            (expert_local if expert else local)[global_name(model, name)] = full.cpu()
+    if experts_copy and (not rank0_only or ps.get_expert_tensor_parallel_rank() == 0):
+        for part in _gather_objects(expert_local, ps.get_expert_model_parallel_group(), rank0_only):
+            local.update(part)
     merged: dict[str, torch.Tensor] = {}
-    for part in _gather_objects(local, ps.get_pipeline_model_parallel_group()):
-        merged.update(part)
-    return merged
+    if stage_sender:
+        for part in _gather_objects(local, ps.get_pipeline_model_parallel_group(), rank0_only):
+            merged.update(part)
+    return merged if not rank0_only or dist.get_rank() == 0 else {}
 
 
 def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor], strict: bool = True) -> list[str]:

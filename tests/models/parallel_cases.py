@@ -99,6 +99,15 @@ def max_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
+def rank0_only_agrees(model, everywhere: dict, select=None) -> bool:
+    """``gather_full(rank0_only=True)`` holds on rank 0 exactly what every rank gathers without it
+    (``everywhere``), and nothing elsewhere."""
+    only = layout.gather_full(model, select=select, rank0_only=True)
+    if dist.get_rank() != 0:
+        return only == {}
+    return set(only) == set(everywhere) and all(torch.equal(only[k], everywhere[k]) for k in everywhere)
+
+
 def case_tp(rank, world):
     m = tiny_model_config()
     tokens, positions = batch(0)
@@ -118,6 +127,7 @@ def case_tp(rank, world):
         "grads": grad_diff,
         "worst_grad": where,
         "n_params": len(grads),
+        "rank0_only": rank0_only_agrees(model, grads, select=lambda p: p.grad),
     }
 
 
@@ -144,6 +154,7 @@ def case_ep(rank, world, dispatcher):
         "logits": (logits.detach() - ref_logits).abs().max().item(),
         "expert_grads": expert_diff,
         "dense_grads": dense_diff,
+        "rank0_only": rank0_only_agrees(model, grads, select=lambda p: p.grad),
     }
 
 
@@ -200,6 +211,7 @@ def case_pp(rank, world):
         "worst_grad": where,
         "stage": ps.get_pipeline_model_parallel_rank(),
         "n_params": len(grads),
+        "rank0_only": rank0_only_agrees(model, grads, select=lambda p: p.grad),
     }
     if ps.is_pipeline_last_stage():
         out["loss"] = abs(sum(x["loss"].item() for x in losses) / n_micro - ref_loss)

@@ -51,3 +51,9 @@ def test_pipeline_parallel_matches_single_rank(results):
     for r in results:
         assert r["pp"]["grads"] <= TOL, r["pp"]
     assert [r["pp"]["loss"] <= TOL for r in results if "loss" in r["pp"]] == [True]
+
+
+def test_gather_to_rank_zero_only_holds_the_full_state_there_and_nothing_elsewhere(results):
+    """``gather_full(rank0_only=True)`` (what ``sao check`` saves) at TP=2, EP=2 with DP=2, PP=2."""
+    for r in results:
+        assert [r[case]["rank0_only"] for case in ("tp", "ep_allgather", "ep_alltoall", "pp")] == [True] * 4
