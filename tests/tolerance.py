@@ -33,6 +33,8 @@ gradient norm of tests/workers/test_workers.py): only gross errors are caught th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -63,3 +65,16 @@ def sum_atol(n: int, dtype: torch.dtype, abs_sum: float, *, term_ulps: float = 0
     if not abs_sum >= 0:
         raise ValueError(f"abs_sum is a sum of absolute values, got {abs_sum!r}")
     return sum_rtol(n, dtype, term_ulps=term_ulps) * abs_sum
+
+
+def log_softmax_atol(x: torch.Tensor) -> float:
+    """Bound on the difference of two float32 ``log_softmax`` implementations of ``x`` [..., V].
+
+    Both take ``x_y - (max + log sum_v exp(x_v - max))``. The sum has V terms, each <= 1: its relative
+    difference is ``sum_rtol(V)`` plus 2 ulps per ``exp`` (tests/tolerance.py), an absolute one after the
+    log. The 4 elementwise steps (``x - max``, ``log``, ``+ max``, ``x_y - logsumexp``) round at a
+    magnitude of at most ``2 (max|x| + log V)``, once in each implementation.
+    """
+    v = x.shape[-1]
+    eps = torch.finfo(torch.float32).eps
+    return sum_rtol(v, torch.float32, term_ulps=2) + 8 * eps * (x.abs().max().item() + math.log(v))
