@@ -14,6 +14,7 @@ from sao_megatron.config import (
     load_config,
 )
 from sao_megatron.models.counting import parameter_counts
+from sao_megatron.models.logprobs import CHUNK_ELEMENTS
 
 GiB = 2**30
 TINY = ModelConfig(
@@ -129,7 +130,7 @@ def test_memory_model_by_hand():
     cfg = load_config("configs/tiny_cpu.yaml", overrides)
     stages = plan.analytic_parameters(cfg.model, cfg.actor.parallel)
     n = sum(c for c, _ in stages[0].values())
-    mem = plan.role_memory(cfg, "actor", stages)
+    mem = plan.role_memory(cfg, "actor", stages, spec="te")
     assert mem.weights == 2 * n and mem.grads == 4 * n
     assert mem.optimizer == pytest.approx(12 * n / 4) and mem.optimizer_alt == 12 * n
     m, seq = cfg.model, 4096
@@ -139,7 +140,9 @@ def test_memory_model_by_hand():
     assert mem.activations == pytest.approx(per_layer * m.num_layers * micro_in_flight)
     recompute = 2 * seq * m.hidden_size * m.num_layers + per_layer
     assert mem.activations_alt == pytest.approx(recompute)
-    assert mem.logits == plan.LOGIT_BYTES * seq * m.vocab_size
+    # two bf16 logits-sized tensors, and two float32 chunks of the logprob function's work
+    assert mem.logits == plan.LOGIT_COPIES * 2 * seq * m.vocab_size + 2 * 4 * min(CHUNK_ELEMENTS, seq * m.vocab_size)
+    assert mem.scores == 0  # flash attention: no score tensors
     assert mem.total == pytest.approx(
         mem.weights + mem.grads + mem.optimizer + mem.activations + mem.logits + plan.RESERVED_GIB * GiB
     )

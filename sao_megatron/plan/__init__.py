@@ -17,7 +17,7 @@ Parameters per rank are counted two independent ways:
 
 from sao_megatron.plan.fit import Plan, PlanError, make_plan, role_nodes, uses_critic
 from sao_megatron.plan.memory import (
-    LOGIT_BYTES,
+    LOGIT_COPIES,
     RESERVED_GIB,
     EngineMemory,
     GiB,
@@ -31,7 +31,7 @@ from sao_megatron.plan.params import StageParams, analytic_parameters, stage_par
 from sao_megatron.plan.render import render, to_json
 
 __all__ = [
-    "LOGIT_BYTES",
+    "LOGIT_COPIES",
     "RESERVED_GIB",
     "EngineMemory",
     "GiB",

@@ -8,12 +8,16 @@ grads           trainable x 4 bytes (Megatron DDP ``grad_reduce_in_fp32=True``)
 optimizer       Adam: trainable x 12 bytes with bf16 (fp32 master, m, v), 8 with fp32 params;
                 the distributed optimizer divides dense params by DP x CP and expert params by
                 the expert-DP size ``world / (PP x EP x expert-TP)``
-activations     bf16 tensors saved for backward per layer and micro-batch (flash attention, no
-                s^2 term; SP splits the norm/residual tensors by TP), x layers per stage x
-                micro-batches in flight under 1F1B (``min(PP - stage, micro-batches)``); full
-                recompute keeps only each layer's input plus one layer's activations
-logits          last stage of the actor: ``[s*b/CP, V/TP]`` x 10 bytes (bf16 logits, fp32
-                copy, fp32 softmax saved by ``logprobs.vocab_parallel_logprobs``)
+activations     tensors saved for backward per layer and micro-batch (training dtype), x layers per
+                stage x micro-batches in flight under 1F1B (``min(PP - stage, micro-batches)``); full
+                recompute keeps only each layer's input plus one layer's activations. Two layer specs
+                (:func:`activation_bytes_per_layer`): Transformer Engine's on GPUs (flash attention,
+                no s^2 term; not yet measured) and the local spec on CPU (unfused; its fp32 attention
+                scores ``[b, a/TP, s, s]`` are saved per layer, checked against measurement by
+                ``tests/test_plan_measured.py``)
+logits          last stage of the actor: ``LOGIT_COPIES`` logits-sized tensors ``[s*b/CP, V/TP]`` in the
+                training dtype plus the logprob function's float32 chunk work; the peak holds the
+                larger of this and ``scores`` (unfused attention's workspace, which comes earlier)
 reserved        4 GiB: CUDA context, NCCL buffers, allocator fragmentation
 ==============  ============================================================================
 
@@ -39,41 +43,104 @@ from dataclasses import dataclass
 from sao_megatron.config import ModelConfig, ParallelConfig, SAOConfig
 from sao_megatron.models.builder import moe_layer_pattern
 from sao_megatron.models.counting import parameter_counts
+from sao_megatron.models.logprobs import CHUNK_ELEMENTS
 from sao_megatron.plan.params import StageParams, stage_parameters
 
 GiB = 2**30
 RESERVED_GIB = 4.0
 """CUDA context, NCCL buffers and allocator fragmentation per GPU."""
-LOGIT_BYTES = 10
-"""Per vocab-parallel logit element at the actor's last stage: bf16 logits + fp32 copy + fp32 probs."""
+LOGIT_COPIES = 2
+"""Logits-sized tensors in the training dtype live at once at the actor's last stage: the output layer's
+``[s, b, V/TP]`` result and its ``[b, s, V/TP]`` contiguous copy (Megatron's ``GPTModel`` output) in the
+forward; the copy (which :func:`~sao_megatron.models.logprobs.vocab_parallel_logprobs` saves) and its
+gradient in the backward; plus the logprob function's float32 work on one chunk of at most
+``CHUNK_ELEMENTS`` logits (two chunks when the logits are bf16: the converted chunk and its scaled copy;
+tests/models/test_logprobs_memory.py)."""
 
 
 def _is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-def activation_bytes_per_layer(m: ModelConfig, p: ParallelConfig, moe: bool, seq: int) -> float:
-    """bf16 bytes one layer saves for backward for one micro-batch on one rank (no recompute).
+def activation_bytes_per_layer(
+    m: ModelConfig, p: ParallelConfig, moe: bool, seq: int, spec: str = "te", dtype_bytes: int = 2
+) -> float:
+    """Bytes one layer saves for backward for one micro-batch on one rank (no recompute).
 
-    T = seq * micro_batch / CP tokens; tensors outside TP regions are split by TP under SP.
-    Attention: norm input and QKV input (2 T h), QKV output, q/k-norm outputs, RoPE'd q/k,
-    attention output ((a + 2g) + 2 (a + g) + a) T d / TP. Dense MLP: 2 T h + 3 T f / TP.
-    MoE: 2 T h + router logits/probs (fp32) + per routed token copy (T k / TP_sp x expert-TP
-    on average): its input and output (2 h) and 3 f_e / expert-TP; shared experts as dense."""
+    T = micro-batch tokens / CP; tensors outside TP regions are split by TP under SP (``sp``);
+    element counts below are multiplied by ``dtype_bytes`` (2 in bf16, 4 in fp32; router scores are
+    fp32 either way).
+
+    ``spec="te"`` (Transformer Engine: fused norms, flash attention, no s^2 term; not yet measured):
+    attention: norm input and QKV input (2 T h), QKV output, q/k-norm outputs, RoPE'd q/k, attention
+    output ((a + 2g) + 2 (a + g) + a) T d / TP. Dense MLP: 2 T h + 3 T f / TP. MoE: 2 T h + router
+    logits/probs + per routed token (T k / sp x expert-TP on average) its input and output (2 h) and
+    3 f_e / expert-TP; shared experts as dense.
+
+    ``spec="local"`` (Megatron-Core's local layer spec, unfused torch ops; counted tensor by tensor
+    from what autograd saves, checked against measurement by ``tests/test_plan_measured.py``):
+    each RMSNorm saves its input, its normalised input and the reciprocal RMS (2 h + 1 per token)
+    and the next linear its output (h); with q/k norm, q and its normalised copy, the QKV output
+    (which holds k) and normalised k, with their reciprocal RMS ((2a + (a + 2g) + g) d + a + g per
+    token / TP); core attention q, k and v with k and v expanded to all a heads (3 a d / TP) and the
+    output projection its input (a d / TP); the softmax output ``[b, a/TP, s, s]`` in fp32 (counted
+    by :func:`attention_score_bytes`, not here). MLP: the pre-MLP norm (2 h + 1), the first linear's
+    input (h), and per token through a SwiGLU of width f: the first linear's output (2 f), the
+    gate, up and activated halves (3 f) and the second linear's input (f); an expert also saves its
+    routing probability (1) per routed token, the router its fp32 logits (E per token) and the
+    dispatcher the permuted tokens (h per routed token)."""
     tp, etp = p.tensor_parallel, p.expert_tensor_parallel
     sp = tp if p.effective_sequence_parallel else 1
     t = micro_tokens(p, seq) / p.context_parallel
     h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
-    elems = 2 * t * h / sp + t * d * ((a + 2 * g) + 2 * (a + g) + a) / tp
+    if spec == "te":
+        elems = 2 * t * h / sp + t * d * ((a + 2 * g) + 2 * (a + g) + a) / tp
+        if moe:
+            routed = t / sp * m.moe_router_topk * etp
+            elems += 2 * t * h / sp + 4 * t * m.num_experts / sp  # fp32 logits and probs, in bf16 units
+            elems += routed * (2 * h + 3 * m.moe_ffn_hidden_size / etp)
+            if m.moe_shared_expert_intermediate_size:
+                elems += t * h / sp + 3 * t * m.moe_shared_expert_intermediate_size / tp
+        else:
+            elems += 2 * t * h / sp + 3 * t * m.ffn_hidden_size / tp
+        return 2.0 * elems * dtype_bytes / 2
+    if spec != "local":
+        raise ValueError(f"spec={spec!r}: expected 'te' or 'local'")
+    norm = 2 * h + 1
+    elems = t * (norm + h) / sp  # input norm, QKV input
+    if m.qk_layernorm:
+        elems += t * ((2 * a + (a + 2 * g) + g) * d + a + g) / tp
+    elems += t * 4 * a * d / tp  # core attention q, k, v (all heads), output projection input
+    elems += t * (norm + h) / sp  # pre-MLP norm, first linear's (or router's) input
+    swiglu = 6  # per unit of width: 2 f first output, 3 f gate/up/activated, f second input
     if moe:
         routed = t / sp * m.moe_router_topk * etp
-        elems += 2 * t * h / sp + 4 * t * m.num_experts / sp  # fp32 logits and probs, in bf16 units
-        elems += routed * (2 * h + 3 * m.moe_ffn_hidden_size / etp)
+        fp32 = 4 / dtype_bytes
+        elems += fp32 * t * m.num_experts / sp
+        elems += routed * (h + swiglu * m.moe_ffn_hidden_size / etp + 1)
         if m.moe_shared_expert_intermediate_size:
-            elems += t * h / sp + 3 * t * m.moe_shared_expert_intermediate_size / tp
+            elems += t * swiglu * m.moe_shared_expert_intermediate_size / tp
     else:
-        elems += 2 * t * h / sp + 3 * t * m.ffn_hidden_size / tp
-    return 2.0 * elems
+        elems += t * swiglu * m.ffn_hidden_size / tp
+    return elems * dtype_bytes
+
+
+def attention_score_bytes(m: ModelConfig, p: ParallelConfig, seq: int) -> float:
+    """fp32 bytes of one ``[rows, a/TP, s, s]`` attention score tensor of one micro-batch under the
+    local spec's unfused attention (rows x length: the micro-batch's full-length rows, or one packed
+    row of the token budget)."""
+    if p.max_tokens_per_micro_batch:
+        rows, length = 1, micro_tokens(p, seq)
+    else:
+        rows, length = p.micro_batch_size, seq
+    return 4.0 * rows * m.num_attention_heads / p.tensor_parallel * (length / p.context_parallel) * length
+
+
+SCORE_WORKSPACE = 4
+"""Score-sized tensors the local spec's attention holds beyond the saved softmaxes while a layer computes
+its own: at that peak five (the scores ``baddbmm`` writes, Megatron's global score buffer, and the
+copies made for the mask and the scaling; counted in tests/test_plan_measured.py's long-sequence case),
+one of them in place of the layer's own softmax, which the per-layer activations already count."""
 
 
 @dataclass
@@ -95,11 +162,22 @@ class RoleMemory:
     activations_alt: float
     """Activations with the other ``recompute_activations`` setting."""
     logits: float
+    """The logits step (last stage of the actor): live after the layers' forward, with their activations."""
+    scores: float
+    """Unfused attention's score workspace while one layer computes its softmax (local spec), with the
+    earlier layers' activations; before the logits exist, so the peak holds the larger of the two."""
     reserved: float
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reserved
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + max(self.logits, self.scores)
+            + self.reserved
+        )
 
 
 def _layout(p: ParallelConfig) -> str:
@@ -117,55 +195,80 @@ def micro_tokens(p: ParallelConfig, seq: int) -> int:
     return seq * p.micro_batch_size
 
 
-def role_memory(cfg: SAOConfig, role: str, stages: list[StageParams]) -> RoleMemory:
-    """Memory per GPU of ``role`` (``actor`` or ``critic``) from its per-stage parameters."""
+def micro_batches_per_step(cfg: SAOConfig, role: str) -> int:
+    """Micro-batches per rank per step at full-length sequences: ``ceil(batch x seq / (micro tokens x DP))``."""
+    p = getattr(cfg, role).parallel
+    seq = cfg.rollout.loop.max_context_tokens
+    return math.ceil(cfg.algo.batch_size * seq / (micro_tokens(p, seq) * p.data_parallel))
+
+
+def plan_spec(cfg: SAOConfig) -> str:
+    """The layer spec a run builds: Transformer Engine's on GPUs (the builder takes it where TE is
+    installed, which a GPU cluster image is assumed to have), the local spec on CPU."""
+    return "te" if cfg.cluster.gpus_per_node else "local"
+
+
+def stage_memory(cfg: SAOConfig, role: str, stage: int, params: StageParams, spec: str | None = None) -> RoleMemory:
+    """Memory per GPU of a rank of pipeline ``stage`` of ``role`` (``actor`` or ``critic``); ``spec``
+    (``te`` or ``local``) defaults to :func:`plan_spec`."""
     rc = getattr(cfg, role)
     p, m = rc.parallel, cfg.model
+    spec = spec or plan_spec(cfg)
     seq = cfg.rollout.loop.max_context_tokens
-    pp, dp = p.pipeline_parallel, p.data_parallel
+    pp = p.pipeline_parallel
     dense_shard = p.world_size // (p.tensor_parallel * pp)  # DP x CP
     expert_shard = p.world_size // (pp * p.expert_parallel * p.expert_tensor_parallel)
     state_bytes = 12 if rc.bf16 else 8
-    micro = math.ceil(cfg.algo.batch_size * seq / (micro_tokens(p, seq) * dp))
+    dtype_bytes = 2 if rc.bf16 else 4
+    micro = micro_batches_per_step(cfg, role)
     per_stage = m.num_layers // pp
     pattern = moe_layer_pattern(m)
-    worst = None
-    for s, params in enumerate(stages):
-        total = sum(n for n, _ in params.values())
-        trainable = {k: n for k, (n, t) in params.items() if t}
-        expert = sum(n for k, n in trainable.items() if _is_expert(k))
-        dense = sum(trainable.values()) - expert
-        opt_dist = state_bytes * (dense / dense_shard + expert / expert_shard)
-        opt_full = state_bytes * (dense + expert)
-        layers = [activation_bytes_per_layer(m, p, bool(pattern[s * per_stage + i]), seq) for i in range(per_stage)]
-        layer_input = 2.0 * micro_tokens(p, seq) / p.context_parallel * m.hidden_size
-        layer_input /= p.tensor_parallel if p.effective_sequence_parallel else 1
-        in_flight = min(pp - s, micro)
-        full = sum(layers) * in_flight
-        recompute = layer_input * per_stage * in_flight + max(layers)
-        logits = 0.0
-        if s == pp - 1 and role == "actor":
-            logits = LOGIT_BYTES * micro_tokens(p, seq) / p.context_parallel * m.vocab_size / p.tensor_parallel
-        mem = RoleMemory(
-            role=role,
-            gpus=p.world_size,
-            layout=_layout(p),
-            stage=s,
-            params=total,
-            trainable=sum(trainable.values()),
-            weights=total * (2 if rc.bf16 else 4),
-            grads=4.0 * sum(trainable.values()),
-            optimizer=opt_dist if p.use_distributed_optimizer else opt_full,
-            optimizer_alt=opt_full if p.use_distributed_optimizer else opt_dist,
-            activations=recompute if p.recompute_activations else full,
-            activations_alt=full if p.recompute_activations else recompute,
-            logits=logits,
-            reserved=RESERVED_GIB * GiB,
-        )
-        if worst is None or mem.total > worst.total:
-            worst = mem
-    assert worst is not None, f"{role}: no pipeline stages"
-    return worst
+    total = sum(n for n, _ in params.values())
+    trainable = {k: n for k, (n, t) in params.items() if t}
+    expert = sum(n for k, n in trainable.items() if _is_expert(k))
+    dense = sum(trainable.values()) - expert
+    opt_dist = state_bytes * (dense / dense_shard + expert / expert_shard)
+    opt_full = state_bytes * (dense + expert)
+    score = attention_score_bytes(m, p, seq) if spec == "local" else 0.0
+    layers = [
+        activation_bytes_per_layer(m, p, bool(pattern[stage * per_stage + i]), seq, spec, dtype_bytes) + score
+        for i in range(per_stage)
+    ]
+    layer_input = dtype_bytes * micro_tokens(p, seq) / p.context_parallel * m.hidden_size
+    layer_input /= p.tensor_parallel if p.effective_sequence_parallel else 1
+    in_flight = min(pp - stage, micro)
+    full = sum(layers) * in_flight
+    recompute = layer_input * per_stage * in_flight + max(layers)
+    logits = 0.0
+    if stage == pp - 1 and role == "actor":
+        elements = micro_tokens(p, seq) / p.context_parallel * m.vocab_size / p.tensor_parallel
+        chunks = 1 if dtype_bytes == 4 else 2
+        logits = LOGIT_COPIES * dtype_bytes * elements + chunks * 4 * min(CHUNK_ELEMENTS, elements)
+    return RoleMemory(
+        role=role,
+        gpus=p.world_size,
+        layout=_layout(p),
+        stage=stage,
+        params=total,
+        trainable=sum(trainable.values()),
+        weights=total * dtype_bytes,
+        grads=4.0 * sum(trainable.values()),
+        optimizer=opt_dist if p.use_distributed_optimizer else opt_full,
+        optimizer_alt=opt_full if p.use_distributed_optimizer else opt_dist,
+        activations=recompute if p.recompute_activations else full,
+        activations_alt=full if p.recompute_activations else recompute,
+        logits=logits,
+        scores=SCORE_WORKSPACE * score,
+        reserved=RESERVED_GIB * GiB,
+    )
+
+
+def role_memory(cfg: SAOConfig, role: str, stages: list[StageParams], spec: str | None = None) -> RoleMemory:
+    """Memory per GPU of ``role`` (``actor`` or ``critic``) at its worst pipeline stage."""
+    if not stages:
+        raise ValueError(f"{role}: no pipeline stages")
+    per_stage = (stage_memory(cfg, role, s, params, spec) for s, params in enumerate(stages))
+    return max(per_stage, key=lambda mem: mem.total)
 
 
 @dataclass

@@ -59,7 +59,9 @@ def render(plan: Plan) -> str:
         "",
         f"GPU memory {c.gpu_memory_gb:g} GB (GiB) per GPU, {c.gpus_per_node} GPUs per node; "
         f"{RESERVED_GIB:g} GB reserved per training GPU; optimizer/activations in parentheses: the "
-        "other use_distributed_optimizer / recompute_activations setting. Sync s/step: weight sync/step "
+        "other use_distributed_optimizer / recompute_activations setting. Total: the larger of the logits "
+        "and, on CPU's local layer spec, the attention-score workspace "
+        f"({max((r.scores for r in plan.roles), default=0) / GiB:,.1f} GB). Sync s/step: weight sync/step "
         f"at rollout.weight_sync_gb_per_s = {cfg.rollout.weight_sync_gb_per_s:g} GB/s (engines paused meanwhile; "
         "measure it with benchmarks/bench_weight_sync.py).",
     ]

@@ -1,0 +1,142 @@
+"""Measured per-rank memory of one real actor step, for comparison with ``sao plan`` (tests/test_plan_measured.py).
+
+Each rank builds the actor role exactly as a run does (:func:`build_actor_role`, the configured layout),
+runs one step (forward, backward over the planned micro-batches, optimizer step) to create the
+optimizer's state, then measures a second step under :class:`PeakTracker`: a dispatch mode that
+follows every tensor created inside it by its storage, so the figures are tensor bytes, not RSS
+(torch's ``MemTracker`` does the same but its module hooks call ``module.buffers()``, which Megatron's
+DDP wrapper replaces by a list). The
+memory that exists before the step (weights, the DDP gradient buffers, the optimizer's state) is
+counted from the tensors themselves and registered with the tracker, whose peak then holds them plus
+everything the step allocates on top (activations, logits, their gradients, temporaries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from sao_megatron.batch import MicroBatch
+from sao_megatron.config import SAOConfig
+
+
+class PeakTracker(TorchDispatchMode):
+    """Live bytes of the storages it knows (registered with :meth:`track`, or created by an op inside
+    the mode) and their peak; a storage counts once however many views it has, and leaves when freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if not key or key in self.live:
+                continue
+            self.live[key] = storage.nbytes()
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(*(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
+        return out
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _optimizer_state(optimizer) -> list[torch.Tensor]:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    out = []
+    for opt in inner:
+        torch_opt = getattr(opt, "optimizer", opt)
+        for state in torch_opt.state.values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        # Megatron's mixed-precision optimizers keep fp32 main copies beside the model's params
+        for group in getattr(opt, "shard_fp32_from_float16_groups", []) or []:
+            out += list(group)
+        for group in getattr(opt, "fp32_from_float16_groups", []) or []:
+            out += list(group)
+    return out
+
+
+def _grad_buffers(model) -> list[torch.Tensor]:
+    out = []
+    for buffer in list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers", [])):
+        out.append(buffer.grad_data)
+    return out
+
+
+def _micro_batch(vocab: int, rows: int, tokens: int, segments: int, g: torch.Generator) -> MicroBatch:
+    """``[rows, tokens]`` random tokens; ``segments`` > 1: one packed row of that many equal sequences."""
+    ids = torch.randint(0, vocab, (rows, tokens), generator=g)
+    if segments <= 1:
+        return MicroBatch.of_tokens(ids)
+    length = tokens // segments
+    seg = torch.arange(tokens) // length
+    positions = (torch.arange(tokens) % length).unsqueeze(0)
+    cu = torch.arange(0, tokens + 1, length, dtype=torch.int32)
+    return dataclasses.replace(MicroBatch.of_tokens(ids, positions), segment_ids=seg.unsqueeze(0), cu_seqlens=cu)
+
+
+def measure_actor_step(rank: int, world: int, cfg: SAOConfig, micro_shapes: list[tuple[int, int, int]]) -> dict:
+    """This rank's memory (bytes) for one actor step over micro-batches of ``(rows, tokens, segments)``
+    (``segments`` > 1: one packed row)."""
+    from megatron.core import parallel_state as ps
+
+    from sao_megatron.models.logprobs import vocab_parallel_logprobs
+    from sao_megatron.parallel import initialize_model_parallel, seed_everything
+    from sao_megatron.workers.role import build_actor_role
+
+    initialize_model_parallel(cfg.actor.parallel)
+    seed_everything(cfg.run.seed)
+    role = build_actor_role(cfg.model, cfg.actor)
+    g = torch.Generator().manual_seed(rank)
+    micro = [_micro_batch(cfg.model.vocab_size, *shape, g) for shape in micro_shapes]
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs, _ = vocab_parallel_logprobs(logits, mb.labels, ps.get_tensor_model_parallel_group())
+        return -logprobs.mean() / len(micro), {}
+
+    role.forward_backward(micro, loss_fn)
+    role.step()
+    module = role.module
+    weights = _storage_bytes(p for p in module.parameters())
+    grads = _storage_bytes(_grad_buffers(role.model))
+    optimizer = _storage_bytes(_optimizer_state(role.optimizer))
+    tracker = PeakTracker()
+    # registered first, so in-place updates of them (zeroed grads, the optimizer step) are not new memory
+    tracker.track(*module.parameters(), *_grad_buffers(role.model), *_optimizer_state(role.optimizer))
+    with tracker:
+        role.forward_backward(micro, loss_fn)
+        role.step()
+    peak = tracker.peak
+    return {
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optimizer,
+        "total": peak,
+        "beyond_state": peak - weights - grads - optimizer,
+    }
