@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from sao_megatron.config import ConfigError, ModelConfig, ParallelConfig
+from sao_megatron.models.layout import check_expert_tp_attributes
 
 
 def have_transformer_engine() -> bool:
@@ -279,7 +280,7 @@ def build_gpt(
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    return GPTModel(
+    model = GPTModel(
         config=config,
         # GPTModel annotates a ModuleSpec but hands it to TransformerBlock, which takes a block spec too.
         transformer_layer_spec=layer_spec(config),  # pyright: ignore[reportArgumentType]
@@ -293,6 +294,8 @@ def build_gpt(
         rotary_base=int(m.rope_theta),
         parallel_output=True,
     )
+    check_expert_tp_attributes(model, p.expert_tensor_parallel)
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:

@@ -96,6 +96,28 @@ def _is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+_EXPERT_WEIGHT_RE = re.compile(r"\.experts\..*linear_fc[12]\.weight\d*$")
+
+
+def check_expert_tp_attributes(model: torch.nn.Module, expert_tensor_parallel: int) -> None:
+    """With expert TP > 1 every expert weight is split over the expert-TP group, and what reads
+    shards (:func:`shard`, :func:`gather_full`, the HF export and weight sync) learns that from
+    Megatron's ``tensor_model_parallel`` and ``partition_dim`` attributes on the tensor. A weight
+    without them (layer implementations that do not set them, e.g. possibly Transformer Engine's
+    grouped GEMM) would pass as replicated: export and sync would write one rank's slice as the
+    whole tensor. Raise, naming it, instead."""
+    if expert_tensor_parallel <= 1:
+        return
+    for name, param in unwrap(model).named_parameters():
+        if _EXPERT_WEIGHT_RE.search(name) and not (_is_tp_sharded(param) and hasattr(param, "partition_dim")):
+            raise RuntimeError(
+                f"expert weight {name!r} lacks Megatron's tensor_model_parallel/partition_dim attributes, but "
+                f"parallel.expert_tensor_parallel={expert_tensor_parallel} splits it; export and weight sync "
+                "would take one rank's slice for the whole tensor. Set expert_tensor_parallel=1 for this "
+                "layer implementation"
+            )
+
+
 def partition_dim(param: torch.Tensor) -> int:
     """The dimension a TP-sharded parameter is split along (set by Megatron on the tensor)."""
     return int(param.partition_dim)  # pyright: ignore[reportAttributeAccessIssue]  # Megatron's runtime attribute

@@ -1,4 +1,5 @@
-"""``layout.gather_full`` gathers shards on their own device.
+"""``layout.gather_full`` gathers shards on their own device; expert weights that expert TP splits
+must say so (their ``tensor_model_parallel`` / ``partition_dim`` attributes).
 
 No GPU here: the device test runs under ``FakeTensorMode`` (tensors with a device and a shape, no
 data), so a parameter can sit on ``cuda`` on this CPU machine, with recording stand-ins for the
@@ -72,3 +73,31 @@ def test_shards_are_gathered_on_their_device_and_the_full_tensors_returned_on_cp
         "output_layer.weight": ((8, 3), "cpu"),  # two [4, 3] shards along dim 0
         "norm": ((3,), "cpu"),
     }
+
+
+def test_an_expert_weight_without_tp_attributes_is_refused_when_expert_tp_splits_it():
+    """A fake model named like TE's grouped GEMM experts (``...experts.linear_fc1.weight<i>``)."""
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.experts = torch.nn.Module()
+    model.decoder.experts.linear_fc1 = torch.nn.Module()
+    weights = [torch.nn.Parameter(torch.zeros(4, 2)) for _ in range(2)]
+    weights[0].tensor_model_parallel, weights[0].partition_dim = True, 0  # weight1 lacks them
+    for i, w in enumerate(weights):
+        model.decoder.experts.linear_fc1.register_parameter(f"weight{i}", w)
+    model.decoder.norm = torch.nn.Parameter(torch.zeros(2))  # not an expert weight: replicated is fine
+
+    with pytest.raises(RuntimeError) as err:
+        layout.check_expert_tp_attributes(model, expert_tensor_parallel=2)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "expert weight 'decoder.experts.linear_fc1.weight1' lacks Megatron's tensor_model_parallel/partition_dim"
+    )
+    assert "expert_tensor_parallel=2" in message
+    layout.check_expert_tp_attributes(model, expert_tensor_parallel=1)  # nothing is split: nothing to say
+    weights[1].tensor_model_parallel = True  # the flag without the dimension is as bad
+    with pytest.raises(RuntimeError, match="'decoder.experts.linear_fc1.weight1'"):
+        layout.check_expert_tp_attributes(model, expert_tensor_parallel=2)
+    weights[1].partition_dim = 0
+    layout.check_expert_tp_attributes(model, expert_tensor_parallel=2)
