@@ -30,22 +30,28 @@ class ValueHead(torch.nn.Module):
     head's gradient identical on all TP ranks. Every TP rank then computes the same full-sequence
     loss, so the gather's backward keeps each rank's own sequence chunk of the gradient (a
     reduce-scatter would count the loss TP times and scale the trunk's gradient by TP).
+
+    The head is float32 whatever the trunk's dtype, and so is its matmul (a bf16 trunk's hidden
+    states are cast up first): a value is one dot product over ``hidden_size`` terms, which bf16
+    (8 mantissa bits) would round to about 3 significant digits, and the head is ``hidden_size + 1``
+    parameters. Megatron's bf16 optimizers keep float32 parameters as they are (no master copy).
     """
 
-    def __init__(self, hidden_size: int, sequence_parallel: bool, init: str = "zero", dtype=torch.float32):
+    def __init__(self, hidden_size: int, sequence_parallel: bool, init: str = "zero"):
         super().__init__()
         self.sequence_parallel = sequence_parallel
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=torch.float32))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32))
         if init == "normal":
             torch.nn.init.normal_(self.weight, std=hidden_size**-0.5)
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None, **kwargs):
+        """Values ``[s, b, 1]`` in float32 from hidden states ``[s, b, h]`` of any dtype."""
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
-        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+        return torch.nn.functional.linear(hidden_states.float(), self.weight, self.bias), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -63,9 +69,8 @@ def build_critic(
     """The actor's model with ``output_layer`` replaced by a value head, then frozen per ``c``."""
     model = build_gpt(m, p, bf16=c.bf16, pre_process=pre_process, post_process=post_process)
     if model.post_process:
-        dtype = torch.bfloat16 if c.bf16 else torch.float32
         # A duck-typed stand-in for the LM head that GPTModel's annotation does not foresee.
-        head = ValueHead(m.hidden_size, p.effective_sequence_parallel, c.value_head_init, dtype)
+        head = ValueHead(m.hidden_size, p.effective_sequence_parallel, c.value_head_init)
         model.output_layer = head  # pyright: ignore[reportAttributeAccessIssue]
     freeze(model, c.freeze_patterns, c.train_patterns)
     return model
