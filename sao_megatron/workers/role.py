@@ -278,8 +278,9 @@ def module_group_grad_norms(module: torch.nn.Module, optimizer) -> dict[str, flo
 
     Reads the reduced gradients the optimizer is about to use (before clipping). Sums of squares
     are summed over all ranks; TP-duplicated parameters count once (as in Megatron's global norm);
-    full DP replicas are divided out (dense: DP size, experts: expert-DP size); distributed
-    optimizer shards are disjoint and need no division. Frozen parameters have no gradient.
+    full replicas are divided out (dense: DP x CP size, as context-parallel ranks hold the same
+    reduced gradient; experts: expert-DP size, which includes CP); distributed optimizer shards
+    are disjoint and need no division. Frozen parameters have no gradient.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -298,7 +299,7 @@ def module_group_grad_norms(module: torch.nn.Module, optimizer) -> dict[str, flo
         sums[1, i] += grad.numel()
     replicas = torch.ones(len(names), dtype=torch.float64)
     if not sharded:
-        replicas[:] = ps.get_data_parallel_world_size()
+        replicas[:] = ps.get_data_parallel_world_size(with_context_parallel=True)
         replicas[names.index("experts")] = ps.get_expert_data_parallel_world_size()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)

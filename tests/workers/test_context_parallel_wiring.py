@@ -58,3 +58,51 @@ def test_a_cp_role_without_transformer_engine_is_refused_with_the_fix():
         r"set critic\.parallel\.context_parallel=1",
     ):
         check_context_parallel(ParallelConfig(world_size=2, context_parallel=2), "critic")
+
+
+class _ReplicatedGrads:
+    """A stand-in for Megatron's non-distributed optimizer: its parameters' reduced gradients as the
+    DP x CP all-reduce leaves them, the same on every rank."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.param_groups = [{"params": params}]
+
+    def prepare_grads(self) -> None:
+        pass
+
+
+def case_group_norms_of_replicas(rank, world, layout: str):
+    from sao_megatron.parallel import initialize_model_parallel
+    from sao_megatron.workers.role import module_group_grad_norms
+
+    cp = 2 if layout == "cp2" else 1
+    initialize_model_parallel(ParallelConfig(world_size=2, context_parallel=cp))
+    module = torch.nn.Module()
+    module.layer = torch.nn.Module()
+    module.layer.dense = torch.nn.Parameter(torch.zeros(3, 5))
+    module.layer.experts = torch.nn.Module()
+    module.layer.experts.weight = torch.nn.Parameter(torch.zeros(4, 2))
+    g = torch.Generator().manual_seed(0)  # the same reduced gradient on every rank
+    for p in module.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    norms = module_group_grad_norms(module, _ReplicatedGrads(list(module.parameters())))
+    return {
+        "norms": norms,
+        "one_copy": {
+            "grad_norm/other": module.layer.dense.grad.double().norm().item(),
+            "grad_norm/experts": module.layer.experts.weight.grad.double().norm().item(),
+        },
+    }
+
+
+@pytest.mark.parametrize("layout", ["cp2", "dp2"])
+def test_group_grad_norms_count_each_replicated_gradient_once(layout):
+    """Without the distributed optimizer every DP and CP rank holds the whole reduced gradient: the
+    per-group norms divide the summed squares by DP x CP (expert DP, which includes CP, for experts),
+    so they equal one copy's norm whatever the layout: float64 sums of at most 2 x 15 squares (two
+    ranks' shares) against one of 15, in another order."""
+    from tests.tolerance import sum_rtol
+
+    for r in run_distributed(case_group_norms_of_replicas, 2, layout):
+        for key, one_copy in r["one_copy"].items():
+            assert r["norms"][key] == pytest.approx(one_copy, rel=sum_rtol(2 * 15, torch.float64)), (key, r)
