@@ -1,7 +1,7 @@
-"""``sao plan``'s per-rank memory against the memory one real actor step takes (issue 29).
+"""``sao plan``'s per-rank memory against the memory one real training step takes (issue 29).
 
 Each case is a configuration a user runs, at CPU size: the tiny MoE (float32, the local layer spec),
-one real actor step at the case's layout and shape, measured by tests/plan_memory_cases.py (tensor
+one real actor (or critic) step at the case's layout and shape, measured by :mod:`sao_megatron.plan.measure` (tensor
 bytes of every storage, not RSS). The plan's figure for the rank's pipeline stage (weights, grads,
 optimizer, activations, logits; not the fixed 4 GiB reserve) must be within ``TOL`` of the measured peak
 on every rank. All cases share one spawned 2-rank world.
@@ -18,10 +18,10 @@ import dataclasses
 import pytest
 
 from sao_megatron.config import ParallelConfig, SAOConfig, load_config
+from sao_megatron.plan.measure import measure_role_step
 from sao_megatron.plan.memory import micro_batches_per_step, stage_memory
 from sao_megatron.plan.params import stage_parameters
 from tests.distributed import run_distributed
-from tests.plan_memory_cases import measure_actor_step
 
 TOL = 0.15
 """The issue's bound: a plan within 15% of the measured peak is good enough to choose a layout."""
@@ -34,11 +34,13 @@ def _config(seq: int, parallel: dict, model: dict | None = None, micro: int = 2,
     such that every rank runs ``micro`` micro-batches."""
     cfg = load_config()
     p = ParallelConfig(world_size=2, **parallel)
+    critic = dataclasses.replace(cfg.critic, parallel=p, bf16=bf16)
     per_micro = p.max_tokens_per_micro_batch // seq if p.max_tokens_per_micro_batch else p.micro_batch_size
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, **(model or {})),
         actor=dataclasses.replace(cfg.actor, parallel=p, bf16=bf16),
+        critic=critic,
         algo=dataclasses.replace(cfg.algo, batch_size=micro * per_micro * p.data_parallel),
         rollout=dataclasses.replace(cfg.rollout, loop=dataclasses.replace(cfg.rollout.loop, max_context_tokens=seq)),
     )
@@ -54,6 +56,9 @@ CASES: dict[str, SAOConfig] = {
     "large-vocab": _config(256, {"micro_batch_size": 2}, model={"vocab_size": 32768}),
     "bf16": _config(256, {"micro_batch_size": 2}, bf16=True),
 }
+ROLES = {name: "actor" for name in CASES}
+CASES["critic-tp2"] = _config(256, {"tensor_parallel": 2, "micro_batch_size": 2})
+ROLES["critic-tp2"] = "critic"
 
 
 def _shapes(cfg: SAOConfig) -> list[tuple[int, int, int]]:
@@ -66,7 +71,7 @@ def _shapes(cfg: SAOConfig) -> list[tuple[int, int, int]]:
 
 
 def _all_cases(rank: int, world: int) -> dict:
-    return {name: measure_actor_step(rank, world, cfg, _shapes(cfg)) for name, cfg in CASES.items()}
+    return {name: measure_role_step(rank, world, cfg, ROLES[name], _shapes(cfg)) for name, cfg in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +79,10 @@ def measured():
     return run_distributed(_all_cases, 2, timeout_s=900)
 
 
-def _planned(cfg: SAOConfig, stage: int) -> dict:
-    p = cfg.actor.parallel
-    mem = stage_memory(cfg, "actor", stage, stage_parameters(cfg.model, p, stage))
+def _planned(cfg: SAOConfig, role: str, stage: int) -> dict:
+    rc = getattr(cfg, role)
+    critic = rc if role == "critic" else None
+    mem = stage_memory(cfg, role, stage, stage_parameters(cfg.model, rc.parallel, stage, critic))
     parts = {k: getattr(mem, k) for k in ("weights", "grads", "optimizer", "activations", "logits", "scores")}
     return {**parts, "total": mem.total - mem.reserved}
 
@@ -86,7 +92,7 @@ def test_plan_within_15_percent_of_measured(measured, case):
     rows = []
     for rank, ranks in enumerate(measured):
         got = ranks[case]
-        plan = _planned(CASES[case], got["stage"])
+        plan = _planned(CASES[case], ROLES[case], got["stage"])
         rows.append((rank, got, plan))
     table = "\n".join(
         f"{case} rank {rank} stage {got['stage']}: measured {got['total'] / MiB:.2f} MiB "

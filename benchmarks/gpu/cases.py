@@ -416,3 +416,86 @@ def _time_critic(spec: dict, cfg: SAOConfig, batch: TrainBatch) -> dict:
         out["critic_step_s"].append(_timed(step))
     out["critic_peak_gib"] = _memory_gib()
     return out
+
+
+def _old_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The logprob algorithm before issue 29 (single rank): a float32 copy, ``exp`` and the softmax as
+    full-size tensors, the softmax saved for backward. Kept here only as the GPU check's baseline."""
+    x = logits.float()
+    shifted = x - x.max(dim=-1, keepdim=True).values
+    exp = torch.exp(shifted)
+    probs = exp / exp.sum(dim=-1, keepdim=True)
+    logp = torch.log(probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    _entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1).detach()  # the old path computed it too
+    return logp
+
+
+def _logprob_peak(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shape: list[int], bf16: bool) -> float:
+    """Peak bytes per logit beyond the logits themselves for one forward and backward of ``fn``."""
+    from sao_megatron.plan.measure import PeakTracker
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens, vocab = shape
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    logits = torch.randn(1, tokens, vocab, device=device, dtype=dtype).requires_grad_(True)
+    labels = torch.randint(0, vocab, (1, tokens), device=device)
+    numel = logits.numel()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(logits, labels).sum().backward()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+    else:
+        tracker = PeakTracker()
+        tracker.track(logits, labels)  # there before: a view of them is not new memory
+        with tracker:
+            fn(logits, labels).sum().backward()
+        extra = tracker.peak - tracker.live_bytes_of(logits, labels)
+    del logits, labels
+    _release()
+    return extra / numel
+
+
+def memory_case(rank: int, world: int, spec: dict) -> dict:
+    """The logprob function's peak beyond the logits (ours vs :func:`_old_logprobs`), then one actor and
+    one critic step at ``spec``'s shape (distributed optimizer, one rank) measured by
+    :func:`sao_megatron.plan.measure.measure_role_step` beside ``sao plan``'s figure for the same config
+    (local layer spec: what this check builds)."""
+    from sao_megatron.models.logprobs import CHUNK_ELEMENTS, vocab_parallel_logprobs
+    from sao_megatron.plan.measure import measure_role_step
+    from sao_megatron.plan.memory import stage_memory
+    from sao_megatron.plan.params import stage_parameters
+
+    bf16 = spec["bf16"]
+    count = math.prod(spec["logits"])
+    # at least 8 chunks, as at GPU size (1.2e9 logits / 2**24 per chunk = 74): the CPU smoke is small
+    chunk = min(CHUNK_ELEMENTS, count // 8)
+    out: dict = {"logits": spec["logits"], "logits_count": count, "chunk_elements": chunk}
+    out["logprob_bytes_per_logit"] = {
+        "ours": _logprob_peak(
+            lambda x, y: vocab_parallel_logprobs(x, y, chunk_elements=chunk)[0], spec["logits"], bf16
+        ),
+        "old": _logprob_peak(_old_logprobs, spec["logits"], bf16),
+    }
+    cfg = run_config(spec, bf16=bf16)
+    seq = spec["seq"]
+    parallel = dataclasses.replace(cfg.actor.parallel, micro_batch_size=1, use_distributed_optimizer=True)
+    cfg = dataclasses.replace(
+        cfg,
+        actor=dataclasses.replace(cfg.actor, parallel=parallel),
+        critic=dataclasses.replace(cfg.critic, parallel=parallel),
+        algo=dataclasses.replace(cfg.algo, batch_size=2),
+        rollout=dataclasses.replace(cfg.rollout, loop=dataclasses.replace(cfg.rollout.loop, max_context_tokens=seq)),
+    )
+    out["step_logits_count"] = seq * cfg.model.vocab_size
+    for role in ("actor", "critic"):
+        got = measure_role_step(rank, world, cfg, role, [(1, seq, 1)] * 2)
+        rc = getattr(cfg, role)
+        plan = stage_memory(
+            cfg, role, 0, stage_parameters(cfg.model, rc.parallel, 0, rc if role == "critic" else None), "local"
+        )
+        out[role] = {"measured_bytes": got["total"], "plan_bytes": plan.total - plan.reserved, **got}
+        _release()
+    return out

@@ -6,6 +6,9 @@
 Sections (each is measured, skipped with a reason, or failed with the error; all appear in the JSON):
 
 - ``environment``: versions (torch, CUDA, megatron-core, Transformer Engine), the device.
+- ``memory``: the logprob function's peak bytes per logit beyond the logits (ours vs the algorithm
+  before issue 29) at 1.2e9 logits, and one actor and one critic step (distributed optimizer, local
+  spec) at 8,192 tokens x 151,936 vocabulary: ``torch.cuda.max_memory_allocated`` vs ``sao plan``.
 - ``matmul_peak``: bf16 ``8192^3`` products, TFLOP/s (``peak.py``); the MFU denominator.
 - ``layout``: a ragged batch (odd lengths, 1-token actions, many turns) through the real
   ``ActorWorker`` (logprobs, update, logprobs) and ``CriticWorker`` (values, update) on a
@@ -39,12 +42,16 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-SECTIONS = ("environment", "matmul_peak", "layout", "te_vs_local", "moe_1b")
+SECTIONS = ("environment", "memory", "matmul_peak", "layout", "te_vs_local", "moe_1b")
 MIN_SECONDS = {  # what a section needs at the least (start-up of a spawned world included)
-    "gpu": {"environment": 1, "matmul_peak": 10, "layout": 60, "te_vs_local": 45, "moe_1b": 90},
-    "cpu-smoke": {"environment": 1, "matmul_peak": 0, "layout": 20, "te_vs_local": 0, "moe_1b": 20},
+    "gpu": {"environment": 1, "memory": 60, "matmul_peak": 10, "layout": 60, "te_vs_local": 45, "moe_1b": 90},
+    "cpu-smoke": {"environment": 1, "memory": 20, "matmul_peak": 0, "layout": 20, "te_vs_local": 0, "moe_1b": 20},
 }
-MAX_SECONDS = {"layout": 150, "te_vs_local": 90, "moe_1b": 300}
+MAX_SECONDS = {"memory": 150, "layout": 150, "te_vs_local": 90, "moe_1b": 300}
+PLAN_TOL = 0.15
+"""|sao plan / measured - 1| a role's step may show (tests/test_plan_measured.py holds it on CPU)."""
+LOGPROB_BYTES_MAX = 8.0
+"""Peak bytes per logit beyond the logits the logprob function may take (issue 29's bound)."""
 """A spawned section is killed after this long (or when the budget runs out, whichever is first)."""
 TE_ABSENT = "Transformer Engine not importable (not carried: its wheels exceed the 64 MiB carry)"
 LOGPROB_TOL = {"bfloat16": 0.25, "float32": 1e-5}
@@ -268,6 +275,26 @@ def layout_section(ctx: Context) -> Section:
     return Section("measured", data=data, checks=checks)
 
 
+def memory_section(ctx: Context) -> Section:
+    from benchmarks.gpu import cases, workload
+
+    spec = {**(workload.MEMORY_GPU if ctx.gpu else workload.MEMORY_CPU), "micro_batch_size": 1, "bf16": ctx.gpu}
+    data = _spawn(cases.memory_case, spec, ctx, "memory")
+    ours = data["logprob_bytes_per_logit"]["ours"]
+    checks = {
+        "logprob_peak_per_logit": {"ok": ours <= LOGPROB_BYTES_MAX, "value": ours, "limit": f"<= {LOGPROB_BYTES_MAX}"}
+    }
+    for role in ("actor", "critic"):
+        ratio = data[role]["plan_bytes"] / data[role]["measured_bytes"]
+        data[role]["plan_over_measured"] = ratio
+        checks[f"{role}.plan_over_measured"] = {
+            "ok": abs(ratio - 1) <= PLAN_TOL,
+            "value": ratio,
+            "limit": f"within {PLAN_TOL:.0%} of 1",
+        }
+    return Section("measured", data=data, checks=checks)
+
+
 def te_vs_local_section(ctx: Context) -> Section:
     from benchmarks.gpu import cases, workload
 
@@ -423,6 +450,16 @@ def summary_line(name: str, s: Section) -> str:
         )
     if name == "matmul_peak":
         return f"{d['dtype']} {d['n']}^3 x{d['reps']}: {d['tflops']:.1f} TFLOP/s"
+    if name == "memory":
+        lp = d["logprob_bytes_per_logit"]
+        return (
+            f"logprobs at {d['logits_count']:.3g} logits: {lp['ours']:.2f} B/logit beyond the logits "
+            f"(old {lp['old']:.2f}); step at {d['step_logits_count']:.3g} logits: "
+            + ", ".join(
+                f"{r} {d[r]['measured_bytes'] / 2**30:.2f} GiB measured, plan/measured {d[r]['plan_over_measured']:.2f}"
+                for r in ("actor", "critic")
+            )
+        )
     if name == "layout":
         parts = []
         for mode, m in d["modes"].items():

@@ -195,3 +195,26 @@ def mfu(flops: float, seconds: float, peak_tflops: float | None) -> float | None
 def matmul_flops(n: int) -> int:
     """An ``n x n @ n x n`` product: 2 n^3."""
     return 2 * n**3
+
+
+MEMORY_GPU = {
+    "model": {
+        "name": "memory_check",
+        "num_layers": 2,
+        "hidden_size": 1024,
+        "num_attention_heads": 8,
+        "num_query_groups": 4,
+        "head_dim": 128,
+        "ffn_hidden_size": 2816,
+        "vocab_size": 151936,
+        "num_experts": 8,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 1024,
+        "max_position_embeddings": 8192,
+    },
+    "seq": 8192,
+    "logits": [8192, 151936],
+}
+"""The memory section at GPU size: one 8,192-token sequence per micro-batch with Qwen3's 151,936-token
+vocabulary, 1.245e9 logits on the rank (issue 29: the 30B config's logits step is 2.49e9 per rank)."""
+MEMORY_CPU = {"model": {"num_layers": 2}, "seq": 128, "logits": [256, 512]}

@@ -43,7 +43,7 @@ def test_run_sh_help_names_the_options_and_the_carry_step():
         (["--budget-s", "-3"], "argument --budget-s: expected a positive float, got '-3'"),
         (["--budget-s", "soon"], "expected a positive float, got 'soon'"),
         (["--steps", "0"], "argument --steps: expected a positive int"),
-        (["--sections", "layout,warp"], "unknown section(s) ['warp']; choose from environment, matmul_peak"),
+        (["--sections", "layout,warp"], "unknown section(s) ['warp']; choose from environment, memory, matmul_peak"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
@@ -272,8 +272,18 @@ def test_cpu_smoke_writes_every_section_measured_or_skipped_with_a_reason(smoke)
         assert s["status"] in ("measured", "skipped"), (name, s["reason"][-2000:])
         assert s["status"] == "measured" or s["reason"], name
     assert sections["matmul_peak"]["reason"] == sections["te_vs_local"]["reason"] == "skipped: no GPU"
-    assert {p.name for p in (out_dir / "logs").iterdir()} == {"layout_rank0.log", "moe_1b_rank0.log"}
-    for line in ("environment   measured", "layout        measured", "moe_1b        measured", "JSON:"):
+    assert {p.name for p in (out_dir / "logs").iterdir()} == {
+        "memory_rank0.log",
+        "layout_rank0.log",
+        "moe_1b_rank0.log",
+    }
+    for line in (
+        "environment   measured",
+        "memory        measured",
+        "layout        measured",
+        "moe_1b        measured",
+        "JSON:",
+    ):
         assert line in out.stdout, line
 
 
@@ -297,6 +307,21 @@ def test_cpu_smoke_layout_cases_are_finite_and_match_the_reference(smoke):
             tol = check.PACKED_TOL["float32"]
             assert mode["logprobs_vs_padded"]["max"] <= tol and mode["logprobs_vs_fp32"]["max"] <= tol
     assert all(c["ok"] for c in layout["checks"].values()), layout["checks"]
+
+
+@pytest.mark.slow
+def test_cpu_smoke_memory_section_measures_logprobs_and_both_roles_against_the_plan(smoke):
+    _, out_dir = smoke
+    memory = json.loads((out_dir / "gpu_check.json").read_text())["sections"]["memory"]
+    data = memory["data"]
+    lp = data["logprob_bytes_per_logit"]
+    # float32 on CPU: our peak beyond the logits is their gradient (4) plus a float32 chunk of 1/8 (0.5)
+    assert lp["ours"] <= check.LOGPROB_BYTES_MAX < lp["old"], lp
+    for role in ("actor", "critic"):
+        r = data[role]
+        assert r["measured_bytes"] > r["weights"] + r["grads"] + r["optimizer"] > 0, r
+        assert abs(r["plan_over_measured"] - 1) <= check.PLAN_TOL, r
+    assert all(c["ok"] for c in memory["checks"].values()), memory["checks"]
 
 
 @pytest.mark.slow

@@ -1,14 +1,16 @@
-"""Measured per-rank memory of one real actor step, for comparison with ``sao plan`` (tests/test_plan_measured.py).
+"""Measured per-rank memory of one real training step, for comparison with :mod:`sao_megatron.plan.memory`.
 
-Each rank builds the actor role exactly as a run does (:func:`build_actor_role`, the configured layout),
-runs one step (forward, backward over the planned micro-batches, optimizer step) to create the
-optimizer's state, then measures a second step under :class:`PeakTracker`: a dispatch mode that
-follows every tensor created inside it by its storage, so the figures are tensor bytes, not RSS
-(torch's ``MemTracker`` does the same but its module hooks call ``module.buffers()``, which Megatron's
-DDP wrapper replaces by a list). The
-memory that exists before the step (weights, the DDP gradient buffers, the optimizer's state) is
-counted from the tensors themselves and registered with the tracker, whose peak then holds them plus
-everything the step allocates on top (activations, logits, their gradients, temporaries).
+:func:`measure_role_step` builds a role exactly as a run does (:func:`build_actor_role` /
+:func:`build_critic_role`, the configured layout), runs one step (forward, backward over the given
+micro-batches, optimizer step) so the optimizer's state exists, then measures a second step. On a GPU
+the figure is ``torch.cuda.max_memory_allocated`` over that step; elsewhere :class:`PeakTracker`: a
+dispatch mode that follows every tensor created inside it by its storage, so the figures are tensor
+bytes, not RSS (torch's ``MemTracker`` does the same but its module hooks call ``module.buffers()``,
+which Megatron's DDP wrapper replaces by a list). The memory that exists before the step (weights,
+the DDP gradient buffers, the optimizer's state) is counted from the tensors themselves and
+registered with the tracker first, so in-place updates of it are not new memory.
+
+Used by ``tests/test_plan_measured.py`` (CPU) and the GPU check's ``memory`` section.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class PeakTracker(TorchDispatchMode):
             self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)
             weakref.finalize(storage, self._free, key)
+
+    def live_bytes_of(self, *tensors: torch.Tensor) -> int:
+        """Bytes of the (tracked) storages of ``tensors``, each storage once."""
+        keys = {t.untyped_storage().data_ptr() for t in tensors}
+        return sum(self.live.get(k, 0) for k in keys)
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
@@ -100,38 +107,53 @@ def _micro_batch(vocab: int, rows: int, tokens: int, segments: int, g: torch.Gen
     return dataclasses.replace(MicroBatch.of_tokens(ids, positions), segment_ids=seg.unsqueeze(0), cu_seqlens=cu)
 
 
-def measure_actor_step(rank: int, world: int, cfg: SAOConfig, micro_shapes: list[tuple[int, int, int]]) -> dict:
-    """This rank's memory (bytes) for one actor step over micro-batches of ``(rows, tokens, segments)``
-    (``segments`` > 1: one packed row)."""
+def measure_role_step(
+    rank: int, world: int, cfg: SAOConfig, role: str, micro_shapes: list[tuple[int, int, int]]
+) -> dict:
+    """This rank's memory (bytes) for one ``role`` (``actor`` or ``critic``) step over micro-batches of
+    ``(rows, tokens, segments)`` (``segments`` > 1: one packed row). Collective over the role's world."""
     from megatron.core import parallel_state as ps
 
     from sao_megatron.models.logprobs import vocab_parallel_logprobs
     from sao_megatron.parallel import initialize_model_parallel, seed_everything
-    from sao_megatron.workers.role import build_actor_role
+    from sao_megatron.workers.role import build_actor_role, build_critic_role
 
-    initialize_model_parallel(cfg.actor.parallel)
+    rc = getattr(cfg, role)
+    initialize_model_parallel(rc.parallel)
     seed_everything(cfg.run.seed)
-    role = build_actor_role(cfg.model, cfg.actor)
+    built = build_actor_role(cfg.model, cfg.actor) if role == "actor" else build_critic_role(cfg.model, cfg.critic)
     g = torch.Generator().manual_seed(rank)
     micro = [_micro_batch(cfg.model.vocab_size, *shape, g) for shape in micro_shapes]
 
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def actor_loss(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs, _ = vocab_parallel_logprobs(logits, mb.labels, ps.get_tensor_model_parallel_group())
         return -logprobs.mean() / len(micro), {}
 
-    role.forward_backward(micro, loss_fn)
-    role.step()
-    module = role.module
+    def critic_loss(values: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        return values.float().square().mean() / len(micro), {}
+
+    loss_fn = actor_loss if role == "actor" else critic_loss
+    built.forward_backward(micro, loss_fn)
+    built.step()
+    module = built.module
     weights = _storage_bytes(p for p in module.parameters())
-    grads = _storage_bytes(_grad_buffers(role.model))
-    optimizer = _storage_bytes(_optimizer_state(role.optimizer))
-    tracker = PeakTracker()
-    # registered first, so in-place updates of them (zeroed grads, the optimizer step) are not new memory
-    tracker.track(*module.parameters(), *_grad_buffers(role.model), *_optimizer_state(role.optimizer))
-    with tracker:
-        role.forward_backward(micro, loss_fn)
-        role.step()
-    peak = tracker.peak
+    grads = _storage_bytes(_grad_buffers(built.model))
+    optimizer = _storage_bytes(_optimizer_state(built.optimizer))
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        built.forward_backward(micro, loss_fn)
+        built.step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        tracker = PeakTracker()
+        tracker.track(*module.parameters(), *_grad_buffers(built.model), *_optimizer_state(built.optimizer))
+        with tracker:
+            built.forward_backward(micro, loss_fn)
+            built.step()
+        peak = tracker.peak
     return {
         "stage": ps.get_pipeline_model_parallel_rank(),
         "weights": weights,
