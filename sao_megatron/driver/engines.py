@@ -203,6 +203,7 @@ def launch_engines(
             load_format=load_format,
             log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
             env=engine_env(cfg, i, parent_visible),
+            cpu=not c.gpus_per_node,
         )
         for i in (range(r.num_engines) if indices is None else indices)
     ]

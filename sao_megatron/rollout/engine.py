@@ -73,6 +73,9 @@ class EngineSpec:
     machine shared with other busy processes one torch thread per engine avoids thread barriers
     waiting on a descheduled sibling (measured on 2 busy cores, tiny MoE: agent-loop throughput
     69 -> 404 tokens/s, and identical rounds no longer vary 10x+)."""
+    cpu: bool | None = None
+    """Run SGLang's CPU engine. ``None``: whatever the starting process sees (no CUDA: CPU); a run sets
+    it from ``cluster.gpus_per_node`` so an engine never lands on a GPU, or on the CPU, by accident."""
     startup_timeout_s: float = 300.0
     watchdog_timeout_s: float = 3600.0
     """SGLang kills a server stuck this long; long weight publications must fit inside it."""
@@ -319,7 +322,9 @@ class EngineProcess(_ServerProcess):
             spec.host, spec.port, spec.log_path or f"/tmp/sao-sglang-{spec.port}.log", spec.startup_timeout_s
         )
         self.spec = spec
-        self.cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+        if cpu is None:
+            cpu = spec.cpu if spec.cpu is not None else not torch.cuda.is_available()
+        self.cpu = cpu
 
     def _check(self) -> None:
         if self.cpu and sglang_version() != SUPPORTED_SGLANG:

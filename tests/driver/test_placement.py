@@ -164,9 +164,28 @@ def test_launched_engines_get_their_gpus_in_their_environment_and_command(tmp_pa
         for _, cmd in started:
             joined = " ".join(cmd)
             assert "--tp-size 2" in joined and "--base-gpu-id" not in joined  # from GPU 0 of what it sees
+            assert "--device cpu" not in joined  # a GPU engine though this driver sees no CUDA
     started.clear()  # a restarted engine gets the same GPUs
     engines_mod.launch_engines(cfg, tmp_path, tmp_path, indices=[1], restart=1)
     assert [env["CUDA_VISIBLE_DEVICES"] for env, _ in started] == ["7,6"]
+
+
+def test_engines_run_on_the_cpu_iff_the_config_says_no_gpus(tmp_path, monkeypatch):
+    """gpus_per_node=0 on a machine whose driver sees CUDA: CPU engines, as the trainer ranks are."""
+    from sao_megatron.config import load_config
+    from sao_megatron.driver import engines as engines_mod
+
+    started: list = []
+
+    class Recorded(engines_mod.EngineProcess):
+        def start(self):
+            started.append(self._command())
+            return self
+
+    monkeypatch.setattr(engines_mod, "EngineProcess", Recorded)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    engines_mod.launch_engines(load_config(), tmp_path, tmp_path)
+    assert started and all("--device cpu" in " ".join(cmd) for cmd in started)
 
 
 def test_local_ray_holds_only_the_trainers_gpus():
