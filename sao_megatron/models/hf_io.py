@@ -8,8 +8,12 @@ plus that budget, even for a single-file checkpoint.
 
 Writing (:class:`ShardWriter`) knows every tensor's name, shape and dtype up front (the bridge
 computes them), so each shard's header is written first and tensor bytes are streamed after it
-in arrival order: memory stays at one bucket, whatever the shard size. Output goes into a
-staging directory next to the target that is renamed into place at the end (:func:`staging_dir`).
+in arrival order: memory stays at one bucket, whatever the shard size. Several writers (ranks)
+may fill one checkpoint: each writes its own shards under names agreed up front
+(:func:`shard_files`), and the index merges their tensor maps (:func:`write_index`). Output goes
+into a staging directory next to the target that is renamed into place at the end
+(:func:`staging_dir`, or :func:`open_staging` / :func:`publish_staging` / :func:`discard_staging`
+when the writers are several processes).
 """
 
 from __future__ import annotations
@@ -241,18 +245,44 @@ def _header(specs: Sequence[TensorSpec]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+def shard_files(n: int, first: int = 0, total: int | None = None) -> list[str]:
+    """Names of ``n`` shards numbered from ``first`` among ``total`` (default ``n``), as
+    ``save_pretrained`` names them: ``model-0000i-of-0000N.safetensors``, or ``model.safetensors``
+    for a checkpoint of one file."""
+    total = n if total is None else total
+    if total == 1:
+        return [SINGLE_FILE] * n
+    return [f"model-{first + i + 1:05d}-of-{total:05d}.safetensors" for i in range(n)]
+
+
+def write_index(directory: str | Path, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json``: every tensor's file (the writers' maps merged) and the bytes."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (Path(directory) / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
 class ShardWriter:
     """Stream tensors, in the order of ``specs``, into HF safetensors shards under ``directory``.
 
     File names follow ``save_pretrained``: one ``model.safetensors``, or
-    ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
+    ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``. ``files``: the
+    names of this writer's shards when it is one of several (:func:`shard_files`, one per
+    planned shard); the index is then written by whoever merges the writers' :attr:`weight_map`.
     """
 
-    def __init__(self, directory: str | Path, specs: Sequence[TensorSpec], max_shard_bytes: int):
+    def __init__(
+        self,
+        directory: str | Path,
+        specs: Sequence[TensorSpec],
+        max_shard_bytes: int,
+        files: Sequence[str] | None = None,
+    ):
         self.directory = Path(directory)
         self.shards = plan_shards(specs, max_shard_bytes)
-        n = len(self.shards)
-        self.files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.index = files is None
+        self.files = shard_files(len(self.shards)) if files is None else list(files)
+        if len(self.files) != len(self.shards):
+            raise ValueError(f"{len(self.files)} file names for {len(self.shards)} planned shards")
         self._queue = [(i, s) for i, shard in enumerate(self.shards) for s in shard]
         self._pos = 0
         self._fh = None
@@ -284,12 +314,13 @@ class ShardWriter:
                 f"only {self._pos} of {len(self._queue)} planned tensors were written; "
                 f"next missing: '{self._queue[self._pos][1].name}'"
             )
-        if len(self.files) > 1:
-            index = {
-                "metadata": {"total_size": self.bytes_written},
-                "weight_map": {s.name: self.files[i] for i, s in self._queue},
-            }
-            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        if self.index and len(self.files) > 1:
+            write_index(self.directory, self.weight_map, self.bytes_written)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        """Every planned tensor's file name."""
+        return {s.name: self.files[i] for i, s in self._queue}
 
     def abort(self) -> None:
         if self._fh is not None:
@@ -308,13 +339,10 @@ def copy_non_weight_files(src: str | Path, dst: str | Path, skip: Sequence[str] 
     return copied
 
 
-@contextlib.contextmanager
-def staging_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """A fresh directory next to ``target``, renamed to ``target`` only if the block succeeds.
+def open_staging(target: str | Path, overwrite: bool = False) -> Path:
+    """A fresh directory next to ``target`` (``.<name>.partial-<pid>``) for :func:`publish_staging`.
 
-    On error the staging directory is removed and ``target`` is untouched. An existing
-    ``target`` is refused unless ``overwrite``, in which case it is replaced after success.
-    """
+    An existing non-empty ``target`` is refused unless ``overwrite``."""
     target = Path(target)
     if target.exists() and not overwrite and any(target.iterdir()):
         raise FileExistsError(f"{target} exists and is not empty; choose another directory or overwrite")
@@ -322,13 +350,44 @@ def staging_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
     staging = target.parent / f".{target.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    return staging
+
+
+def publish_staging(staging: Path, target: str | Path) -> None:
+    """Rename a finished staging directory to ``target``, replacing what was there."""
+    target = Path(target)
     old = target.parent / f".{target.name}.old-{os.getpid()}"
     if target.exists():
         target.rename(old)
     staging.rename(target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def discard_staging(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """A fresh directory next to ``target``, renamed to ``target`` only if the block succeeds.
+
+    On error the staging directory is removed and ``target`` is untouched. An existing
+    ``target`` is refused unless ``overwrite``, in which case it is replaced after success.
+    """
+    staging = open_staging(target, overwrite)
+    try:
+        yield staging
+    except BaseException:
+        discard_staging(staging)
+        raise
+    publish_staging(staging, target)
+
+
+TIMEOUT_SAFETY = 3.0
+"""A whole-model transfer's timeout is this many times its expected duration (:func:`transfer_timeout_s`)."""
+
+
+def transfer_timeout_s(nbytes: int, gb_per_s: float, floor_s: float) -> float:
+    """How long a whole-model transfer (export, conversion, weight-sync gather) may take before it
+    counts as hung: ``max(floor_s, TIMEOUT_SAFETY x nbytes / (gb_per_s x 1e9))``."""
+    return max(floor_s, TIMEOUT_SAFETY * nbytes / (gb_per_s * 1e9))

@@ -7,26 +7,30 @@
   group) yielding ``(hf_name, full_tensor)`` buckets. Buckets are yielded in lock-step on every
   rank; only rank ``dst`` (global rank 0 by default) receives tensors, the others get an empty
   list per bucket and must still exhaust the iterator.
-- :class:`HFWeightStream` with ``per_stage=True`` (the parallel weight sync): each pipeline
-  stage gathers its own tensors to its own sender (the stage's lowest global rank), stages
-  independently of each other; every rank of a stage iterates that stage's buckets only.
-- :func:`save_hf_checkpoint`: the same stream written as HF shards by rank ``dst``.
+- :class:`HFWeightStream` (:mod:`sao_megatron.models.hf_stream`) with ``per_stage=True`` (the
+  parallel weight sync): each pipeline stage gathers its own tensors to its own sender (the
+  stage's lowest global rank), stages independently of each other.
+- :func:`save_hf_checkpoint`: the stream with many writers (``spread``): every rank that holds
+  slices writes the HF shards of the tensors it was given, into one staging directory; rank
+  ``dst`` merges the writers' tensor maps into the index and publishes the directory once all
+  of them finished.
 
-Gathering is point-to-point: for every tensor one replica's TP shards (lowest global rank per
-TP rank, the receiver itself when it holds one) are sent to the receiver (``dst``, or its
-stage's sender), which concatenates them with the layout rules (SwiGLU ``[gate; up]`` per
-rank) and splits them into HF tensors.
+Gathering is point-to-point: for every tensor one replica's TP shards are sent to its writer,
+which concatenates them with the layout rules (SwiGLU ``[gate; up]`` per rank) and splits them
+into HF tensors; each sender's unacknowledged bytes are bounded (``inflight_bytes``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -35,9 +39,20 @@ from sao_megatron.config import ModelConfig
 from sao_megatron.models import hf_bridge as bridge
 from sao_megatron.models import hf_io, layout
 from sao_megatron.models.hf_io import CheckpointError, TensorSpec
+from sao_megatron.models.hf_stream import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_INFLIGHT_BYTES,
+    HFWeightStream,
+    _local_shape,
+    _tp,
+)
 
-DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_SHARD_BYTES = 5 << 30
+EXPORT_GB_PER_S = 0.5
+"""Stated bandwidth of a whole HF export (gathers and shard writes, all writers together) from
+which its default timeout is sized: ``run.export_gb_per_s``'s default."""
+EXPORT_FLOOR_S = 600.0
+"""The shortest default export timeout (the role worlds' own collective timeout)."""
 
 
 @dataclass
@@ -51,28 +66,6 @@ class TransferStats:
 
     def as_dict(self) -> dict:
         return {"tensors": self.tensors, "bytes": self.bytes, "seconds": self.seconds, **self.extra}
-
-
-@dataclass(frozen=True)
-class _TP:
-    size: int
-    rank: int
-    dim: int | None
-    glu: bool
-
-
-def _tp(param: torch.Tensor, local_name: str) -> _TP:
-    if not layout._is_tp_sharded(param):
-        return _TP(1, 0, None, False)
-    group = layout._tp_group_of(local_name)
-    size, rank, dim = dist.get_world_size(group), dist.get_rank(group), layout.partition_dim(param)
-    return _TP(size, rank, dim if size > 1 else None, layout.is_glu_fc1(local_name) and dim == 0)
-
-
-def _local_shape(full: tuple[int, ...], tp: _TP) -> tuple[int, ...]:
-    if tp.dim is None:
-        return full
-    return tuple(s // tp.size if d == tp.dim else s for d, s in enumerate(full))
 
 
 def release_free_memory() -> None:
@@ -116,7 +109,7 @@ def load_hf_weights(
         pieces = bridge.hf_pieces(name, m, fused)
         for piece in pieces:
             ckpt.check(piece.hf_name, bridge.hf_shape(piece.hf_name, m), dtype)
-        tp = _tp(param, local)
+        tp, _ = _tp(param, local)
         shape = _local_shape(bridge.full_shape(name, m), tp)
         if shape != tuple(param.shape):
             raise ValueError(
@@ -145,215 +138,8 @@ def load_hf_weights(
 
 
 # --------------------------------------------------------------------------------------------
-# Gathering: the HF weight stream
+# Gathering and writing
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Item:
-    """One Megatron full-layout tensor and where its TP shards live (global ranks)."""
-
-    name: str
-    full_shape: tuple[int, ...]
-    dtype: torch.dtype
-    tp: _TP  # size, dim and glu; rank unused
-    sources: tuple[tuple[int, tuple[int, ...]], ...]  # per TP rank: (global rank, local shape)
-    dst: int  # the global rank that receives it whole
-    stage: int  # the pipeline stage that holds it (0 when not gathered per stage)
-
-    @property
-    def nbytes(self) -> int:
-        return hf_io._numel(self.full_shape) * torch.empty((), dtype=self.dtype).element_size()
-
-
-def _order_key(name: str):
-    group = (
-        0
-        if name.startswith("embedding.")
-        else 2
-        if name.startswith("decoder.final")
-        else 3
-        if name.startswith("output_layer")
-        else 1
-    )
-    return group, [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-class HFWeightStream:
-    """Collective plan of the HF weight stream of ``model``; see :func:`iter_hf_weights`.
-
-    ``specs`` lists every HF tensor (name, shape, dtype) in the order :meth:`buckets` yields
-    them, on every rank, before any tensor moves (the shard writer needs it up front). Build
-    the stream once (one ``all_gather_object`` of names) and call :meth:`buckets` at every
-    weight sync: it sends the parameters' current values.
-
-    ``per_stage``: every pipeline stage gathers its own tensors to its own sender
-    (:attr:`senders`, the stage's lowest global rank), without waiting for the other stages;
-    :meth:`buckets` then yields this rank's stage only, and :meth:`bucket_plan` tells every rank
-    every stage's buckets. ``group``: the process group the point-to-point gathers use (all
-    ranks, global ranks; default the default group), so that they can run in a thread of their
-    own while the caller uses the default group.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        m: ModelConfig,
-        dst: int = 0,
-        dtype: torch.dtype | None = None,
-        per_stage: bool = False,
-        group: dist.ProcessGroup | None = None,
-    ):
-        self.model, self.m, self.dst, self.rank = model, m, dst, dist.get_rank()
-        self.group = group
-        self._params: dict[tuple[str, int], torch.Tensor] = {}
-        meta = []
-        for local, param in layout.unwrap(model).named_parameters():
-            name = layout.global_name(model, local)
-            if not bridge.is_exported(name, m):
-                continue
-            tp = _tp(param, local)
-            self._params[(name, tp.rank)] = param
-            meta.append((name, tp.size, tp.rank, tp.dim, tp.glu, tuple(param.shape), str(param.dtype)))
-        params = list(self._params.values())
-        self.device = params[0].device if params else torch.device("cpu")  # NCCL receives on the GPU
-        stage = layout.pipeline_rank() if per_stage else 0
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (stage, meta))
-        stages = [s for s, _ in everyone]
-        self.stage = stage
-        self.senders = [
-            min(r for r, s in enumerate(stages) if s == k) if per_stage else dst for k in range(max(stages) + 1)
-        ]
-        self.items = self._plan(everyone)
-        self.dtype = dtype
-        self.specs = self._specs(self.items)
-        self._bucket_plans: dict[int, list[list[list[TensorSpec]]]] = {}
-
-    @property
-    def sender(self) -> int:
-        """The global rank that receives this rank's stage's tensors (``dst`` unless ``per_stage``)."""
-        return self.senders[self.stage]
-
-    def _plan(self, everyone: list) -> list[_Item]:
-        found: dict[str, dict] = {}
-        for rank, (stage, meta) in enumerate(everyone):
-            for name, size, tp_rank, dim, glu, shape, dtype in meta:
-                entry = found.setdefault(
-                    name, {"tp": _TP(size, 0, dim, glu), "dtype": dtype, "src": {}, "stage": stage}
-                )
-                if stage != entry["stage"]:  # held by two stages: the first one sends it
-                    if stage > entry["stage"]:
-                        continue
-                    entry.update(stage=stage, src={})
-                dst = self.senders[stage]
-                best = entry["src"].get(tp_rank)
-                if best is None or (rank == dst) or (best[0] != dst and rank < best[0]):
-                    entry["src"][tp_rank] = (rank, shape)
-        produced = {hf for name in found for hf in bridge.hf_names(name, self.m)}
-        missing = [n for n in bridge.expected_hf_names(self.m) if n not in produced]
-        if missing:
-            raise ValueError(
-                f"no rank holds the source of HF tensors {missing[:3]}; is the model built from this config?"
-            )
-        items = []
-        for name in sorted(found, key=_order_key):
-            entry = found[name]
-            tp: _TP = entry["tp"]
-            if sorted(entry["src"]) != list(range(tp.size)):
-                raise ValueError(f"'{name}': TP shards {sorted(entry['src'])} of {tp.size} found")
-            sources = tuple(entry["src"][r] for r in range(tp.size))
-            full = bridge.full_shape(name, self.m)
-            if _local_shape(full, tp) != tuple(sources[0][1]):
-                raise ValueError(
-                    f"'{name}': shard shape {list(sources[0][1])} does not fit the config's "
-                    f"full shape {list(full)} over TP={tp.size}"
-                )
-            items.append(
-                _Item(
-                    name,
-                    full,
-                    getattr(torch, entry["dtype"].split(".")[-1]),
-                    tp,
-                    sources,
-                    self.senders[entry["stage"]],
-                    entry["stage"],
-                )
-            )
-        return items
-
-    def bucket_plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[list[TensorSpec]]]:
-        """Per stage, its buckets' HF tensors (name, shape, dtype) in the order :meth:`buckets`
-        yields them on that stage's sender; the same on every rank."""
-        if bucket_bytes not in self._bucket_plans:  # the coordinator and its own sending both ask
-            self._bucket_plans[bucket_bytes] = [
-                [self._specs(group) for group in self._groups(stage, bucket_bytes)]
-                for stage in range(len(self.senders))
-            ]
-        return self._bucket_plans[bucket_bytes]
-
-    def _specs(self, items: list[_Item]) -> list[TensorSpec]:
-        """The HF tensors (name, shape, dtype) of ``items``, in order."""
-        return [
-            TensorSpec(hf, bridge.hf_shape(hf, self.m), self.dtype or item.dtype)
-            for item in items
-            for hf in bridge.hf_names(item.name, self.m)
-        ]
-
-    def _groups(self, stage: int | None, bucket_bytes: int) -> Iterator[list[_Item]]:
-        group: list[_Item] = []
-        size = 0
-        for item in self.items:
-            if stage is not None and item.stage != stage:
-                continue
-            if group and size + item.nbytes > bucket_bytes:
-                yield group
-                group, size = [], 0
-            group.append(item)
-            size += item.nbytes
-        if group:
-            yield group
-
-    def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Yield lists of ``(hf_name, full_tensor)`` of at most ``bucket_bytes`` (one larger tensor alone):
-        every stage's, or with ``per_stage`` this rank's stage's. Non-empty on the receiving rank only."""
-        for group in self._groups(self.stage if len(self.senders) > 1 else None, bucket_bytes):
-            yield self._transfer(group)
-
-    def _transfer(self, group: list[_Item]) -> list[tuple[str, torch.Tensor]]:
-        works, received = [], {}
-        for item in group:
-            for tp_rank, (src, shape) in enumerate(item.sources):
-                if self.rank == item.dst and src == item.dst:
-                    received[(item.name, tp_rank)] = self._params[(item.name, tp_rank)].detach()
-                elif self.rank == item.dst:
-                    buf = torch.empty(shape, dtype=item.dtype, device=self.device)
-                    works.append(dist.irecv(buf, src, group=self.group))
-                    received[(item.name, tp_rank)] = buf
-                elif self.rank == src:
-                    param = self._params[(item.name, tp_rank)].detach().contiguous()
-                    works.append(dist.isend(param, item.dst, group=self.group))
-        for work in works:
-            work.wait()
-        out = []
-        for item in group:
-            if self.rank != item.dst:
-                continue
-            shards = [received[(item.name, r)] for r in range(item.tp.size)]
-            full = _concat_tp(shards, item.tp)
-            for hf, tensor in bridge.to_hf(item.name, full, self.m):
-                out.append((hf, tensor if self.dtype is None else tensor.to(self.dtype)))
-        return out
-
-
-def _concat_tp(shards: list[torch.Tensor], tp: _TP) -> torch.Tensor:
-    if len(shards) == 1:
-        return shards[0]
-    if tp.glu:
-        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards), strict=True)
-        return torch.cat([*gates, *ups], dim=0)
-    assert tp.dim is not None, "several TP shards of a parameter that is not TP-sharded"
-    return torch.cat(shards, dim=tp.dim)
-
-
 def iter_hf_weights(
     model: torch.nn.Module,
     model_cfg: ModelConfig,
@@ -374,6 +160,11 @@ def iter_hf_weights(
     yield from HFWeightStream(model, model_cfg, dst=dst, dtype=dtype).buckets(bucket_bytes)
 
 
+def hf_bytes(m: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of ``m``'s HF checkpoint in ``dtype``."""
+    return sum(hf_io._numel(bridge.hf_shape(n, m)) for n in bridge.expected_hf_names(m)) * dtype.itemsize
+
+
 def save_hf_checkpoint(
     model: torch.nn.Module,
     m: ModelConfig,
@@ -383,66 +174,237 @@ def save_hf_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    progress_total: Callable[[int], None] | None = None,
     dst: int = 0,
+    timeout_s: float = 0.0,
+    gb_per_s: float = EXPORT_GB_PER_S,
+    timeout_key: str = "run.export_timeout_s",
 ) -> TransferStats:
-    """Collective: write ``model`` as an HF checkpoint into ``out_dir`` (rank ``dst`` writes).
+    """Collective: write ``model`` as an HF checkpoint into ``out_dir``; every rank writes shards.
+
+    Each tensor is written by one of the ranks holding a shard of it (``HFWeightStream`` with
+    ``spread``; with TP = 1 by the rank holding it, nothing moves), into shard files named up
+    front from the whole plan (``model-0000i-of-0000N.safetensors``, unique across writers).
+    Rank ``dst`` checks the target, opens the staging directory next to ``out_dir`` (which must
+    be on a file system every rank sees), merges the writers' tensor maps into
+    ``model.safetensors.index.json``, writes the configs and renames the directory into place
+    only after every writer reported success; on any rank's failure nothing appears at
+    ``out_dir`` and every rank raises. A writer that fails (e.g. disk full) keeps taking part in
+    the transfers until the end, so the others do not hang.
 
     ``config.json``, ``generation_config.json`` and tokenizer files are copied from
     ``template`` (an HF directory) when given, else ``config.json`` is generated from ``m``.
     ``dtype`` defaults to the template's ``dtype`` / ``torch_dtype``, else the parameters'.
-    Everything is written into a staging directory next to ``out_dir`` and renamed at the end;
-    on failure nothing appears at ``out_dir``.
+    ``progress(nbytes)`` follows this rank's writes, ``progress_total`` gets their total first.
+
+    Transfers and collectives run on a process group of their own whose timeout is
+    ``timeout_s``, or when 0 ``hf_io.transfer_timeout_s(bytes, gb_per_s, EXPORT_FLOOR_S)``; a
+    gloo wait past it raises ``TimeoutError`` naming ``timeout_key`` (NCCL's watchdog aborts
+    the process instead, logging the timeout).
     """
     from sao_megatron.config import hf as hf_config
 
     t0 = time.perf_counter()
     template_cfg = hf_config.read_hf_config(template) if template is not None else None
-    error = None
-    if dist.get_rank() == dst:
-        error = _export_precheck(m, Path(out_dir), template_cfg, overwrite)
-    flag = [error]
-    dist.broadcast_object_list(flag, src=dst)
-    if flag[0]:
-        raise ValueError(flag[0])
     template_dtype = hf_io.config_dtype(template_cfg) if template_cfg is not None else None
     if dtype is None and template_dtype:
         dtype = hf_io.torch_dtype(template_dtype)
-    stream = HFWeightStream(model, m, dst=dst, dtype=dtype)
-    stats = TransferStats()
-    if dist.get_rank() != dst:
-        for _ in stream.buckets(bucket_bytes):
-            pass
-        stats.seconds = time.perf_counter() - t0
-        return stats
-    with hf_io.staging_dir(out_dir, overwrite) as stage:
-        writer = hf_io.ShardWriter(stage, stream.specs, max_shard_bytes)
+    out_dtype = dtype or next(model.parameters()).dtype
+    timeout = timeout_s or hf_io.transfer_timeout_s(hf_bytes(m, out_dtype), gb_per_s, EXPORT_FLOOR_S)
+    group = cast(dist.ProcessGroup, dist.new_group(timeout=timedelta(seconds=timeout)))  # every rank is a member
+    settings = _ExportSettings(
+        template, template_cfg, dtype, out_dtype, max_shard_bytes, bucket_bytes, inflight_bytes, overwrite, dst
+    )
+    try:
+        with _timeout_named(f"HF export to {out_dir}", timeout_key, timeout, t0):
+            stats = _save(model, m, Path(out_dir), group, settings, progress, progress_total)
+    except _Agreed as agreed:  # raised by every rank at the same point: the group is idle
+        dist.destroy_process_group(group)
+        raise agreed.error from None
+    dist.destroy_process_group(group)  # not after a failed transfer (above): a peer may still be inside it
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+class _Agreed(Exception):
+    """A failure every rank of the export learnt from the same collective, raising ``error``."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass(frozen=True)
+class _ExportSettings:
+    template: str | Path | None
+    template_cfg: dict | None
+    dtype: torch.dtype | None
+    out_dtype: torch.dtype
+    max_shard_bytes: int
+    bucket_bytes: int
+    inflight_bytes: int
+    overwrite: bool
+    dst: int
+
+
+@contextlib.contextmanager
+def _timeout_named(what: str, key: str, timeout_s: float, t0: float) -> Iterator[None]:
+    """A gloo timeout inside the block becomes a ``TimeoutError`` naming the config key that sets it."""
+    try:
+        yield
+    except RuntimeError as err:  # torch's DistBackendError / gloo errors
+        text = str(err)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            raise
+        first = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+        raise TimeoutError(
+            f"{what}: a transfer waited past {key}={timeout_s:g} s (after {time.perf_counter() - t0:.0f} s); "
+            f"raise {key} if the export is that slow, else a rank died or hangs: see the other ranks' logs ({first})"
+        ) from None
+
+
+def _save(
+    model: torch.nn.Module,
+    m: ModelConfig,
+    out_dir: Path,
+    group: dist.ProcessGroup,
+    s: _ExportSettings,
+    progress: Callable[[int], None] | None,
+    progress_total: Callable[[int], None] | None,
+) -> TransferStats:
+    """The collective body of :func:`save_hf_checkpoint`; a failure every rank learns together
+    raises :class:`_Agreed`."""
+    rank = dist.get_rank()
+    box: list = [None, None]
+    if rank == s.dst:
+        box[0] = _export_precheck(m, out_dir, s.template_cfg, s.overwrite)
+        if box[0] is None:
+            try:
+                box[1] = str(hf_io.open_staging(out_dir, s.overwrite))
+            except OSError as err:
+                box[0] = f"cannot create a staging directory next to {out_dir}: {err}"
+    dist.broadcast_object_list(box, src=s.dst, group=group)
+    if box[0]:
+        raise _Agreed(ValueError(box[0]))
+    staging = Path(box[1])
+    try:
+        stream = HFWeightStream(
+            model, m, dst=s.dst, dtype=s.dtype, group=group, spread=True, inflight_bytes=s.inflight_bytes
+        )
+        files, first = {}, 0
+        shards = {w: len(hf_io.plan_shards(stream.writer_specs(w), s.max_shard_bytes)) for w in stream.writers}
+        for w in stream.writers:
+            files[w] = hf_io.shard_files(shards[w], first, sum(shards.values()))
+            first += shards[w]
+        mine = stream.writer_specs(rank) if rank in files else []
+        if progress_total is not None:
+            progress_total(sum(spec.nbytes for spec in mine))
+        report = _write_shards(stream, s, staging, mine, files.get(rank, []), progress)
+        reports: list = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report, group=group)
+        outcome = [_publish(reports, staging, out_dir, m, s) if rank == s.dst else None]
+        dist.broadcast_object_list(outcome, src=s.dst, group=group)
+    except BaseException:
+        if rank == s.dst:
+            hf_io.discard_staging(staging)
+        raise
+    if outcome[0]:
+        raise _Agreed(RuntimeError(f"HF export to {out_dir} failed, nothing was written: {outcome[0]}"))
+    stats = TransferStats(sum(r[3] for r in reports), sum(r[2] for r in reports))
+    stats.extra.update(shards=sum(shards.values()), writers=len(stream.writers), written_bytes=report[2])
+    return stats
+
+
+def _write_shards(
+    stream: HFWeightStream,
+    s: _ExportSettings,
+    staging: Path,
+    specs: list[TensorSpec],
+    files: list[str],
+    progress: Callable[[int], None] | None,
+) -> tuple[str | None, dict[str, str], int, int]:
+    """This rank's part of the stream, its own buckets written by a thread (the next bucket is
+    gathered meanwhile): ``(error or None, tensor -> file, bytes, tensors)``. Never raises on a
+    write error: the rank keeps draining the stream (its peers are inside the transfers)."""
+    rank = dist.get_rank()
+    writer = hf_io.ShardWriter(staging, specs, s.max_shard_bytes, files=files) if specs else None
+    error: str | None = None
+    nbytes = tensors = 0
+
+    def outcome(future: Future | None) -> str | None:
         try:
-            for bucket in stream.buckets(bucket_bytes):
-                for name, tensor in bucket:
-                    writer.write(name, tensor)
-                    stats.tensors += 1
-                    stats.bytes += tensor.numel() * tensor.element_size()
-                    if progress is not None:
-                        progress(tensor.numel() * tensor.element_size())
-            writer.finish()
-        finally:
-            writer.abort()
-        out_dtype = dtype or stream.specs[0].dtype
-        dtype_name = str(out_dtype).removeprefix("torch.")
-        if template is not None:
-            assert template_cfg is not None  # read above from the same template
-            hf_io.copy_non_weight_files(template, stage, skip=("config.json",))
-            config = dict(template_cfg)
+            if future is not None:
+                future.result()
+            return None
+        except Exception as err:
+            return f"rank {rank}: {type(err).__name__}: {err}"
+
+    def write(bucket: list[tuple[str, torch.Tensor]]) -> None:
+        assert writer is not None
+        for name, tensor in bucket:
+            writer.write(name, tensor)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="hf-export-writer") as pool:
+        pending: Future | None = None
+        for bucket in stream.buckets(s.bucket_bytes):
+            if not bucket:
+                continue
+            error = error or outcome(pending)
+            pending = None
+            if error is None and writer is not None:
+                pending = pool.submit(write, bucket)
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                nbytes, tensors = nbytes + size, tensors + len(bucket)
+                if progress is not None:
+                    progress(size)
+        error = error or outcome(pending)
+    if writer is not None:
+        if error is None:
+            try:
+                writer.finish()
+            except Exception as err:
+                error = f"rank {rank}: {type(err).__name__}: {err}"
+        writer.abort()
+    return error, writer.weight_map if writer is not None else {}, nbytes, tensors
+
+
+def _publish(reports: list, staging: Path, out_dir: Path, m: ModelConfig, s: _ExportSettings) -> str | None:
+    """On rank ``dst`` once every writer reported: the merged index, the configs, the rename; or
+    the staging directory removed. Why it failed, or None."""
+    from sao_megatron.config import hf as hf_config
+
+    try:
+        errors = [error for error, _, _, _ in reports if error]
+        if errors:
+            return "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more ranks)" if len(errors) > 3 else "")
+        weight_map: dict[str, str] = {}
+        for _, written, _, _ in reports:
+            weight_map.update(written)
+        expected = set(bridge.expected_hf_names(m))
+        if set(weight_map) != expected or sum(len(w) for _, w, _, _ in reports) != len(expected):
+            return f"the writers wrote {len(weight_map)} distinct HF tensors, the model has {len(expected)}"
+        if len(set(weight_map.values())) > 1:
+            hf_io.write_index(staging, weight_map, sum(nbytes for _, _, nbytes, _ in reports))
+        dtype_name = str(s.out_dtype).removeprefix("torch.")
+        if s.template is not None:
+            assert s.template_cfg is not None  # read from the same template
+            hf_io.copy_non_weight_files(s.template, staging, skip=("config.json",))
+            config = dict(s.template_cfg)
             config["dtype"] = dtype_name
             config.pop("torch_dtype", None)
         else:
             config = hf_config.hf_config_from_model(m, dtype_name)
-        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        stats.extra["shards"] = len(writer.files)
-    stats.seconds = time.perf_counter() - t0
-    return stats
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        hf_io.publish_staging(staging, out_dir)
+        return None
+    except Exception as err:
+        return f"rank {dist.get_rank()} publishing {out_dir}: {type(err).__name__}: {err}"
+    finally:
+        if staging.exists():
+            hf_io.discard_staging(staging)
 
 
 def _export_precheck(m: ModelConfig, out_dir: Path, template_cfg: dict | None, overwrite: bool) -> str | None:
@@ -466,6 +428,7 @@ __all__ = [
     "CheckpointError",
     "HFWeightStream",
     "TransferStats",
+    "hf_bytes",
     "iter_hf_weights",
     "load_hf_weights",
     "save_hf_checkpoint",
