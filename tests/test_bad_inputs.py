@@ -194,6 +194,10 @@ CASES: list[tuple[str, Build, str]] = [
     ("model-file-missing", _yaml("model: models/nope.yaml\n"),
      r"^{tmp}/run\.yaml: model file models/nope\.yaml not found; set 'model' to an existing YAML file or a name in "),
     ("bad-regex", _overrides("critic.freeze_patterns=['(']"), r"^critic\.freeze_patterns/train_patterns: bad regex '\('"),
+    ("negative-export-timeout", _overrides("run.export_timeout_s=-1"),
+     r"^run\.export_timeout_s=-1\.0 must be >= 0 \(0: sized from the bytes moved\)$"),
+    ("zero-export-bandwidth", _overrides("run.export_gb_per_s=0"), r"^run\.export_gb_per_s=0\.0 must be > 0 \(GB/s\)$"),
+    ("zero-export-inflight", _overrides("run.export_inflight_mb=0"), r"^run\.export_inflight_mb=0 must be >= 1 \(MiB\)$"),
     ("engine-env-sets-gpus", _overrides("cluster.gpus_per_node=4", "rollout.engine_env={CUDA_VISIBLE_DEVICES: '0'}"),
      r"^rollout\.engine_env\.CUDA_VISIBLE_DEVICES is set on a GPU run \(cluster\.gpus_per_node=4\): the run assigns "
      r"each engine its GPUs .*; remove it"),

@@ -27,6 +27,7 @@ from sao_megatron.config.schema import (
     ModelConfig,
     ParallelConfig,
     RolloutConfig,
+    RunConfig,
     SAOConfig,
 )
 from sao_megatron.config.shape import divisors, same_shape, validate_model
@@ -316,6 +317,7 @@ def validate(cfg: SAOConfig) -> None:
             raise ConfigError(f"train.{name}={getattr(cfg.train, name)} must be >= 0 (0 turns it off)")
     if cfg.train.max_skipped_steps < 1:
         raise ConfigError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be >= 1")
+    validate_run(cfg.run)
     every = cfg.rollout.weight_sync_every
     if every < 1:
         raise ConfigError(f"rollout.weight_sync_every={every}; use 1 (every step) or more")
@@ -348,6 +350,15 @@ def validate_algo(a: AlgoConfig) -> None:
         raise ConfigError(f"algo.max_policy_lag={a.max_policy_lag}; use null (unbounded) or >= 0")
     if a.max_batches_ahead is not None and a.max_batches_ahead < 1:
         raise ConfigError(f"algo.max_batches_ahead={a.max_batches_ahead}; use null (no cap) or >= 1")
+
+
+def validate_run(r: RunConfig) -> None:
+    if r.export_timeout_s < 0:
+        raise ConfigError(f"run.export_timeout_s={r.export_timeout_s} must be >= 0 (0: sized from the bytes moved)")
+    if not r.export_gb_per_s > 0:
+        raise ConfigError(f"run.export_gb_per_s={r.export_gb_per_s} must be > 0 (GB/s)")
+    if r.export_inflight_mb < 1:
+        raise ConfigError(f"run.export_inflight_mb={r.export_inflight_mb} must be >= 1 (MiB)")
 
 
 def validate_data(d: DataConfig, evaluates: bool = True) -> None:

@@ -31,6 +31,12 @@ class ActorRankConfig:
     """``run.seed``."""
     backend: Backend = "auto"
     """``run.backend``."""
+    export_timeout_s: float = 0.0
+    """``run.export_timeout_s`` (0: sized from the bytes moved and ``export_gb_per_s``)."""
+    export_gb_per_s: float = 0.5
+    """``run.export_gb_per_s``."""
+    export_inflight_mb: int = 1024
+    """``run.export_inflight_mb``."""
 
     @classmethod
     def of(cls, cfg: SAOConfig) -> ActorRankConfig:
@@ -45,6 +51,9 @@ class ActorRankConfig:
             sync_bucket_mb=r.weight_sync_bucket_mb,
             seed=cfg.run.seed,
             backend=cfg.run.backend,
+            export_timeout_s=cfg.run.export_timeout_s,
+            export_gb_per_s=cfg.run.export_gb_per_s,
+            export_inflight_mb=cfg.run.export_inflight_mb,
         )
 
 

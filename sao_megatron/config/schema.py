@@ -455,6 +455,19 @@ class RunConfig:
     """torch.distributed backend: ``auto`` (nccl with CUDA, gloo otherwise), ``nccl`` or ``gloo``."""
     wandb_project: str = ""
     """Also log metrics to this Weights & Biases project (needs ``wandb`` installed); empty: off."""
+    export_timeout_s: float = 0.0
+    """How long a whole-model move of the actor's weights may wait in one transfer or collective
+    before the run fails naming this key: the HF export (``rollout.weight_sync: disk``, the
+    critic's start from a trained actor) and the broadcast weight sync's gathers. 0 sizes it from
+    the bytes moved: ``max(600, 3 x HF bytes / (export_gb_per_s x 1e9))``; 750B-A40B in bf16
+    (1.48 TB) at 0.5 GB/s: 8880 s. On NCCL a timeout aborts the rank (its log names it)."""
+    export_gb_per_s: float = 0.5
+    """The bandwidth the default ``export_timeout_s`` assumes for a whole HF export (all writers
+    together, gathers and file-system writes), in GB/s (1e9 bytes): a low, safe figure; measure
+    yours and set it, or set ``export_timeout_s`` directly."""
+    export_inflight_mb: int = 1024
+    """Per sending rank, MiB it may have sent to a writer (export) or a stage's sender (weight-sync
+    gather) that the receiver has not acknowledged yet; it waits beyond (one bucket always goes)."""
 
 
 ContainerRuntime = Literal["none", "pyxis", "apptainer"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -26,11 +27,26 @@ class BroadcastSync:
 
     ``engine_tp``: every engine's tensor-parallel size (``rollout.tensor_parallel``); ``flat``:
     send a bucket of one dtype as one byte buffer (``rollout.weight_sync_flat``); ``bucket_mb``:
-    the bucket size (``rollout.weight_sync_bucket_mb``)."""
+    the bucket size (``rollout.weight_sync_bucket_mb``); ``inflight_mb``: what a TP / EP / DP peer
+    may have sent its stage's sender unacknowledged (``run.export_inflight_mb``); ``timeout_s``:
+    the gather group's timeout (``run.export_timeout_s``; 0: sized from the model's HF bytes at
+    ``gb_per_s``, ``run.export_gb_per_s``)."""
 
-    def __init__(self, module: torch.nn.Module, model_cfg: ModelConfig, *, engine_tp: int, flat: bool, bucket_mb: int):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        model_cfg: ModelConfig,
+        *,
+        engine_tp: int,
+        flat: bool,
+        bucket_mb: int,
+        inflight_mb: int = 1024,
+        timeout_s: float = 0.0,
+        gb_per_s: float = 0.5,
+    ):
         self.module, self.model_cfg = module, model_cfg
         self.engine_tp, self.flat, self.bucket_bytes = engine_tp, flat, bucket_mb << 20
+        self.inflight_bytes, self.timeout_s, self.gb_per_s = inflight_mb << 20, timeout_s, gb_per_s
         self.sender: WeightSync | None = None  # this rank's group, on a pipeline stage's sender
         self._urls: list[str] | None = None  # the engines the groups were formed with
         self._groups = 0  # group formations so far (each has its own names)
@@ -55,11 +71,18 @@ class BroadcastSync:
         listed) when ``engine_urls`` differ from the last call's (an engine restarted or
         dropped), and after a failed update (an engine died during it), which raises on rank 0.
         Rank 0 returns the timing; the others ``{}``."""
-        from sao_megatron.models.hf_weights import HFWeightStream
+        from sao_megatron.models import hf_io
+        from sao_megatron.models.hf_weights import EXPORT_FLOOR_S, HFWeightStream, hf_bytes
 
         if self._gather_group is None:  # the gathers run in a thread of their own, on a group of their own
-            self._gather_group = cast(dist.ProcessGroup, dist.new_group())  # every rank is a member
-        stream = HFWeightStream(self.module, self.model_cfg, per_stage=True, group=self._gather_group)
+            timeout = self.timeout_s or hf_io.transfer_timeout_s(
+                hf_bytes(self.model_cfg, next(self.module.parameters()).dtype), self.gb_per_s, EXPORT_FLOOR_S
+            )
+            group = dist.new_group(timeout=timedelta(seconds=timeout))  # every rank is a member
+            self._gather_group = cast(dist.ProcessGroup, group)
+        stream = HFWeightStream(
+            self.module, self.model_cfg, per_stage=True, group=self._gather_group, inflight_bytes=self.inflight_bytes
+        )
         rank = dist.get_rank()
         if self._gate is None:
             self._gate = SyncGate.of_world()

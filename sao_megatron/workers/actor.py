@@ -42,7 +42,14 @@ class ActorWorker:
         init_rank(cfg.actor.parallel, cfg.seed)
         self.role = build_actor_role(cfg.model, cfg.actor)
         self.broadcast = BroadcastSync(
-            self.role.module, cfg.model, engine_tp=cfg.engine_tp, flat=cfg.sync_flat, bucket_mb=cfg.sync_bucket_mb
+            self.role.module,
+            cfg.model,
+            engine_tp=cfg.engine_tp,
+            flat=cfg.sync_flat,
+            bucket_mb=cfg.sync_bucket_mb,
+            inflight_mb=cfg.export_inflight_mb,
+            timeout_s=cfg.export_timeout_s,
+            gb_per_s=cfg.export_gb_per_s,
         )
         """This rank's part of the broadcast weight sync (:meth:`sync_weights`)."""
 
@@ -148,7 +155,16 @@ class ActorWorker:
         from sao_megatron.models.hf_weights import save_hf_checkpoint
         from sao_megatron.tokenizer import copy_tokenizer_files
 
-        stats = save_hf_checkpoint(self.role.module, self.cfg.model, out_dir, overwrite=True)
+        c = self.cfg
+        stats = save_hf_checkpoint(
+            self.role.module,
+            c.model,
+            out_dir,
+            overwrite=True,
+            inflight_bytes=c.export_inflight_mb << 20,
+            timeout_s=c.export_timeout_s,
+            gb_per_s=c.export_gb_per_s,
+        )
         if dist.get_rank() == 0:
             copy_tokenizer_files(getattr(self.cfg.actor, "init_from", ""), out_dir)
         return ExportReport(stats.tensors, stats.bytes, stats.seconds)

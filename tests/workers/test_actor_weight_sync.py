@@ -55,8 +55,11 @@ class FakeStream:
     """``HFWeightStream(per_stage=True)`` of two pipeline stages of one rank each (rank r is stage
     r and its sender), without Megatron: the plan is :data:`SHAPES`, the values ``weight_value``."""
 
-    def __init__(self, module: Any, model_cfg: Any, per_stage: bool = False, group: Any = None):
+    def __init__(
+        self, module: Any, model_cfg: Any, per_stage: bool = False, group: Any = None, inflight_bytes: int = 0
+    ):
         assert per_stage and group is not None, "sync_weights streams per stage, on its gather group"
+        assert inflight_bytes == 1024 << 20, "the peers' unacknowledged bytes: run.export_inflight_mb"
         self.senders = [0, 1]
         self.stage = dist.get_rank()
         self.sender = self.senders[self.stage]
@@ -89,7 +92,15 @@ def _worker() -> Any:
     actor.init_rank = lambda parallel, seed: None  # type: ignore[assignment]  # the world is up already
     actor.build_actor_role = lambda model, cfg: SimpleNamespace(module=None)  # type: ignore[assignment]
     cfg = SimpleNamespace(
-        model=None, seed=0, actor=SimpleNamespace(parallel=None), engine_tp=1, sync_flat=False, sync_bucket_mb=BUCKET_MB
+        model=None,
+        seed=0,
+        actor=SimpleNamespace(parallel=None),
+        engine_tp=1,
+        sync_flat=False,
+        sync_bucket_mb=BUCKET_MB,
+        export_inflight_mb=1024,
+        export_timeout_s=300.0,  # the gather group's (no model here to size it from)
+        export_gb_per_s=0.5,
     )
     return actor.ActorWorker(cfg)  # type: ignore[arg-type]
 
