@@ -201,6 +201,12 @@ CASES: list[tuple[str, Build, str]] = [
     ("engine-env-sets-gpus", _overrides("cluster.gpus_per_node=4", "rollout.engine_env={CUDA_VISIBLE_DEVICES: '0'}"),
      r"^rollout\.engine_env\.CUDA_VISIBLE_DEVICES is set on a GPU run \(cluster\.gpus_per_node=4\): the run assigns "
      r"each engine its GPUs .*; remove it"),
+    ("zero-engine-start-timeout", _overrides("rollout.engine_start_timeout_s=0"),
+     r"^rollout\.engine_start_timeout_s=0\.0 must be > 0 seconds, e\.g\. 300$"),
+    ("engine-args-not-a-list", _overrides("rollout.engine_args='--chunked-prefill-size 8192'"),
+     r"rollout\.engine_args: expected a list, got '--chunked-prefill-size 8192'; write it as \[a, b, \.\.\.\]$"),
+    ("engine-args-number", _overrides("rollout.engine_args=[--chunked-prefill-size, 8192]"),
+     r"rollout\.engine_args\[1\]: expected a string, got 8192; quote it$"),
     # A cluster config has no ray_address until its launcher adds it: checked where the local Ray starts.
     ("one-node-gpus-overflow", lambda tmp: lambda: one_node_gpus(load_config(None, ["cluster.gpus_per_node=2"])),
      r"^cluster\.gpus_per_node=2 < 3 GPUs this run needs on one node \(no cluster\.ray_address\): "

@@ -64,6 +64,8 @@ def validate_cluster(cfg: SAOConfig) -> None:
             )
     check_env("cluster.env", c.env)
     check_env("rollout.engine_env", r.engine_env)
+    if not r.engine_start_timeout_s > 0:
+        raise ConfigError(f"rollout.engine_start_timeout_s={r.engine_start_timeout_s} must be > 0 seconds, e.g. 300")
     if c.gpus_per_node and "CUDA_VISIBLE_DEVICES" in r.engine_env:
         raise ConfigError(
             "rollout.engine_env.CUDA_VISIBLE_DEVICES is set on a GPU run (cluster.gpus_per_node="

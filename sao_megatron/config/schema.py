@@ -307,6 +307,15 @@ class RolloutConfig:
     dtype: EngineDtype = "auto"
     """SGLang ``--dtype``: ``float32`` on CPU (engine logprobs then match the trainer's); ``auto`` on GPU."""
     max_total_tokens: int = 32768
+    engine_args: list[str] = field(default_factory=list)
+    """Extra SGLang server flags for every engine, passed through as written, e.g.
+    ``["--chunked-prefill-size", "8192", "--context-length=131072"]``. Checked against the installed
+    SGLang's own argument parser before any engine starts: an unknown flag or a bad value fails naming
+    it, and a flag the project sets from another key (``--tp-size``: ``rollout.tensor_parallel``, ...) is
+    refused naming that key."""
+    engine_start_timeout_s: float = 300.0
+    """Seconds an engine may take to answer ``/health`` after its start (model load included; a
+    multi-node engine of a large model needs more)."""
     engine_env: dict = field(default_factory=dict)
     """Environment variables of every engine server (SGLang and torch settings), e.g.
     ``{OMP_NUM_THREADS: "1"}``: on a CPU shared with the learner one torch thread per engine avoids

@@ -12,7 +12,7 @@ from ray.exceptions import GetTimeoutError
 
 from sao_megatron.config import SAOConfig
 from sao_megatron.config.cluster import one_node_gpus
-from sao_megatron.rollout.engine import EngineProcess, EngineSpec
+from sao_megatron.rollout.engine import EngineProcess, EngineSpec, check_engine_args
 from sao_megatron.spawn import free_port
 
 
@@ -189,6 +189,8 @@ def launch_engines(
     remote = bool(c.ray_address)  # the rollout node group (the run directory is on a shared filesystem)
     suffix = f".restart{restart}" if restart else ""
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if r.engine_args:  # before any process starts
+        check_engine_args(r.engine_args)
     specs = [
         EngineSpec(
             model_path=str(model_path),
@@ -204,6 +206,8 @@ def launch_engines(
             log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
             env=engine_env(cfg, i, parent_visible),
             cpu=not c.gpus_per_node,
+            extra_args=[str(a) for a in r.engine_args],
+            startup_timeout_s=r.engine_start_timeout_s,
         )
         for i in (range(r.num_engines) if indices is None else indices)
     ]

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from sao_megatron.rollout.sglang_cpu import STANDIN_DIR, SUPPORTED_SGLANG
+from sao_megatron.config import ConfigError
+from sao_megatron.rollout.sglang_cpu import STANDIN_DIR, SUPPORTED_SGLANG, multi_rank_env
 
 
 class EngineStartError(RuntimeError):
@@ -116,8 +117,8 @@ def _command(spec: EngineSpec, cpu: bool) -> list[str]:
         cmd += ["--load-format", spec.load_format]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
-    if spec.dp_attention > 1:
-        cmd += ["--dp-size", str(spec.dp_attention), "--enable-dp-attention"]
+    if spec.dp_attention > 1:  # SGLang 0.5.23's spelling; `--dp-size N --enable-dp-attention` is deprecated
+        cmd += ["--attn-dp-size", str(spec.dp_attention)]
     if spec.nnodes > 1:
         if not spec.dist_init_addr:
             raise ValueError(f"an engine over {spec.nnodes} nodes needs dist_init_addr (node 0's host:port)")
@@ -140,6 +141,66 @@ def _command(spec: EngineSpec, cpu: bool) -> list[str]:
             "--sleep-on-idle",
         ]
     return cmd + list(spec.extra_args)
+
+
+MANAGED_FLAGS = {
+    "--model-path": "the run (the actor's HF export)",
+    "--host": "the run",
+    "--port": "the run (a free port)",
+    "--tp-size": "rollout.tensor_parallel",
+    "--tensor-parallel-size": "rollout.tensor_parallel",
+    "--ep-size": "rollout.expert_parallel",
+    "--expert-parallel-size": "rollout.expert_parallel",
+    "--dtype": "rollout.dtype",
+    "--max-total-tokens": "rollout.max_total_tokens",
+    "--random-seed": "run.seed",
+    "--load-format": "the run (dummy weights, then a weight sync)",
+    "--mem-fraction-static": "cluster.engine_mem_fraction",
+    "--attn-dp-size": "cluster.engine_dp_attention",
+    "--dp-size": "cluster.engine_dp_attention (rollout.num_engines for data parallel engines)",
+    "--enable-dp-attention": "cluster.engine_dp_attention",
+    "--nnodes": "the placement (rollout.tensor_parallel over cluster.gpus_per_node)",
+    "--node-rank": "the placement",
+    "--dist-init-addr": "the placement",
+    "--device": "cluster.gpus_per_node",
+}
+"""SGLang flags :func:`_command` sets from the config: ``rollout.engine_args`` may not set them."""
+
+
+class EngineArgsError(ConfigError):
+    """``rollout.engine_args`` names an unknown flag, a bad value, or a flag the project sets."""
+
+
+def check_engine_args(args: list[str]) -> None:
+    """Raise :class:`EngineArgsError` unless ``args`` parse with the installed SGLang's own server
+    argument parser and set no flag of :data:`MANAGED_FLAGS`. Imports SGLang's ``server_args``."""
+    import argparse
+    import contextlib
+    import io
+
+    args = [str(a) for a in args]
+    for a in args:
+        flag = a.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            raise EngineArgsError(
+                f"rollout.engine_args sets {flag}, which the project sets from {MANAGED_FLAGS[flag]}; remove it"
+            )
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang serve", exit_on_error=False, add_help=False)
+    ServerArgs.add_cli_args(parser)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            _, unknown = parser.parse_known_args(["--model-path", "m", *args])
+    except (argparse.ArgumentError, SystemExit) as e:
+        detail = str(e) if isinstance(e, argparse.ArgumentError) else err.getvalue().strip().splitlines()[-1]
+        raise EngineArgsError(f"rollout.engine_args {args}: SGLang {sglang_version()} refuses them: {detail}") from None
+    if unknown:
+        raise EngineArgsError(
+            f"rollout.engine_args: SGLang {sglang_version()} has no server flag {' '.join(unknown)} "
+            "(`python -m sglang.launch_server --help` lists them)"
+        )
 
 
 def _environment(cpu: bool) -> dict[str, str]:
@@ -340,7 +401,11 @@ class EngineProcess(_ServerProcess):
         self.port = self.spec.port = port
 
     def _environment(self) -> dict[str, str]:
-        return {**_environment(self.cpu), **self.spec.env}
+        env = _environment(self.cpu)
+        if self.cpu:  # a multi-rank CPU engine's needs, unless the user set them (issue 30)
+            ranks_here = self.spec.tensor_parallel // max(1, self.spec.nnodes)
+            env.update({k: v for k, v in multi_rank_env(ranks_here).items() if k not in os.environ})
+        return {**env, **self.spec.env}
 
     def start(self) -> EngineProcess:
         return super().start()

@@ -53,9 +53,13 @@ def test_engine_command_spans_nodes_with_dp_attention():
     cmd = _command(spec, cpu=False)
     joined = " ".join(cmd)
     assert "--nnodes 4 --node-rank 2 --dist-init-addr 10.0.0.1:5000" in joined
-    assert "--dp-size 4 --enable-dp-attention" in joined and "--mem-fraction-static 0.85" in joined
+    assert (
+        "--attn-dp-size 4" in joined
+        and "--enable-dp-attention" not in joined
+        and "--mem-fraction-static 0.85" in joined
+    )
     single = " ".join(_command(EngineSpec(model_path="/m", port=1), cpu=False))
-    assert "--nnodes" not in single and "--dp-size" not in single
+    assert "--nnodes" not in single and "--attn-dp-size" not in single
     with pytest.raises(ValueError, match="dist_init_addr"):
         _command(EngineSpec(model_path="/m", port=1, nnodes=2), cpu=False)
 

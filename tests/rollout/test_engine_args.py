@@ -1,0 +1,119 @@
+"""``rollout.engine_args`` (validated by SGLang's own parser before any engine starts),
+``rollout.engine_start_timeout_s``, and the environment a multi-rank CPU engine needs (issue 30)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sao_megatron.config import load_config
+from sao_megatron.driver import engines as engines_mod
+from sao_megatron.rollout import engine as engine_mod
+from sao_megatron.rollout.sglang_cpu import NO_NCCL, multi_rank_env
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Engines launch_engines would start: (spec, environment, command) each; nothing is started."""
+    calls: list = []
+
+    class Recorded(engines_mod.EngineProcess):
+        def start(self):
+            calls.append((self.spec, self._environment(), self._command()))
+            return self
+
+    monkeypatch.setattr(engines_mod, "EngineProcess", Recorded)
+    return calls
+
+
+def _cfg(**rollout):
+    cfg = load_config()
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout))
+
+
+def test_valid_engine_args_and_the_start_timeout_reach_every_engine(tmp_path, started):
+    args = ["--chunked-prefill-size", "8192", "--context-length=4096"]
+    engines_mod.launch_engines(_cfg(engine_args=args, engine_start_timeout_s=900.0, num_engines=2), tmp_path, tmp_path)
+    assert len(started) == 2
+    for spec, _, cmd in started:
+        assert cmd[-3:] == args and spec.startup_timeout_s == 900.0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--no-such-flag", "1"], "has no server flag --no-such-flag"),
+        (["--chunked-prefill-size", "many"], "refuses them"),
+        (["--tp-size", "4"], "sets --tp-size, which the project sets from rollout.tensor_parallel"),
+        (["--enable-dp-attention"], "cluster.engine_dp_attention"),
+    ],
+)
+def test_bad_engine_args_fail_before_any_engine_starts(tmp_path, started, args, message):
+    with pytest.raises(engine_mod.EngineArgsError, match=message):
+        engines_mod.launch_engines(_cfg(engine_args=args), tmp_path, tmp_path)
+    assert started == []
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_the_projects_own_command_parses_under_the_installed_sglang(cpu):
+    """Every flag the project passes (DP attention through SGLang's current --attn-dp-size, a
+    multi-node engine, CPU flags) is one SGLang's parser knows, with a value it accepts."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    spec = engine_mod.EngineSpec(
+        model_path="m",
+        port=30000,
+        tensor_parallel=4,
+        dp_attention=2,
+        mem_fraction_static=0.8,
+        nnodes=2,
+        node_rank=1,
+        dist_init_addr="10.0.0.1:5000",
+        load_format="dummy",
+    )
+    cmd = engine_mod._command(spec, cpu=cpu)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    joined = " ".join(cmd)
+    assert "--attn-dp-size 2" in joined and "--enable-dp-attention" not in joined and "--dp-size" not in joined
+    parser = argparse.ArgumentParser(exit_on_error=False, add_help=False)
+    ServerArgs.add_cli_args(parser)
+    _, unknown = parser.parse_known_args(cmd[3:])
+    assert unknown == []
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cores", "bind"),
+    [
+        (2, [0, 1], "0|1"),
+        (2, [0, 1, 2, 3], "0-1|2-3"),
+        (3, [0, 1], "0|1|0"),
+        (2, [0, 1, 2], "0-1|2"),
+        (2, [1, 3], "1|3"),
+    ],
+)
+def test_multi_rank_cpu_engines_bind_each_rank_and_turn_pynccl_off(ranks, cores, bind):
+    assert multi_rank_env(ranks, cores) == {"SGLANG_CPU_OMP_THREADS_BIND": bind, "SGLANG_NCCL_SO_PATH": NO_NCCL}
+    assert multi_rank_env(1, cores) == {}
+
+
+def test_a_tp2_cpu_engine_gets_them_unless_the_user_set_them(tmp_path, started, monkeypatch):
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("SGLANG_NCCL_SO_PATH", raising=False)
+    engines_mod.launch_engines(_cfg(tensor_parallel=2), tmp_path, tmp_path)
+    (_, env, cmd), *_ = started
+    assert "--tp-size 2" in " ".join(cmd) and env["SGLANG_NCCL_SO_PATH"] == NO_NCCL
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
+    started.clear()
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-1|0-1")
+    engines_mod.launch_engines(
+        _cfg(tensor_parallel=2, engine_env={"SGLANG_NCCL_SO_PATH": "/opt/nccl.so"}), tmp_path, tmp_path
+    )
+    (_, env, _), *_ = started
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0-1|0-1" and env["SGLANG_NCCL_SO_PATH"] == "/opt/nccl.so"
+    started.clear()
+    engines_mod.launch_engines(_cfg(), tmp_path, tmp_path)  # one rank: nothing added
+    (_, env, _), *_ = started
+    assert "SGLANG_NCCL_SO_PATH" not in env or env["SGLANG_NCCL_SO_PATH"] != NO_NCCL
