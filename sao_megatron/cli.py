@@ -323,8 +323,9 @@ def cmd_export(args) -> int:
             max_shard_bytes=int(args.max_shard_gb * 2**30),
             overwrite=args.overwrite,
             progress=True,
+            timeout_s=args.timeout_s,
         )
-    except (ExportError, CheckpointError, FileExistsError, FileNotFoundError) as err:
+    except (ExportError, CheckpointError, FileExistsError, FileNotFoundError, TimeoutError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 1
     except WorldFailed as err:
@@ -363,7 +364,25 @@ def _add_export_parser(sub) -> None:
     )
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    _add_timeout_argument(p)
     p.set_defaults(fn=cmd_export)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative; give seconds, or 0 for the default")
+    return value
+
+
+def _add_timeout_argument(p) -> None:
+    p.add_argument(
+        "--timeout-s",
+        type=_seconds,
+        default=0.0,
+        help="stop the conversion world after this many seconds (also its collective timeout); "
+        "default: max(900, 3 x checkpoint bytes / 0.5 GB/s)",
+    )
 
 
 CONVERT_EPILOG = """examples:
@@ -392,6 +411,12 @@ def _print_summary(summary, command: str = "sao convert") -> None:
         phases,
     )
     Console(width=max(100, Console().width)).print(table)
+    if summary.peak_rss:
+        mib = [
+            f"{peak / 2**20:,.0f} ({shard / 2**20:,.0f})"
+            for peak, shard in zip(summary.peak_rss, summary.shard_bytes, strict=True)
+        ]
+        print(f"peak RSS per rank, MiB (its shard): {' / '.join(mib)}")
 
 
 def cmd_convert(args) -> int:
@@ -414,7 +439,9 @@ def cmd_convert(args) -> int:
         p = hf_convert.parallel_config(args.world, args.tp, args.pp, args.ep)
         if args.convert == "hf-to-mcore":
             bf16 = {"auto": None, "bfloat16": True, "float32": False}[args.dtype]
-            summary = hf_convert.hf_to_mcore(args.src, args.dst, p, bf16=bf16, overwrite=args.overwrite, progress=True)
+            summary = hf_convert.hf_to_mcore(
+                args.src, args.dst, p, bf16=bf16, overwrite=args.overwrite, progress=True, timeout_s=args.timeout_s
+            )
         else:
             summary = hf_convert.mcore_to_hf(
                 args.src,
@@ -425,8 +452,9 @@ def cmd_convert(args) -> int:
                 max_shard_bytes=int(args.max_shard_gb * 2**30),
                 overwrite=args.overwrite,
                 progress=True,
+                timeout_s=args.timeout_s,
             )
-    except (hf_convert.CheckpointError, FileExistsError, FileNotFoundError) as err:
+    except (hf_convert.CheckpointError, FileExistsError, FileNotFoundError, TimeoutError) as err:
         print(f"convert error: {err}", file=sys.stderr)
         return 1
     except WorldFailed as err:
@@ -462,6 +490,7 @@ def _add_convert_parser(sub) -> None:
         c.add_argument("--ep", type=int, default=1, help="expert parallel ranks")
         c.add_argument("--world", type=int, default=None, help="processes (default: PP * lcm(TP, EP))")
         c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+        _add_timeout_argument(c)
         if name == "hf-to-mcore":
             c.add_argument(
                 "--dtype",

@@ -4,7 +4,9 @@ Used for local (non-Ray) role worlds and for distributed tests. The function mus
 importable by name (spawn pickles it); it receives ``(rank, world_size, *args)`` with
 ``torch.distributed`` initialised and returns a JSON-serialisable value. A failure in any
 rank raises :class:`WorldFailed` with that rank's traceback; a hang past ``timeout_s`` kills
-the processes this call started (by PID) and raises ``TimeoutError``.
+the processes this call started (by PID) and raises ``TimeoutError`` (naming ``timeout_key``,
+the setting that chose the limit, when given). ``timeout_s`` is also the world's collective
+timeout.
 
 Each rank calls :func:`sao_megatron.logs.quiet_third_party` before it unpickles ``fn`` and its
 arguments (which imports Megatron), so import-time notices are filtered too. With ``log_to``
@@ -46,7 +48,7 @@ def free_port() -> int:
             return port
 
 
-def _entry(rank, payload, world_size, port, backend, out_dir, log_to):
+def _entry(rank, payload, world_size, port, backend, out_dir, log_to, timeout_s):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from sao_megatron.logs import quiet_third_party, redirect_process_output
 
@@ -62,7 +64,9 @@ def _entry(rank, payload, world_size, port, backend, out_dir, log_to):
             store = parallel.open_store("127.0.0.1", world_size, port, timeout_s=300)
         else:
             store = parallel.join_store("127.0.0.1", port, world_size, timeout_s=300)
-        parallel.init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=300, store=store)
+        parallel.init_distributed(
+            rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=timeout_s, store=store
+        )
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except Exception:
         result = {"ok": False, "error": traceback.format_exc()}
@@ -74,7 +78,13 @@ def _entry(rank, payload, world_size, port, backend, out_dir, log_to):
 
 
 def run_world(
-    fn, world_size: int, *args, backend: str = "auto", timeout_s: float = 900.0, log_to: str | os.PathLike | None = None
+    fn,
+    world_size: int,
+    *args,
+    backend: str = "auto",
+    timeout_s: float = 900.0,
+    log_to: str | os.PathLike | None = None,
+    timeout_key: str = "",
 ) -> list:
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their return values in rank order.
 
@@ -90,7 +100,7 @@ def run_world(
     with tempfile.TemporaryDirectory(prefix="sao-world-") as out_dir:
         ctx = start_processes(
             _entry,
-            args=(payload, world_size, free_port(), backend, out_dir, log),
+            args=(payload, world_size, free_port(), backend, out_dir, log, timeout_s),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -100,7 +110,8 @@ def run_world(
         try:
             while not ctx.join(timeout=0.5):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout_s:.0f} s")
+                    fix = f" ({timeout_key}={timeout_s:g}); raise {timeout_key}" if timeout_key else ""
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout_s:.0f} s{fix}")
         except ProcessException as err:
             raise WorldFailed(str(err)) from None
         finally:

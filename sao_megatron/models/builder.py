@@ -169,8 +169,13 @@ def moe_layer_pattern(m: ModelConfig) -> list[int]:
     return [int(i not in dense and (i + 1) % m.moe_layer_freq == 0) for i in range(m.num_layers)]
 
 
-def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
-    """The single place where Megatron's ``TransformerConfig`` is built."""
+def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False, for_loading: bool = False):
+    """The single place where Megatron's ``TransformerConfig`` is built.
+
+    ``for_loading``: every weight is read from a checkpoint right after building (checkpoint
+    conversion): parameters are built on the CPU whatever devices the process sees
+    (``use_cpu_initialization``) and only allocated, not initialised (``perform_initialization``
+    off), so building touches no memory the load will not fill and no GPU."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -219,7 +224,8 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=for_loading or not torch.cuda.is_available(),
+        perform_initialization=not for_loading,
         batch_p2p_comm=False,
         **recompute_kwargs(m, p, knobs, grouped_gemm=fusions.get("moe_grouped_gemm", False)),
         **fusions,
@@ -270,12 +276,16 @@ def build_gpt(
     bf16: bool = False,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    *,
+    for_loading: bool = False,
 ):
-    """The actor: a Megatron ``GPTModel`` for this rank's pipeline stage, vocab-parallel output."""
+    """The actor: a Megatron ``GPTModel`` for this rank's pipeline stage, vocab-parallel output.
+
+    ``for_loading``: on the CPU, uninitialised, to be filled from a checkpoint (:func:`transformer_config`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(m, p, bf16)
+    config = transformer_config(m, p, bf16, for_loading)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -3,13 +3,17 @@
     HF_DIR --(each rank reads its slices: load_hf_weights)--> Megatron model at TP/PP/EP
            --(dist_checkpoint.save_model, torch_dist)--> MCORE_DIR + model.yaml + hf/ + convert.json
     MCORE_DIR --(dist_checkpoint.load_model: reshards to any layout)--> Megatron model
-              --(save_hf_checkpoint: gather to rank 0, stream shards)--> HF_DIR
+              --(save_hf_checkpoint: every rank writes the shards of what it holds)--> HF_DIR
 
 A Megatron checkpoint directory holds the ``torch_dist`` files, ``model.yaml`` (our model
 shape, loadable by ``load_config``), ``convert.json`` (dtype, source) and ``hf/`` (the source's
 config, generation config and tokenizer files, used as the template of the way back).
 Conversions that need N ranks run as a spawned gloo world (:func:`sao_megatron.spawn.run_world`);
-outputs are staged next to the target and renamed at the end.
+outputs are staged next to the target and renamed at the end. Every rank builds its part of the
+model on the CPU without random initialisation (``build_gpt(..., for_loading=True)``), so its
+resident memory is its shard plus read / write buffers, and reports its peak (``VmHWM``). A
+conversion that runs past ``timeout_s`` (default :func:`convert_timeout_s` of its bytes) is
+stopped, naming ``--timeout-s``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,29 @@ from sao_megatron.models.hf_io import CheckpointError
 TEMPLATE_DIR = "hf"
 MODEL_YAML = "model.yaml"
 CONVERT_JSON = "convert.json"
+CONVERT_GB_PER_S = 0.5
+"""Stated bandwidth of a conversion (read + write, the whole world) that sizes its default timeout."""
+CONVERT_FLOOR_S = 900.0
+"""The shortest default conversion timeout (process start-up, imports and model construction included)."""
+
+
+def convert_timeout_s(nbytes: int) -> float:
+    """Default ``--timeout-s`` of a conversion moving ``nbytes``: ``max(900, 3 x nbytes / 0.5 GB/s)``
+    (:func:`hf_io.transfer_timeout_s`); 1.48 TB (750B-A40B in bf16): 8880 s."""
+    return hf_io.transfer_timeout_s(nbytes, CONVERT_GB_PER_S, CONVERT_FLOOR_S)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``VmHWM`` of ``/proc/self/status``; ``ru_maxrss`` elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass
@@ -46,6 +73,10 @@ class ConvertSummary:
     """The copy alone (slowest rank): read + write of the weights."""
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds per phase of the copy (slowest rank), e.g. ``read_hf``, ``save_torch_dist``."""
+    peak_rss: list[int] = dataclasses.field(default_factory=list)
+    """Per rank: peak resident bytes of its process over the whole conversion (``VmHWM``)."""
+    shard_bytes: list[int] = dataclasses.field(default_factory=list)
+    """Per rank: bytes of its part of the model (its parameters)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -86,9 +117,22 @@ def check_hf_checkpoint(hf_dir: str | Path, m: ModelConfig) -> tuple[int, int]:
         return len(expected), total
 
 
+class _Bar:
+    """One rich progress bar in bytes: :meth:`advance` by a count, :meth:`total` set later."""
+
+    def __init__(self, bar, task):
+        self._bar, self._task = bar, task
+
+    def advance(self, nbytes: int) -> None:
+        self._bar.advance(self._task, nbytes)
+
+    def total(self, nbytes: int) -> None:
+        self._bar.update(self._task, total=nbytes)
+
+
 @contextlib.contextmanager
-def _progress(enabled: bool, description: str, total: int):
-    """A rich progress bar in bytes (rank 0 only), yielding ``advance(nbytes)`` or None."""
+def _progress(enabled: bool, description: str, total: int | None):
+    """A rich progress bar in bytes (rank 0 only), yielding a :class:`_Bar` or None."""
     if not enabled:
         yield None
         return
@@ -109,8 +153,7 @@ def _progress(enabled: bool, description: str, total: int):
         TimeRemainingColumn(),
     )
     with Progress(*columns) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
+        yield _Bar(bar, bar.add_task(description, total=total))
 
 
 def _setup(p: ParallelConfig) -> None:
@@ -132,12 +175,12 @@ def _hf_to_mcore_rank(rank, world, hf_dir, stage, m_dict, p_dict, bf16, progress
 
     m, p = ModelConfig(**m_dict), ParallelConfig(**p_dict)
     _setup(p)
-    model = build_gpt(m, p, bf16=bf16)
+    model = build_gpt(m, p, bf16=bf16, for_loading=True)
     local_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
     dist.barrier()
     t0 = time.perf_counter()
-    with _progress(progress and rank == 0, f"rank 0 of {world}: reading HF slices", local_bytes) as advance:
-        stats = load_hf_weights(model, m, hf_dir, progress=advance)
+    with _progress(progress and rank == 0, f"rank 0 of {world}: reading HF slices", local_bytes) as bar:
+        stats = load_hf_weights(model, m, hf_dir, progress=bar.advance if bar else None)
     t_save = time.perf_counter()
     save_model(model, stage)
     return {
@@ -145,6 +188,8 @@ def _hf_to_mcore_rank(rank, world, hf_dir, stage, m_dict, p_dict, bf16, progress
         "load_s": t_save - t0,
         "save_s": time.perf_counter() - t_save,
         "copy_s": time.perf_counter() - t0,
+        "peak_rss": peak_rss_bytes(),
+        "shard_bytes": local_bytes,
     }
 
 
@@ -156,10 +201,12 @@ def hf_to_mcore(
     bf16: bool | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    timeout_s: float = 0.0,
 ) -> ConvertSummary:
     """Convert an HF checkpoint into a Megatron ``torch_dist`` checkpoint using ``p.world_size`` ranks.
 
     ``bf16`` None keeps the HF checkpoint's dtype (bf16 checkpoints give bf16 Megatron weights).
+    ``timeout_s`` 0: :func:`convert_timeout_s` of the checkpoint's bytes.
     """
     from sao_megatron.spawn import run_world
 
@@ -182,6 +229,8 @@ def hf_to_mcore(
             bf16,
             progress,
             backend="gloo",
+            timeout_s=timeout_s or convert_timeout_s(nbytes),
+            timeout_key="--timeout-s",
         )
         (stage / MODEL_YAML).write_text(hf_config.model_yaml(m, source=str(hf_dir)))
         (stage / TEMPLATE_DIR).mkdir()
@@ -199,7 +248,12 @@ def hf_to_mcore(
         "save_torch_dist": max(r["save_s"] for r in results),
     }
     copy_s = max(r["copy_s"] for r in results)
-    return ConvertSummary("hf-to-mcore", tensors, nbytes, time.perf_counter() - t0, copy_s, phases)
+    return ConvertSummary("hf-to-mcore", tensors, nbytes, time.perf_counter() - t0, copy_s, phases, *_memory(results))
+
+
+def _memory(results: list[dict]) -> tuple[list[int], list[int]]:
+    """Per rank: peak RSS and shard bytes."""
+    return [r["peak_rss"] for r in results], [r["shard_bytes"] for r in results]
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +273,20 @@ def read_mcore_dir(mcore_dir: str | Path) -> tuple[ModelConfig, dict]:
 
 
 def _mcore_to_hf_rank(
-    rank, world, mcore_dir, out_dir, m_dict, p_dict, bf16, template, dtype_name, max_shard_bytes, overwrite, progress
+    rank,
+    world,
+    mcore_dir,
+    out_dir,
+    m_dict,
+    p_dict,
+    bf16,
+    template,
+    dtype_name,
+    max_shard_bytes,
+    overwrite,
+    progress,
+    timeout_s,
+    timeout_key,
 ):
     import torch.distributed as dist
 
@@ -229,20 +296,13 @@ def _mcore_to_hf_rank(
 
     m, p = ModelConfig(**m_dict), ParallelConfig(**p_dict)
     _setup(p)
-    model = build_gpt(m, p, bf16=bf16)
+    model = build_gpt(m, p, bf16=bf16, for_loading=True)
     dist.barrier()
     t0 = time.perf_counter()
     load_model(model, mcore_dir)
     t_export = time.perf_counter()
     dtype = hf_io.torch_dtype(dtype_name) if dtype_name else None
-    out_dtype = dtype or (
-        hf_io.torch_dtype(hf_io.config_dtype(hf_config.read_hf_config(template)) or "F32")
-        if template
-        else next(model.parameters()).dtype
-    )
-    size = out_dtype.itemsize
-    total = sum(hf_io._numel(bridge.hf_shape(n, m)) * size for n in bridge.expected_hf_names(m))
-    with _progress(progress and rank == 0, f"writing HF shards ({world} ranks)", total) as advance:
+    with _progress(progress and rank == 0, f"rank 0 of {world}: writing its HF shards", None) as bar:
         stats = save_hf_checkpoint(
             model,
             m,
@@ -251,14 +311,26 @@ def _mcore_to_hf_rank(
             dtype=dtype,
             max_shard_bytes=max_shard_bytes,
             overwrite=overwrite,
-            progress=advance,
+            progress=bar.advance if bar else None,
+            progress_total=bar.total if bar else None,
+            timeout_s=timeout_s,
+            timeout_key=timeout_key,
         )
     return {
         **stats.as_dict(),
         "load_s": t_export - t0,
         "export_s": time.perf_counter() - t_export,
         "copy_s": time.perf_counter() - t0,
+        "peak_rss": peak_rss_bytes(),
+        "shard_bytes": sum(q.numel() * q.element_size() for q in model.parameters()),
     }
+
+
+def _hf_bytes(m: ModelConfig, template: str | Path | None, dtype: str | None, bf16: bool) -> int:
+    """Bytes of the HF checkpoint an export of ``m`` writes: ``dtype``, else the template's, else the weights'."""
+    name = dtype or (hf_io.config_dtype(hf_config.read_hf_config(template)) if template else None)
+    size = hf_io.torch_dtype(name).itemsize if name else (2 if bf16 else 4)
+    return sum(hf_io._numel(bridge.hf_shape(n, m)) for n in bridge.expected_hf_names(m)) * size
 
 
 def mcore_to_hf(
@@ -271,12 +343,14 @@ def mcore_to_hf(
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
     progress: bool = False,
+    timeout_s: float = 0.0,
 ) -> ConvertSummary:
     """Convert a Megatron checkpoint written by :func:`hf_to_mcore` (or with a ``model.yaml``) to HF.
 
     ``template``: an HF directory whose config and tokenizer files are copied (default: the
     ``hf/`` copy stored at conversion time; without either, ``config.json`` is generated).
     ``dtype`` (``float32`` / ``bfloat16``) defaults to the template's. ``p`` defaults to one rank.
+    ``timeout_s`` 0: :func:`convert_timeout_s` of the HF checkpoint's bytes.
     """
     from sao_megatron.spawn import run_world
 
@@ -297,6 +371,8 @@ def mcore_to_hf(
         hf_io.torch_dtype(dtype)
     p = p or ParallelConfig()
     validate_parallel(p, m, "convert")
+    bf16 = bool(meta.get("bf16", False))
+    timeout = timeout_s or convert_timeout_s(_hf_bytes(m, template, dtype, bf16))
     results = run_world(
         _mcore_to_hf_rank,
         p.world_size,
@@ -304,21 +380,31 @@ def mcore_to_hf(
         str(out_dir.resolve()),
         dataclasses.asdict(m),
         dataclasses.asdict(p),
-        bool(meta.get("bf16", False)),
+        bf16,
         str(template) if template else None,
         dtype,
         max_shard_bytes,
         overwrite,
         progress,
+        timeout,
+        "--timeout-s",
         backend="gloo",
+        timeout_s=timeout,
+        timeout_key="--timeout-s",
     )
-    r0 = results[0]
+    return _export_summary("mcore-to-hf", results, t0)
+
+
+def _export_summary(direction: str, results: list[dict], t0: float) -> ConvertSummary:
+    r0 = results[0]  # every rank reports the export's totals
     phases = {
         "load_torch_dist": max(r["load_s"] for r in results),
         "export_hf": max(r["export_s"] for r in results),
     }
     copy_s = max(r["copy_s"] for r in results)
-    return ConvertSummary("mcore-to-hf", r0["tensors"], r0["bytes"], time.perf_counter() - t0, copy_s, phases)
+    return ConvertSummary(
+        direction, r0["tensors"], r0["bytes"], time.perf_counter() - t0, copy_s, phases, *_memory(results)
+    )
 
 
 def parallel_config(world: int | None, tp: int, pp: int, ep: int) -> ParallelConfig:
@@ -351,12 +437,14 @@ def export_run(
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
     progress: bool = False,
+    timeout_s: float = 0.0,
 ) -> ConvertSummary:
     """The run's actor (``RUN_DIR/checkpoint/actor``) as an HF checkpoint in ``out_dir``.
 
     Reuses ``sao convert mcore-to-hf``'s rank body: a spawned gloo world of ``world`` ranks at
     TP/PP/EP builds the run's model (``RUN_DIR/config.yaml``), loads only the model tensors of the
-    role checkpoint (which also holds optimizer state) and streams safetensors shards from rank 0.
+    role checkpoint (which also holds optimizer state) and every rank writes the safetensors
+    shards of what it holds (``timeout_s`` 0: :func:`convert_timeout_s` of the export's bytes).
     Config, generation config, tokenizer files and chat template come from the run's last policy
     export ``RUN_DIR/hf/policy`` when present, else config.json is generated and the tokenizer
     files of ``actor.init_from`` (an HF directory) or of the bundled ``sao_megatron/tokenizer``
@@ -402,6 +490,7 @@ def export_run(
         raise FileExistsError(f"{out_dir} exists and is not empty; choose another directory or pass --overwrite")
     p = parallel_config(world, tp, pp, ep)
     validate_parallel(p, m, "export")
+    timeout = timeout_s or convert_timeout_s(_hf_bytes(m, template, dtype, cfg.actor.bf16))
     results = run_world(
         _mcore_to_hf_rank,
         p.world_size,
@@ -415,22 +504,14 @@ def export_run(
         max_shard_bytes,
         overwrite,
         progress,
+        timeout,
+        "--timeout-s",
         backend="gloo",
+        timeout_s=timeout,
+        timeout_key="--timeout-s",
     )
     if template is None:  # no policy export yet (stopped during SFT): the run's tokenizer source
         from sao_megatron.tokenizer import copy_tokenizer_files
 
         copy_tokenizer_files(cfg.actor.init_from, out_dir)
-    r0 = results[0]
-    phases = {
-        "load_torch_dist": max(r["load_s"] for r in results),
-        "export_hf": max(r["export_s"] for r in results),
-    }
-    return ConvertSummary(
-        "run actor -> HF",
-        r0["tensors"],
-        r0["bytes"],
-        time.perf_counter() - t0,
-        max(r["copy_s"] for r in results),
-        phases,
-    )
+    return _export_summary("run actor -> HF", results, t0)
