@@ -132,9 +132,11 @@ class Session:
 
     async def ensure_critic(self) -> None:
         """Build the critic (after SFT). Its trunk comes from, first match: the run's critic
-        checkpoint (resume), ``critic.init_from``, the actor's current weights exported as an HF
-        checkpoint (``critic.init_from_actor``; the engines start from the same export), else a
-        random initialisation. Every critic rank reads only its own slices of the source."""
+        checkpoint (resume), ``critic.init_from``, the actor's weights (``critic.init_from_actor``):
+        ``actor.init_from`` itself while the actor has not trained (no SFT steps, no actor
+        checkpoint: nothing is exported), else the actor's current weights exported as an HF
+        checkpoint (the engines start from the same export); else a random initialisation. Every
+        critic rank reads only its own slices of the source."""
         if self.critic is not None or not algo.uses_critic(self.cfg.algo.advantage):
             return
         checkpoint = RunState.checkpoint_dir(self.run_dir) / "critic"
@@ -143,12 +145,20 @@ class Session:
             pass  # loaded below; reading an initial checkpoint first would be wasted
         elif self.cfg.critic.init_from:
             source = self.cfg.critic.init_from
+        elif self.cfg.critic.init_from_actor and self._actor_is_init_from():
+            source = self.cfg.actor.init_from  # what the actor holds: sliced into the critic's layout
         elif self.cfg.critic.init_from_actor:
             source = str(await self._export_policy())
         self.critic = CriticGroup(self.cfg, self.run_dir, source)
         await self.critic.started()
         if checkpoint.exists():
             await self.critic.load(checkpoint)
+
+    def _actor_is_init_from(self) -> bool:
+        """The actor's weights are still ``actor.init_from``'s: it was set, no SFT step ran and no
+        actor checkpoint was loaded (the run's first critic, at 750B-A40B a 1.48 TB export saved)."""
+        actor_checkpoint = RunState.checkpoint_dir(self.run_dir) / "actor"
+        return bool(self.cfg.actor.init_from) and self.cfg.train.sft_steps == 0 and not actor_checkpoint.exists()
 
     async def _export_policy(self) -> Path:
         """The actor's current weights as an HF checkpoint in ``<run_dir>/hf/policy``; exported once
