@@ -147,17 +147,22 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[f
     return max(((a[k] - b[k]).abs().max().item(), k) for k in a)
 
 
-def case_ragged(rank, world, layout_overrides: dict, long_row: bool = False):
-    common = {
-        "actor.optim.clip_grad": 1e6,
-        "critic.optim.clip_grad": 1e6,
-        "actor.parallel.use_distributed_optimizer": False,
-        "critic.parallel.use_distributed_optimizer": False,
-        "critic.value_head_init": "normal",
-        "model.moe_aux_loss_coeff": 0.0,
-    }
+COMMON = {
+    "actor.optim.clip_grad": 1e6,
+    "critic.optim.clip_grad": 1e6,
+    "actor.parallel.use_distributed_optimizer": False,
+    "critic.parallel.use_distributed_optimizer": False,
+    "critic.value_head_init": "normal",
+    "model.moe_aux_loss_coeff": 0.0,
+}
+
+
+def case_ragged(rank, world, layout_overrides: dict, long_row: bool = False, ref: dict | None = None):
+    """One layout against the reference (``ref``: the reference's outputs on this batch, computed
+    here when not given)."""
+    common = COMMON
     batch = build_batch(ragged_trajectories(long_row))
-    ref = _run(common, batch, reference=True, start=None)
+    ref = ref or _run(common, batch, reference=True, start=None)
     start = {**ref["weights"], "values": ref["values"]}
     got = _run({**common, **layout_overrides}, batch, reference=False, start=start)
     result = {
@@ -177,3 +182,17 @@ def case_ragged(rank, world, layout_overrides: dict, long_row: bool = False):
             mine, theirs = got[f"{role}_metrics"], ref[f"{role}_metrics"]
             result[f"{role}_metrics"] = {k: [mine[k], theirs.get(k)] for k in mine}
     return result
+
+
+def case_layouts(rank, world, layouts: dict[str, tuple[dict, bool]]) -> dict[str, dict]:
+    """:func:`case_ragged` for several layouts of one world size in one spawned world (one start
+    instead of one per layout); ``layouts``: name -> (overrides, long_row). The reference run
+    depends only on the batch, so it runs once per batch (with and without the 23-token row)."""
+    refs = {
+        long_row: _run(COMMON, build_batch(ragged_trajectories(long_row)), reference=True, start=None)
+        for long_row in sorted({long_row for _, long_row in layouts.values()})
+    }
+    return {
+        name: case_ragged(rank, world, overrides, long_row, refs[long_row])
+        for name, (overrides, long_row) in layouts.items()
+    }

@@ -70,10 +70,20 @@ def test_micro_batches_pad_to_the_layout_multiple_with_exact_masks():
             assert torch.equal(mb.positions, torch.arange(t).expand(2, t))
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
-def result(request):
-    world, overrides, long_row = LAYOUTS[request.param]
-    return request.param, run_distributed(ragged_cases.case_ragged, world, overrides, long_row)
+@pytest.fixture(scope="module")
+def worlds() -> dict[str, list[dict]]:
+    """Every layout's per-rank results; one spawned world per world size runs all its layouts."""
+    out: dict[str, list[dict]] = {}
+    for size in sorted({world for world, _, _ in LAYOUTS.values()}):
+        mine = {name: (overrides, long_row) for name, (world, overrides, long_row) in LAYOUTS.items() if world == size}
+        per_rank = run_distributed(ragged_cases.case_layouts, size, mine)
+        out.update({name: [r[name] for r in per_rank] for name in mine})
+    return out
+
+
+@pytest.fixture(params=list(LAYOUTS), ids=list(LAYOUTS))
+def result(request, worlds):
+    return request.param, worlds[request.param]
 
 
 def test_actor_logprobs_update_and_critic_values_update_match_single_rank(result):
