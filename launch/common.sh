@@ -43,6 +43,28 @@ sao_cmd() {
   SAO_PIDS+=("$SAO_LAST_PID")
 }
 
+# sao_ray_auth DIR: Ray token authentication for this job (Ray >= 2.52: RAY_AUTH_MODE=token), so
+# nobody else on the network can drive the cluster: a fresh random token in DIR/ray_auth_token
+# (mode 600; DIR on the filesystem every node shares), exported as RAY_AUTH_TOKEN_PATH for `ray start`,
+# `ray status` and the driver. RAY_AUTH_MODE=disabled set by the caller turns it off. With
+# SAO_DRY_RUN=1 prints the exports instead.
+sao_ray_auth() {
+  local dir=$1
+  export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+  if [[ $RAY_AUTH_MODE != token ]]; then
+    sao_log "Ray token authentication off (RAY_AUTH_MODE=$RAY_AUTH_MODE): anyone who reaches the head's port can submit work"
+    return
+  fi
+  export RAY_AUTH_TOKEN_PATH=$dir/ray_auth_token
+  if [[ ${SAO_DRY_RUN:-0} == 1 ]]; then
+    printf 'export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=%s  # a fresh random token, mode 600\n' \
+      "$(sao_quote "$RAY_AUTH_TOKEN_PATH")"
+    return
+  fi
+  mkdir -p "$dir"
+  (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$RAY_AUTH_TOKEN_PATH")
+}
+
 # sao_ray_resources GROUP UNITS: the custom Ray resources of a node in GROUP (actor, critic,
 # rollout, or shared = all three), UNITS each (GPUs per node, or 1 on CPU-only nodes).
 sao_ray_resources() {

@@ -25,7 +25,6 @@ SAO_ROOT=${SAO_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 source "$SAO_ROOT/launch/common.sh"
 if [[ -z ${SAO_VENV:-} && -x $SAO_ROOT/.venv/bin/sao ]]; then SAO_VENV=$SAO_ROOT/.venv; fi
 if [[ -n ${SAO_VENV:-} ]]; then export PATH="$SAO_VENV/bin:$PATH"; fi
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 read -r -a train <<<"${SAO_TRAIN:-sao train}"
 cluster=() # overrides appended to the driver's arguments
 
@@ -37,6 +36,7 @@ if [[ ${SAO_RAY_HEAD:-0} == 1 ]]; then
   if [[ -n ${SAO_GPUS_PER_NODE:-} ]]; then gpus=(--num-gpus="$SAO_GPUS_PER_NODE"); fi
   if ((${SAO_GPUS_PER_NODE:-0} > 0)); then units=$SAO_GPUS_PER_NODE; fi
   mkdir -p "$log_dir"
+  sao_ray_auth "$log_dir" # token authentication unless RAY_AUTH_MODE=disabled
   trap 'rc=$?; sao_stop_pids "${SAO_PIDS[@]}"; exit "$rc"' EXIT
   sao_cmd "$log_dir/ray-head.log" ray start --head --node-ip-address=127.0.0.1 --port="$port" \
     --include-dashboard=false --temp-dir="${SAO_RAY_TMP:-/tmp/ray-sao-local-$$}" --disable-usage-stats \

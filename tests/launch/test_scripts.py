@@ -132,6 +132,34 @@ def test_submit_dry_run_prints_every_node_group(tmp_path):
     )
     assert "export SAO_HEAD_ADDRESS=HEAD_IP:6379" in lines
     assert not any("SAO_RAY_ADDRESS" in line for line in lines)  # the driver gets the address as an override
+    # Ray token authentication: exported before the first `ray start`, the token in the job's log dir
+    auth = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={tmp_path}/run/slurm/job-dry-run/ray_auth_token"
+    assert any(line.startswith(auth) for line in lines), text
+    assert lines.index(next(line for line in lines if line.startswith(auth))) < lines.index(head)
+
+
+def test_ray_token_auth_writes_a_private_random_token_and_can_be_turned_off(tmp_path):
+    script = 'source launch/common.sh; sao_ray_auth "$1"; echo "$RAY_AUTH_MODE ${RAY_AUTH_TOKEN_PATH:-none}"'
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SAO_", "RAY_AUTH"))}
+    tokens = []
+    for run in ("a", "b"):
+        out = subprocess.run(
+            ["bash", "-c", script, "sh", str(tmp_path / run)], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+        )
+        path = tmp_path / run / "ray_auth_token"
+        assert out.returncode == 0 and out.stdout.split() == ["token", str(path)], out.stderr
+        assert path.stat().st_mode & 0o777 == 0o600
+        tokens.append(path.read_text())
+    assert all(len(t) == 64 and int(t, 16) for t in tokens) and tokens[0] != tokens[1]  # 32 random bytes each
+    out = subprocess.run(
+        ["bash", "-c", script, "sh", str(tmp_path / "off")],
+        cwd=REPO_ROOT,
+        env={**env, "RAY_AUTH_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+    )
+    assert out.stdout.split() == ["disabled", "none"] and "authentication off" in out.stderr
+    assert not (tmp_path / "off").exists()
 
 
 def test_submit_dry_run_cpu_config_is_one_shared_node(tmp_path):
