@@ -304,6 +304,8 @@ def validate(cfg: SAOConfig) -> None:
         for key in ("lr", "clip_grad"):
             if getattr(role.optim, key) < 0:
                 raise ConfigError(f"{name}.optim.{key}={getattr(role.optim, key)} must be >= 0")
+    if cfg.actor.router_bias_update_rate < 0:
+        raise ConfigError(f"actor.router_bias_update_rate={cfg.actor.router_bias_update_rate} must be >= 0")
     for pattern in [*cfg.critic.freeze_patterns, *cfg.critic.train_patterns]:
         try:
             re.compile(pattern)

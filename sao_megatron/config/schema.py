@@ -32,6 +32,12 @@ NodeGroup = Literal["actor", "critic", "rollout"]
 """A node group of a cluster run (``cluster.*_nodes``; its nodes advertise ``sao_<group>`` to Ray)."""
 RetryFrom = Literal["scratch", "turn"]
 """Where an episode retried after an engine fault starts again (``rollout.episode_retry_from``)."""
+ModelFamily = Literal["qwen", "mixtral", "glm4_moe"]
+"""The HF architecture family of a model shape: it names the checkpoint's tensors (``models/hf_bridge.py``)."""
+RouterScore = Literal["softmax", "sigmoid"]
+"""The MoE router's score function (HF: Qwen and Mixtral softmax, GLM-4.5 sigmoid)."""
+RouterBiasUpdate = Literal["freeze", "train"]
+"""What training does to the MoE router's expert bias (``actor.router_bias_update``)."""
 
 
 class ConfigError(ValueError):
@@ -43,10 +49,15 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    """Shape of a Qwen3-MoE-family decoder (dense Qwen3 when ``num_experts == 0``)."""
+    """Shape of a decoder of a supported HF family: Qwen3-MoE (dense Qwen3 when ``num_experts ==
+    0``), Qwen2-MoE, Mixtral or GLM-4.5/4.6 (``family``)."""
 
     name: str = ""
     """Human-readable name, e.g. ``tiny_moe`` or ``qwen3_30b_a3b``."""
+    family: ModelFamily = "qwen"
+    """The HF architecture the shape maps to, which names the checkpoint's tensors and writes its
+    ``config.json``: ``qwen`` (Qwen3, Qwen3-MoE and Qwen2-MoE, told apart by the fields below),
+    ``mixtral`` (``MixtralForCausalLM``) or ``glm4_moe`` (``Glm4MoeForCausalLM``: GLM-4.5, 4.6)."""
     num_layers: int = 0
     """Transformer layers (HF ``num_hidden_layers``)."""
     hidden_size: int = 0
@@ -75,7 +86,24 @@ class ModelConfig:
     (Qwen2-MoE ``shared_expert_gate``; Megatron ``moe_shared_expert_gate``)."""
     moe_router_renormalize: bool = True
     """Renormalise the top-k routing weights to sum to 1 (HF ``norm_topk_prob``). False: softmax
-    over all experts, then the top-k probabilities as they are (Megatron pre-softmax routing)."""
+    over all experts, then the top-k probabilities as they are (Megatron pre-softmax routing).
+    With ``sigmoid`` scores Megatron renormalises exactly when top-k > 1, so it must say so."""
+    moe_router_score_function: RouterScore = "softmax"
+    """``softmax`` over the experts' logits, or an independent ``sigmoid`` per expert (GLM-4.5,
+    DeepSeek-V3); Megatron ``moe_router_score_function``."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing the top-k only, not to the weights
+    (aux-loss-free balancing; HF ``e_score_correction_bias``, Megatron ``router.expert_bias``,
+    a buffer updated by training unless ``actor.router_bias_update`` is ``freeze``). Sigmoid only."""
+    moe_router_topk_scaling_factor: float = 1.0
+    """The top-k weights times this, after any renormalisation (HF ``routed_scaling_factor``)."""
+    moe_router_num_groups: int = 1
+    """Experts split into this many equal groups; a token picks ``moe_router_group_topk`` groups,
+    then its top-k experts inside them (HF ``n_group``; 1: no groups). Megatron ranks a group by
+    the sum of its best ``topk / group_topk`` scores, HF by its best 2, so groups are built only
+    where ``topk / group_topk == 2``."""
+    moe_router_group_topk: int = 1
+    """Groups each token may use (HF ``topk_group``)."""
     moe_layer_freq: int = 1
     """Every n-th layer is MoE (HF ``decoder_sparse_step``)."""
     dense_layers: list[int] = field(default_factory=list)
@@ -86,12 +114,16 @@ class ModelConfig:
     """Longest sequence the RoPE tables are built for."""
     rope_theta: float = 1_000_000.0
     """RoPE base (HF ``rope_theta``)."""
+    rotary_percent: float = 1.0
+    """Share of each head's dimensions that RoPE rotates, the first ones (HF
+    ``partial_rotary_factor``: GLM-4.5 0.5); the rest pass unrotated."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon (HF ``rms_norm_eps``)."""
     qk_layernorm: bool = True
     """RMSNorm on per-head queries and keys (Qwen3; Qwen2-MoE has none)."""
     add_qkv_bias: bool = False
-    """Biases on the query, key and value projections only (Qwen2-MoE ``qkv_bias``)."""
+    """Biases on the query, key and value projections only (Qwen2-MoE ``qkv_bias``, GLM-4.5
+    ``attention_bias``)."""
     tie_word_embeddings: bool = False
     """Share input embedding and LM head (Qwen3-MoE: untied)."""
 
@@ -186,6 +218,14 @@ class ActorConfig:
     written by ``sao convert hf-to-mcore`` (``metadata.json`` + ``model.yaml``); each rank reads
     only its slices, at any layout. Without a ``model`` in the run file the shape is read from
     the checkpoint; with one, both must agree. ``""``: random initialisation."""
+    router_bias_update: RouterBiasUpdate = "freeze"
+    """Models with ``model.moe_router_enable_expert_bias``: ``freeze`` keeps the routers' expert
+    bias as loaded (Megatron ``moe_router_bias_update_rate=0``); ``train`` moves each expert's
+    bias by ``router_bias_update_rate`` per optimizer step towards balanced load (Megatron's
+    aux-loss-free update: +rate for an expert below the mean token count, -rate above). Either
+    way every weight sync sends the biases with the weights, so engines route as the trainer."""
+    router_bias_update_rate: float = 1e-3
+    """The expert-bias step of ``router_bias_update: train`` (Megatron's default, DeepSeek-V3's)."""
 
 
 @dataclass

@@ -39,6 +39,111 @@ def validate_model(m: ModelConfig) -> None:
             "model.moe_shared_expert_gate=true needs a shared expert: set "
             "model.moe_shared_expert_intermediate_size > 0 (and num_experts > 0)"
         )
+    rotary = m.head_dim * m.rotary_percent
+    if not 0 < m.rotary_percent <= 1 or rotary != int(rotary) or int(rotary) % 2:
+        raise ConfigError(
+            f"model.rotary_percent={m.rotary_percent} must be in (0, 1] and rotate an even number of "
+            f"each head's {m.head_dim} dimensions (HF partial_rotary_factor)"
+        )
+    if m.num_experts:
+        _validate_router(m)
+    _validate_family(m)
+
+
+def _validate_router(m: ModelConfig) -> None:
+    """Routing settings Megatron computes as the HF families do (``models/builder.py``)."""
+    sigmoid = m.moe_router_score_function == "sigmoid"
+    if sigmoid and m.moe_router_renormalize != (m.moe_router_topk > 1):
+        raise ConfigError(
+            f"model.moe_router_renormalize={str(m.moe_router_renormalize).lower()} with sigmoid scores and "
+            f"moe_router_topk={m.moe_router_topk}: Megatron renormalises sigmoid top-k weights exactly when "
+            f"top-k > 1; set moe_router_renormalize={str(m.moe_router_topk > 1).lower()}"
+        )
+    if m.moe_router_enable_expert_bias and not sigmoid:
+        raise ConfigError(
+            "model.moe_router_enable_expert_bias=true needs model.moe_router_score_function=sigmoid "
+            "(Megatron's aux-loss-free expert bias is defined for sigmoid scores only)"
+        )
+    if m.moe_router_topk_scaling_factor <= 0:
+        raise ConfigError(f"model.moe_router_topk_scaling_factor must be > 0 (got {m.moe_router_topk_scaling_factor})")
+    groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups < 1 or not 1 <= chosen <= groups:
+        raise ConfigError(
+            f"model.moe_router_group_topk={chosen} must be in [1, moe_router_num_groups={groups}] and "
+            "moe_router_num_groups >= 1"
+        )
+    if groups == 1:
+        if chosen != 1:
+            raise ConfigError(f"model.moe_router_group_topk={chosen} needs moe_router_num_groups > 1")
+        return
+    if m.num_experts % groups or m.num_experts // groups < 2:
+        raise ConfigError(
+            f"model.moe_router_num_groups={groups} must divide num_experts={m.num_experts} into groups of >= 2 "
+            "experts (HF ranks a group by its best two)"
+        )
+    if m.moe_router_topk // chosen != 2:
+        raise ConfigError(
+            f"model.moe_router_group_topk={chosen} with moe_router_topk={m.moe_router_topk}: Megatron ranks a "
+            f"group by its best topk // group_topk = {m.moe_router_topk // chosen} scores, HF by its best 2; "
+            "they agree only when moe_router_topk // moe_router_group_topk == 2 (or num_groups == 1)"
+        )
+    if chosen * (m.num_experts // groups) < m.moe_router_topk:
+        raise ConfigError(
+            f"model.moe_router_group_topk={chosen} groups of {m.num_experts // groups} experts hold fewer than "
+            f"moe_router_topk={m.moe_router_topk}"
+        )
+
+
+_ROUTER_DEFAULTS = dict(
+    moe_router_score_function="softmax",
+    moe_router_enable_expert_bias=False,
+    moe_router_topk_scaling_factor=1.0,
+    moe_router_num_groups=1,
+)
+
+
+def _validate_family(m: ModelConfig) -> None:
+    """What the shape's HF architecture can express: the engines build that architecture, so a
+    field it lacks would train one model and serve another."""
+    fixed: dict[str, object] = {}
+    if m.family in ("qwen", "mixtral"):
+        fixed = {**_ROUTER_DEFAULTS, "rotary_percent": 1.0}
+    if m.family == "mixtral":
+        fixed |= dict(
+            qk_layernorm=False,
+            add_qkv_bias=False,
+            moe_shared_expert_intermediate_size=0,
+            dense_layers=[],
+            moe_layer_freq=1,
+            moe_router_renormalize=True,
+        )
+        if not m.num_experts:
+            raise ConfigError("model.family=mixtral needs num_experts > 0 (every Mixtral layer is MoE)")
+        if m.ffn_hidden_size != m.moe_ffn_hidden_size:
+            raise ConfigError(
+                f"model.ffn_hidden_size={m.ffn_hidden_size} must equal moe_ffn_hidden_size={m.moe_ffn_hidden_size} "
+                "for mixtral (one HF intermediate_size sizes its experts)"
+            )
+    if m.family == "glm4_moe":
+        fixed = dict(moe_layer_freq=1, moe_shared_expert_gate=False)
+        if not m.num_experts:
+            raise ConfigError("model.family=glm4_moe needs num_experts > 0")
+        shared = m.moe_shared_expert_intermediate_size
+        if not shared or shared % m.moe_ffn_hidden_size:
+            raise ConfigError(
+                f"model.moe_shared_expert_intermediate_size={shared} must be a positive multiple of "
+                f"moe_ffn_hidden_size={m.moe_ffn_hidden_size} for glm4_moe (HF n_shared_experts x moe_intermediate_size)"
+            )
+        if m.dense_layers != list(range(len(m.dense_layers))):
+            raise ConfigError(
+                f"model.dense_layers={m.dense_layers} must be the first k layers for glm4_moe (HF first_k_dense_replace)"
+            )
+    for key, value in fixed.items():
+        if getattr(m, key) != value:
+            raise ConfigError(
+                f"model.{key}={getattr(m, key)!r} is not expressible in model.family={m.family}'s HF "
+                f"architecture (it has {value!r}); change the field or the family"
+            )
 
 
 def same_shape(a: ModelConfig, b: ModelConfig) -> list[str]:

@@ -1,4 +1,4 @@
-"""Build Qwen3-MoE-family Megatron-Core models (actor and critic) from our config.
+"""Build Megatron-Core models (actor and critic) of the mapped HF families from our config.
 
 One function turns (model shape, parallel layout, precision) into Megatron's
 ``TransformerConfig``; layer specs come from Megatron's own spec helpers: the Transformer
@@ -9,9 +9,12 @@ Qwen3-MoE mapping (HF -> Megatron): GQA with ``kv_channels = head_dim``, per-hea
 queries and keys (``qk_layernorm``), RoPE over the whole head, SwiGLU MLPs and experts
 (``gated_linear_unit`` + SiLU), no linear biases, RMSNorm everywhere, untied LM head.
 Qwen2-MoE: no q/k norm, q/k/v biases (``add_qkv_bias``), a shared SwiGLU expert whose output
-is scaled by ``sigmoid(x @ shared_expert_gate)`` (``moe_shared_expert_gate``).
+is scaled by ``sigmoid(x @ shared_expert_gate)`` (``moe_shared_expert_gate``). Mixtral: no q/k
+norm, no biases, every layer MoE. GLM-4.5: q/k/v biases, optional q/k norm, RoPE on the first
+``rotary_percent`` of each head (``rotary_percent``, HF ``partial_rotary_factor``), an ungated
+shared expert, the first k layers dense, and the sigmoid router below.
 
-Router (HF: ``softmax over all experts -> topk``, then ``/ sum`` with ``norm_topk_prob``):
+Softmax router (HF: ``softmax over all experts -> topk``, then ``/ sum`` with ``norm_topk_prob``):
 
 - renormalised (``moe_router_renormalize``): Megatron's default ``topk -> softmax over the k``,
   the same weights. For top-1 both give exactly 1.0, but ``TransformerConfig`` rejects top-1
@@ -19,6 +22,15 @@ Router (HF: ``softmax over all experts -> topk``, then ``/ sum`` with ``norm_top
   validated with ``moe_router_pre_softmax=True`` and the flag is cleared afterwards (the router
   reads it at every forward).
 - not renormalised: ``moe_router_pre_softmax=True`` (softmax over all experts, then top-k).
+
+Sigmoid router (GLM-4.5; HF ``Glm4MoeTopkRouter``): ``s = sigmoid(logits)``; the top-k (inside
+the best ``moe_router_group_topk`` of ``moe_router_num_groups`` groups) by ``s + expert_bias``;
+weights ``s`` of those, ``/ sum`` when top-k > 1, times ``moe_router_topk_scaling_factor``.
+Megatron's ``topk_routing_with_score_function`` computes the same, ranking groups by their best
+``topk // group_topk`` scores where HF takes the best 2 (``config/shape.py`` allows groups only
+where the two agree). The expert bias is a buffer, ``router.expert_bias``, that Megatron moves
+after every optimizer step by ``moe_router_bias_update_rate`` (``actor.router_bias_update``:
+0 when frozen, the default, and always 0 for the critic).
 
 GPU performance knobs (``parallel.fusions``, ``selective_recompute``, ``overlap_grad_reduce``,
 ``overlap_param_gather``; ``None`` = on exactly when Transformer Engine is in use) are resolved
@@ -169,8 +181,18 @@ def moe_layer_pattern(m: ModelConfig) -> list[int]:
     return [int(i not in dense and (i + 1) % m.moe_layer_freq == 0) for i in range(m.num_layers)]
 
 
-def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False, for_loading: bool = False):
+def transformer_config(
+    m: ModelConfig,
+    p: ParallelConfig,
+    bf16: bool = False,
+    for_loading: bool = False,
+    *,
+    router_bias_update_rate: float = 0.0,
+):
     """The single place where Megatron's ``TransformerConfig`` is built.
+
+    ``router_bias_update_rate``: Megatron's step of the routers' expert bias per optimizer step
+    (``moe_router_bias_update_rate``; 0 keeps it as loaded).
 
     ``for_loading``: every weight is read from a checkpoint right after building (checkpoint
     conversion): parameters are built on the CPU whatever devices the process sees
@@ -182,6 +204,8 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False, fo
     knobs = resolved(p)
     fusions = fusion_kwargs(m, knobs)
     moe: dict[str, Any] = {}
+    softmax = m.moe_router_score_function == "softmax"
+    scaling, groups = m.moe_router_topk_scaling_factor, m.moe_router_num_groups
     if m.num_experts:
         moe = dict(
             num_moe_experts=m.num_experts,
@@ -189,8 +213,13 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False, fo
             moe_ffn_hidden_size=m.moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or None,
             moe_shared_expert_gate=m.moe_shared_expert_gate,
-            moe_router_score_function="softmax",
-            moe_router_pre_softmax=not m.moe_router_renormalize or m.moe_router_topk == 1,
+            moe_router_score_function=m.moe_router_score_function,
+            moe_router_pre_softmax=softmax and (not m.moe_router_renormalize or m.moe_router_topk == 1),
+            moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=router_bias_update_rate,
+            moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None,
+            moe_router_num_groups=groups if groups > 1 else None,
+            moe_router_group_topk=m.moe_router_group_topk if groups > 1 else None,
             moe_layer_freq=moe_layer_pattern(m),
             moe_token_dispatcher_type=p.moe_token_dispatcher,
             moe_router_load_balancing_type="aux_loss",
@@ -231,7 +260,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, bf16: bool = False, fo
         **fusions,
         **moe,
     )
-    if m.num_experts and m.moe_router_renormalize and m.moe_router_topk == 1:
+    if m.num_experts and softmax and m.moe_router_renormalize and m.moe_router_topk == 1:
         config.moe_router_pre_softmax = False  # top-1 renormalised: weight 1.0 (module docstring)
     return config
 
@@ -278,14 +307,16 @@ def build_gpt(
     post_process: bool | None = None,
     *,
     for_loading: bool = False,
+    router_bias_update_rate: float = 0.0,
 ):
     """The actor: a Megatron ``GPTModel`` for this rank's pipeline stage, vocab-parallel output.
 
-    ``for_loading``: on the CPU, uninitialised, to be filled from a checkpoint (:func:`transformer_config`)."""
+    ``for_loading``: on the CPU, uninitialised, to be filled from a checkpoint;
+    ``router_bias_update_rate``: the expert bias's training step (:func:`transformer_config`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(m, p, bf16, for_loading)
+    config = transformer_config(m, p, bf16, for_loading, router_bias_update_rate=router_bias_update_rate)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
@@ -300,7 +331,7 @@ def build_gpt(
         post_process=post_process,
         share_embeddings_and_output_weights=m.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=m.rotary_percent,
         rotary_base=int(m.rope_theta),
         parallel_output=True,
     )

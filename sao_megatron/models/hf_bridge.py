@@ -1,4 +1,4 @@
-"""HF <-> Megatron-Core parameter mapping for Qwen3-MoE, dense Qwen3 and Qwen2-MoE, in the full layout.
+"""HF <-> Megatron-Core parameter mapping, in the full layout: Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5.
 
 Pure functions over names, shapes and tensors: no process groups, no files. Megatron names are
 those of the full (single-rank) layout (:mod:`sao_megatron.models.layout`): global layer and
@@ -7,7 +7,8 @@ or ``layout.shard``; gathering is ``layout.gather_full`` or the streaming iterat
 :mod:`sao_megatron.models.hf_weights`.
 
 Every Megatron tensor is a concatenation along dim 0 of row ranges of HF tensors (a
-:class:`Piece` list); columns are never split. ``L = model.layers.{i}.`` below:
+:class:`Piece` list); columns are never split. ``L = model.layers.{i}.`` below; the HF names
+depend on ``ModelConfig.family`` where the table says so:
 
 ==========================================================  ====================================
 Megatron (local spec | TE spec)                             HF
@@ -25,23 +26,32 @@ self_attention.linear_proj.weight                           L self_attn.o_proj.w
 pre_mlp_layernorm.weight | mlp.linear_fc1.layer_norm_weight L post_attention_layernorm.weight
 mlp.linear_fc1.weight (dense) ``[gate; up]``                L mlp.gate_proj ; L mlp.up_proj
 mlp.linear_fc2.weight (dense)                               L mlp.down_proj.weight
-mlp.router.weight                                           L mlp.gate.weight
+mlp.router.weight                                           L mlp.gate.weight (Mixtral:
+                                                            L block_sparse_moe.gate.weight)
+mlp.router.expert_bias (a buffer; GLM)                      L mlp.gate.e_score_correction_bias
 mlp.experts.local_experts.{e}.linear_fc1.weight             L mlp.experts.{e}.gate_proj ; up_proj
-  | mlp.experts.linear_fc1.weight{e} (TE grouped GEMM)        (or fused ``experts.gate_up_proj[e]``)
+  | mlp.experts.linear_fc1.weight{e} (TE grouped GEMM)        (Mixtral: L block_sparse_moe.
+                                                              experts.{e}.w1 ; w3; or fused
+                                                              ``mlp.experts.gate_up_proj[e]``)
 mlp.experts.local_experts.{e}.linear_fc2.weight             L mlp.experts.{e}.down_proj.weight
-  | mlp.experts.linear_fc2.weight{e}                          (or fused ``experts.down_proj[e]``)
+  | mlp.experts.linear_fc2.weight{e}                          (Mixtral: ...experts.{e}.w2; or
+                                                              fused ``experts.down_proj[e]``)
 mlp.shared_experts.linear_fc1 / linear_fc2                  L mlp.shared_expert.gate_proj ;
-                                                            up_proj / down_proj (Qwen2-MoE style)
+                                                            up_proj / down_proj (Qwen2-MoE;
+                                                            GLM: L mlp.shared_experts.*)
 mlp.shared_experts.gate_weight                              L mlp.shared_expert_gate.weight
 ==========================================================  ====================================
 
-Qwen3-MoE has no shared experts; Qwen2-MoE has one per MoE layer, gated by a sigmoid of
-``shared_expert_gate`` (Megatron ``gate_weight`` ``[1, hidden]``, not TP-split). The QKV bias
-is split over TP like the QKV weight's rows. HF checkpoints on
-disk (hub files, and ``save_pretrained`` in transformers 5.19) store experts per expert
-(``experts.{e}.gate_proj.weight``); transformers 5.19 fuses them in memory into
-``experts.gate_up_proj [E, 2I, H]`` (= ``[gate; up]`` per expert, Megatron's fc1 layout) and
-``experts.down_proj [E, H, I]``. Both are read; the per-expert form is written.
+Qwen3-MoE and Mixtral have no shared experts; Qwen2-MoE has one per MoE layer, gated by a
+sigmoid of ``shared_expert_gate`` (Megatron ``gate_weight`` ``[1, hidden]``, not TP-split); GLM
+one ungated. The QKV bias is split over TP like the QKV weight's rows. The expert bias is a
+float32 buffer of the router, replicated like the router's weight; :func:`is_buffer` names it,
+so that loaders and streams take it along with the parameters (``layout.named_weights``). HF
+checkpoints on disk (hub files, and ``save_pretrained`` in transformers 5.19) store experts per
+expert (``experts.{e}.gate_proj.weight``, Mixtral ``block_sparse_moe.experts.{e}.w1.weight``);
+transformers 5.19 fuses them in memory into ``mlp.experts.gate_up_proj [E, 2I, H]`` (= ``[gate;
+up]`` per expert, Megatron's fc1 layout) and ``mlp.experts.down_proj [E, H, I]`` and renames
+Mixtral's ``block_sparse_moe`` to ``mlp``. Both forms are read; the per-expert form is written.
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ from sao_megatron.models.builder import moe_layer_pattern
 
 
 class MappingError(KeyError):
-    """A Megatron or HF name outside the Qwen3 / Qwen3-MoE / Qwen2-MoE mapping."""
+    """A Megatron or HF name outside the mapping of the model's family."""
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -81,9 +91,8 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 
-# Megatron per-layer suffix -> HF per-layer suffix, for tensors that map one to one.
+# Megatron per-layer suffix -> HF per-layer suffix, for tensors that map one to one (all families).
 _ONE_TO_ONE = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -93,17 +102,82 @@ _ONE_TO_ONE = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    "mlp.router.weight": "mlp.gate.weight",
-    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
-    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
-# SwiGLU fc1 = [gate; up].
-_GLU = {
-    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-}
+EXPERT_BIAS = "mlp.router.expert_bias"
+"""The Megatron suffix of the one buffer the bridge maps (the router's expert bias)."""
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 FUSED_DOWN = "mlp.experts.down_proj"
+
+
+@dataclass(frozen=True)
+class _Names:
+    """One family's HF per-layer suffixes for the MoE block."""
+
+    router: str
+    experts: str  # prefix of the per-expert tensors, before ``{e}.``
+    gate: str  # the expert's fc1 halves and fc2, after ``{e}.``
+    up: str
+    down: str
+    shared: str = ""  # prefix of the shared expert's gate_proj / up_proj / down_proj
+
+
+_FAMILY_NAMES = {
+    "qwen": _Names(
+        "mlp.gate.weight",
+        "mlp.experts.",
+        "gate_proj.weight",
+        "up_proj.weight",
+        "down_proj.weight",
+        "mlp.shared_expert.",
+    ),
+    "glm4_moe": _Names(
+        "mlp.gate.weight",
+        "mlp.experts.",
+        "gate_proj.weight",
+        "up_proj.weight",
+        "down_proj.weight",
+        "mlp.shared_experts.",
+    ),
+    "mixtral": _Names(
+        "block_sparse_moe.gate.weight", "block_sparse_moe.experts.", "w1.weight", "w3.weight", "w2.weight"
+    ),
+}
+_FUSED_ROUTER = "mlp.gate.weight"
+"""The router in transformers' in-memory (fused) naming, every family (Mixtral's ``block_sparse_moe`` renamed)."""
+
+
+def _names(m: ModelConfig) -> _Names:
+    return _FAMILY_NAMES[m.family]
+
+
+def _one_to_one(m: ModelConfig, fused: bool = False) -> dict[str, str]:
+    n = _names(m)
+    extra = {
+        "mlp.router.weight": _FUSED_ROUTER if fused else n.router,
+        EXPERT_BIAS: "mlp.gate.e_score_correction_bias",
+        "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    }
+    if n.shared:
+        extra["mlp.shared_experts.linear_fc2.weight"] = f"{n.shared}down_proj.weight"
+    return _ONE_TO_ONE | extra
+
+
+def _glu(m: ModelConfig) -> dict[str, tuple[str, str]]:
+    """SwiGLU fc1 = [gate; up]."""
+    glu = {"mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    shared = _names(m).shared
+    if shared:
+        glu["mlp.shared_experts.linear_fc1.weight"] = (f"{shared}gate_proj.weight", f"{shared}up_proj.weight")
+    return glu
+
+
+def is_buffer(name: str) -> bool:
+    """A mapped Megatron tensor that is a module buffer, not a parameter (the router's expert bias)."""
+    return name.endswith("." + EXPERT_BIAS)
+
+
+def _family_label(m: ModelConfig) -> str:
+    return {"qwen": "Qwen3 / Qwen3-MoE / Qwen2-MoE", "mixtral": "Mixtral", "glm4_moe": "GLM-4.5"}[m.family]
 
 
 def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
@@ -114,14 +188,16 @@ def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
         return top[hf_name]
     match = _HF_LAYER_RE.match(hf_name)
     if not match:
-        raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE / Qwen2-MoE tensor")
+        raise MappingError(f"'{hf_name}' is not a {_family_label(m)} tensor")
     suffix = match.group(2)
-    expert = _HF_EXPERT_RE.match(suffix)
+    n = _names(m)
     i, e, s = m.moe_ffn_hidden_size, m.num_experts, m.moe_shared_expert_intermediate_size
-    if expert:
-        if int(expert.group(1)) >= e:
-            raise MappingError(f"'{hf_name}': expert {expert.group(1)} >= num_experts={e}")
-        suffix = f"mlp.experts.E.{expert.group(2)}"
+    if suffix.startswith(n.experts) and suffix.count(".") == n.experts.count(".") + 2:
+        expert = suffix[len(n.experts) :].split(".", 1)
+        if expert[0].isdigit():
+            if int(expert[0]) >= e:
+                raise MappingError(f"'{hf_name}': expert {expert[0]} >= num_experts={e}")
+            suffix = f"E.{expert[1]}"
     f = m.ffn_hidden_size
     shapes = {
         "input_layernorm.weight": (h,),
@@ -138,19 +214,26 @@ def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
         "mlp.gate_proj.weight": (f, h),
         "mlp.up_proj.weight": (f, h),
         "mlp.down_proj.weight": (h, f),
-        "mlp.gate.weight": (e, h),
-        "mlp.experts.E.gate_proj.weight": (i, h),
-        "mlp.experts.E.up_proj.weight": (i, h),
-        "mlp.experts.E.down_proj.weight": (h, i),
+        n.router: (e, h),
+        _FUSED_ROUTER: (e, h),
+        f"E.{n.gate}": (i, h),
+        f"E.{n.up}": (i, h),
+        f"E.{n.down}": (h, i),
         FUSED_GATE_UP: (e, 2 * i, h),
         FUSED_DOWN: (e, h, i),
-        "mlp.shared_expert.gate_proj.weight": (s, h),
-        "mlp.shared_expert.up_proj.weight": (s, h),
-        "mlp.shared_expert.down_proj.weight": (h, s),
-        "mlp.shared_expert_gate.weight": (1, h),
     }
+    if m.moe_router_enable_expert_bias:
+        shapes["mlp.gate.e_score_correction_bias"] = (e,)
+    if n.shared:
+        shapes |= {
+            f"{n.shared}gate_proj.weight": (s, h),
+            f"{n.shared}up_proj.weight": (s, h),
+            f"{n.shared}down_proj.weight": (h, s),
+        }
+    if m.moe_shared_expert_gate:
+        shapes["mlp.shared_expert_gate.weight"] = (1, h)
     if suffix not in shapes:
-        raise MappingError(f"'{hf_name}' is not a Qwen3 / Qwen3-MoE / Qwen2-MoE tensor")
+        raise MappingError(f"'{hf_name}' is not a {_family_label(m)} tensor")
     return shapes[suffix]
 
 
@@ -176,10 +259,11 @@ def _expert_pieces(prefix: str, expert: int, fc: str, m: ModelConfig, fused: boo
                 Piece(f"{prefix}{FUSED_GATE_UP}", i, 2 * i, expert),
             ]
         return [Piece(f"{prefix}{FUSED_DOWN}", 0, h, expert)]
-    base = f"{prefix}mlp.experts.{expert}."
+    n = _names(m)
+    base = f"{prefix}{n.experts}{expert}."
     if fc == "linear_fc1":
-        return [Piece(f"{base}gate_proj.weight", 0, i), Piece(f"{base}up_proj.weight", 0, i)]
-    return [Piece(f"{base}down_proj.weight", 0, h)]
+        return [Piece(f"{base}{n.gate}", 0, i), Piece(f"{base}{n.up}", 0, i)]
+    return [Piece(f"{base}{n.down}", 0, h)]
 
 
 def _whole(hf_name: str, m: ModelConfig) -> list[Piece]:
@@ -211,10 +295,13 @@ def hf_pieces(name: str, m: ModelConfig, fused_experts: bool = False) -> list[Pi
         if not m.add_qkv_bias:
             raise MappingError(f"Megatron parameter '{name}': the model config has add_qkv_bias=false")
         return _qkv_pieces(prefix, m, "bias")
-    if suffix in _ONE_TO_ONE:
-        return _whole(prefix + _ONE_TO_ONE[suffix], m)
-    if suffix in _GLU:
-        gate, up = _GLU[suffix]
+    if suffix == EXPERT_BIAS and not m.moe_router_enable_expert_bias:
+        raise MappingError(f"Megatron tensor '{name}': the model config has moe_router_enable_expert_bias=false")
+    one_to_one, glu = _one_to_one(m, fused_experts), _glu(m)
+    if suffix in one_to_one:
+        return _whole(prefix + one_to_one[suffix], m)
+    if suffix in glu:
+        gate, up = glu[suffix]
         rows = hf_shape(prefix + gate, m)[0]
         return [Piece(prefix + gate, 0, rows), Piece(prefix + up, 0, rows)]
     if local := _LOCAL_EXPERT_RE.match(suffix):
@@ -337,7 +424,8 @@ def local_reads(
 
 
 def mcore_names(m: ModelConfig, spec: str = "local") -> list[str]:
-    """Full-layout parameter names of ``m`` in order: ``local`` spec, ``te`` or ``te_grouped``."""
+    """Full-layout names of ``m``'s mapped tensors in order (parameters and the expert-bias
+    buffers, :func:`is_buffer`): ``local`` spec, ``te`` or ``te_grouped``."""
     if spec not in ("local", "te", "te_grouped"):
         raise ValueError(f"spec={spec!r}; use local, te or te_grouped")
     te = spec != "local"
@@ -356,6 +444,8 @@ def mcore_names(m: ModelConfig, spec: str = "local") -> list[str]:
             names += [pre + s for s in (norm, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
             continue
         names += [pre + "pre_mlp_layernorm.weight", pre + "mlp.router.weight"]
+        if m.moe_router_enable_expert_bias:
+            names.append(pre + EXPERT_BIAS)
         for fc in ("linear_fc1", "linear_fc2") if spec == "te_grouped" else ():
             names += [f"{pre}mlp.experts.{fc}.weight{e}" for e in range(m.num_experts)]
         for e in range(m.num_experts) if spec != "te_grouped" else ():
@@ -387,7 +477,7 @@ def hf_to_mcore(
     hf_state: dict[str, torch.Tensor], m: ModelConfig, names: Iterable[str] | None = None
 ) -> dict[str, torch.Tensor]:
     """Full-layout Megatron tensors ``names`` (default: the local spec's) from an HF state."""
-    fused = any(k.endswith(FUSED_GATE_UP) for k in hf_state)
+    fused = any(k.endswith(FUSED_GATE_UP) for k in hf_state)  # transformers' in-memory names
 
     def get(hf_name: str) -> torch.Tensor:
         if hf_name not in hf_state:

@@ -74,6 +74,17 @@ def unwrap(model: torch.nn.Module) -> Any:
     return inner
 
 
+def named_weights(module: torch.nn.Module):
+    """``named_parameters()`` plus the buffers that are model weights: the MoE routers' expert
+    bias (``...mlp.router.expert_bias``, aux-loss-free balancing), which Megatron keeps as a
+    buffer and moves itself during training. Loading, export, weight sync and checks walk this,
+    so the bias travels wherever the router's weight does."""
+    yield from module.named_parameters()
+    for name, buffer in module.named_buffers():
+        if name.endswith(".router.expert_bias"):
+            yield name, buffer
+
+
 def _num_local_experts(model: torch.nn.Module, local_name: str) -> int:
     match = _LAYER_RE.match(local_name)
     assert match is not None, f"expert parameter '{local_name}' is not inside a decoder layer"
@@ -180,10 +191,11 @@ def _gather_objects(obj, group, to_first: bool = False) -> list:
 
 def gather_full(
     model: torch.nn.Module,
-    select: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+    select: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     rank0_only: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Full-layout CPU tensors on every rank: parameters by default, or ``select(param)`` (e.g. grads).
+    """Full-layout CPU tensors on every rank: parameters and expert biases (:func:`named_weights`)
+    by default, or ``select(param)`` (e.g. grads; None skips the tensor, e.g. a buffer's).
 
     Collective over the model's whole world; meant for tests, checks and small models. The
     streaming, bucketed export for large models lives with the HF bridge. Shards are gathered on
@@ -204,7 +216,7 @@ def gather_full(
         stage_sender = dense_copy and ps.get_tensor_model_parallel_rank() == 0
     local: dict[str, torch.Tensor] = {}
     expert_local: dict[str, torch.Tensor] = {}
-    for name, param in unwrap(model).named_parameters():
+    for name, param in named_weights(unwrap(model)):
         expert = is_expert_param(name)
         if not (experts_copy if expert else dense_copy):
             continue  # another replica's copy of what replica 0 sends
@@ -228,7 +240,7 @@ def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor], strict: boo
     """Copy this rank's slices of ``full`` into ``model``'s parameters. Returns the names loaded."""
     loaded = []
     with torch.no_grad():
-        for name, param in unwrap(model).named_parameters():
+        for name, param in named_weights(unwrap(model)):
             key = global_name(model, name)
             if key not in full:
                 if strict:

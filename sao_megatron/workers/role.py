@@ -350,7 +350,8 @@ def build_actor_model(m: ModelConfig, actor: ActorConfig) -> torch.nn.Module:
     from sao_megatron.models.hf_weights import release_free_memory
 
     check_context_parallel(actor.parallel, "actor")
-    model = build_gpt(m, actor.parallel, bf16=actor.bf16)
+    rate = actor.router_bias_update_rate if actor.router_bias_update == "train" else 0.0
+    model = build_gpt(m, actor.parallel, bf16=actor.bf16, router_bias_update_rate=rate)
     if actor.init_from:
         release_free_memory()  # the random initialisation's temporaries, before reading the weights
         load_weights(model, m, actor.init_from)

@@ -28,6 +28,26 @@ MOE = ModelConfig(
 DENSE_TIED = dataclasses.replace(MOE, num_experts=0, moe_shared_expert_intermediate_size=0, tie_word_embeddings=True)
 # Qwen2-MoE: q/k/v biases, no q/k norm, gated shared expert.
 QWEN2_MOE = dataclasses.replace(MOE, qk_layernorm=False, add_qkv_bias=True, moe_shared_expert_gate=True)
+MIXTRAL = dataclasses.replace(
+    MOE,
+    family="mixtral",
+    qk_layernorm=False,
+    dense_layers=[],
+    moe_shared_expert_intermediate_size=0,
+    ffn_hidden_size=6,
+)
+# GLM-4.5: first layer dense, ungated shared expert (2 x expert width), sigmoid router with expert bias.
+GLM = dataclasses.replace(
+    MOE,
+    family="glm4_moe",
+    dense_layers=[0],
+    moe_shared_expert_intermediate_size=12,
+    add_qkv_bias=True,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_topk_scaling_factor=2.5,
+    rotary_percent=0.5,
+)
 
 
 def random_hf_state(m: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -85,7 +105,11 @@ def test_glu_and_expert_layouts():
     assert bridge.hf_names("decoder.layers.0.mlp.router.weight", MOE) == ["model.layers.0.mlp.gate.weight"]
 
 
-@pytest.mark.parametrize("m", [MOE, DENSE_TIED, QWEN2_MOE], ids=["moe_shared_dense_layer", "dense_tied", "qwen2_moe"])
+@pytest.mark.parametrize(
+    "m",
+    [MOE, DENSE_TIED, QWEN2_MOE, MIXTRAL, GLM],
+    ids=["moe_shared_dense_layer", "dense_tied", "qwen2_moe", "mixtral", "glm4_moe"],
+)
 @pytest.mark.parametrize("spec", ["local", "te", "te_grouped"])
 def test_round_trip_is_bit_exact_for_every_spec(m, spec):
     hf = random_hf_state(m)
@@ -133,6 +157,58 @@ def test_fused_transformers_experts_read_like_per_expert_files():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_mixtral_names_are_block_sparse_moe_w1_w3_w2():
+    hf = random_hf_state(MIXTRAL)
+    pre = "model.layers.1.block_sparse_moe."
+    assert bridge.hf_names("decoder.layers.1.mlp.router.weight", MIXTRAL) == [pre + "gate.weight"]
+    fc1 = bridge.from_hf("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", MIXTRAL, hf.__getitem__)
+    assert torch.equal(fc1, torch.cat([hf[pre + "experts.2.w1.weight"], hf[pre + "experts.2.w3.weight"]]))
+    assert bridge.hf_names("decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight", MIXTRAL) == [
+        pre + "experts.2.w2.weight"
+    ]
+    assert not [n for n in bridge.expected_hf_names(MIXTRAL) if ".mlp." in n or "shared" in n or "_norm." in n]
+    with pytest.raises(bridge.MappingError, match="not a Mixtral tensor"):
+        bridge.hf_shape("model.layers.0.mlp.experts.0.gate_proj.weight", MIXTRAL)
+
+
+def test_mixtral_reads_transformers_in_memory_names():
+    """transformers 5.19 renames ``block_sparse_moe`` to ``mlp`` in memory and fuses the experts."""
+    hf = random_hf_state(MIXTRAL)
+    fused = {k: v for k, v in hf.items() if "block_sparse_moe" not in k}
+    for layer in range(3):
+        pre = f"model.layers.{layer}.block_sparse_moe."
+        fused[f"model.layers.{layer}.mlp.gate.weight"] = hf[pre + "gate.weight"]
+        fused[f"model.layers.{layer}.{bridge.FUSED_GATE_UP}"] = torch.stack(
+            [torch.cat([hf[f"{pre}experts.{e}.w1.weight"], hf[f"{pre}experts.{e}.w3.weight"]]) for e in range(4)]
+        )
+        fused[f"model.layers.{layer}.{bridge.FUSED_DOWN}"] = torch.stack(
+            [hf[f"{pre}experts.{e}.w2.weight"] for e in range(4)]
+        )
+    a, b = bridge.hf_to_mcore(hf, MIXTRAL), bridge.hf_to_mcore(fused, MIXTRAL)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_glm_shared_experts_and_expert_bias():
+    hf = random_hf_state(GLM)
+    pre = "model.layers.2.mlp."
+    shared = bridge.from_hf("decoder.layers.2.mlp.shared_experts.linear_fc1.weight", GLM, hf.__getitem__)
+    assert torch.equal(
+        shared, torch.cat([hf[pre + "shared_experts.gate_proj.weight"], hf[pre + "shared_experts.up_proj.weight"]])
+    )
+    bias = "decoder.layers.2.mlp.router.expert_bias"
+    assert bridge.is_buffer(bias) and not bridge.is_buffer("decoder.layers.2.mlp.router.weight")
+    assert bridge.hf_names(bias, GLM) == [pre + "gate.e_score_correction_bias"]
+    assert bridge.full_shape(bias, GLM) == (4,)
+    names = bridge.mcore_names(GLM)
+    assert bias in names and "decoder.layers.0.mlp.router.expert_bias" not in names  # layer 0 is dense
+    assert "decoder.layers.1.mlp.shared_experts.gate_weight" not in names
+    assert pre + "shared_experts.down_proj.weight" in bridge.expected_hf_names(GLM)
+    with pytest.raises(bridge.MappingError, match="moe_router_enable_expert_bias=false"):
+        bridge.hf_pieces(bias, MOE)
+    with pytest.raises(bridge.MappingError, match="not a Qwen3"):
+        bridge.hf_shape(pre + "gate.e_score_correction_bias", MOE)
+
+
 def test_unknown_names_are_refused():
     with pytest.raises(bridge.MappingError, match="no HF counterpart"):
         bridge.hf_pieces("decoder.layers.0.mlp.value_head.weight", MOE)
@@ -149,10 +225,11 @@ def _fake_tp(monkeypatch, size: int, rank: int) -> None:
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_local_reads_equal_layout_shard(monkeypatch, tp_size):
+@pytest.mark.parametrize("base", [QWEN2_MOE, GLM], ids=["qwen2_moe", "glm4_moe"])
+def test_local_reads_equal_layout_shard(monkeypatch, tp_size, base):
     """Reading a rank's HF slices gives exactly ``layout.shard`` of the full tensor."""
     m = dataclasses.replace(
-        QWEN2_MOE,
+        base,
         num_attention_heads=8,
         num_query_groups=4,
         ffn_hidden_size=16,

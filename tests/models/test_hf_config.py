@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sao_megatron.cli import main
-from sao_megatron.config import ConfigError, load_config
+from sao_megatron.config import ConfigError, ParallelConfig, load_config
 from sao_megatron.config.hf import hf_config_from_model, model_config_from_hf
 from sao_megatron.config.shape import same_shape
 from sao_megatron.models.builder import transformer_config
@@ -182,7 +182,6 @@ def test_norm_topk_prob_maps_to_megatron_router_settings(topk, norm):
     assert m.moe_router_renormalize is bool(norm) and m.moe_router_topk == topk
     assert hf_config_from_model(m)["norm_topk_prob"] is bool(norm)
     assert same_shape(model_config_from_hf(hf_config_from_model(m)), m) == []
-    from sao_megatron.config import ParallelConfig
 
     c = transformer_config(dataclasses.replace(m, num_layers=2), ParallelConfig())
     assert c.moe_router_score_function == "softmax" and c.moe_router_topk == topk
@@ -239,3 +238,214 @@ def test_cli_hf_config_writes_a_loadable_model_yaml(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "attention_bias": True}))
     assert main(["convert", "hf-config", str(tmp_path)]) == 2
     assert "attention_bias" in capsys.readouterr().err
+
+
+# config.json of mistralai/Mixtral-8x7B-v0.1 as published.
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+# config.json of zai-org/GLM-4.5 (transformers 4.54 era keys; GLM-4.6 differs in context length).
+GLM_45 = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338],
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 131072,
+    "model_type": "glm4_moe",
+    "moe_intermediate_size": 1536,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0",
+    "use_cache": True,
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+}
+
+
+def test_mixtral_8x7b_maps_to_our_fields_and_parameter_count():
+    m = model_config_from_hf(MIXTRAL_8X7B, name="mixtral_8x7b")
+    shape = (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim)
+    assert m.family == "mixtral" and shape == (32, 4096, 32, 8, 128)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.dense_layers) == (8, 2, 14336, [])
+    assert not (m.qk_layernorm or m.add_qkv_bias or m.moe_shared_expert_intermediate_size)
+    assert m.moe_router_renormalize and m.moe_router_score_function == "softmax" and m.rope_theta == 1e6
+    counts = parameter_counts(m)  # published: 46.7 B total, 12.9 B active
+    assert 46.6e9 < counts["total"] < 46.8e9 and 12.8e9 < counts["active"] < 13.0e9
+    assert same_shape(model_config_from_hf(hf_config_from_model(m, "bfloat16")), m) == []
+    assert hf_config_from_model(m)["architectures"] == ["MixtralForCausalLM"]
+    # transformers 5.x: rope_parameters; rope_theta defaults to Mixtral's 1e6
+    hf5 = {k: v for k, v in MIXTRAL_8X7B.items() if k != "rope_theta"}
+    assert model_config_from_hf(hf5).rope_theta == 1e6
+    c = transformer_config(dataclasses.replace(m, num_layers=2), ParallelConfig())
+    assert c.moe_router_score_function == "softmax" and not c.moe_router_pre_softmax
+    assert not c.qk_layernorm and not c.add_qkv_bias and c.moe_shared_expert_intermediate_size is None
+
+
+def test_glm_45_maps_to_sigmoid_routing_partial_rope_and_a_shared_expert():
+    m = model_config_from_hf(GLM_45, name="glm_4_5")
+    shape = (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim)
+    assert m.family == "glm4_moe" and shape == (92, 5120, 96, 8, 128)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (160, 8, 1536, 12288)
+    assert (m.moe_shared_expert_intermediate_size, m.moe_shared_expert_gate, m.dense_layers) == (1536, False, [0, 1, 2])
+    assert m.qk_layernorm and m.add_qkv_bias and m.rotary_percent == 0.5 and m.rope_theta == 1e6
+    assert m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias
+    assert (m.moe_router_topk_scaling_factor, m.moe_router_num_groups, m.moe_aux_loss_coeff) == (2.5, 1, 0.0)
+    hf = hf_config_from_model(m, "bfloat16")
+    assert hf["architectures"] == ["Glm4MoeForCausalLM"] and hf["first_k_dense_replace"] == 3
+    assert hf["n_shared_experts"] == 1 and hf["num_nextn_predict_layers"] == 0
+    assert same_shape(model_config_from_hf(hf), m) == []
+    c = transformer_config(dataclasses.replace(m, num_layers=4, dense_layers=[0]), ParallelConfig())
+    assert c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias
+    assert c.moe_router_topk_scaling_factor == 2.5 and c.moe_router_num_groups is None
+    assert c.moe_router_bias_update_rate == 0.0 and c.add_qkv_bias and c.qk_layernorm
+    assert c.moe_shared_expert_intermediate_size == 1536 and not c.moe_shared_expert_gate
+    trained = transformer_config(dataclasses.replace(m, num_layers=4), ParallelConfig(), router_bias_update_rate=1e-3)
+    assert trained.moe_router_bias_update_rate == 1e-3
+
+
+def test_glm_expert_groups_map_where_megatron_and_hf_rank_groups_alike():
+    """HF ranks an expert group by its best 2 scores, Megatron by its best topk // topk_group."""
+    grouped = {**GLM_45, "n_group": 8, "topk_group": 4}  # 8 // 4 == 2: DeepSeek-V3's setting
+    m = model_config_from_hf(grouped)
+    assert (m.moe_router_num_groups, m.moe_router_group_topk) == (8, 4)
+    c = transformer_config(dataclasses.replace(m, num_layers=4), ParallelConfig())
+    assert (c.moe_router_num_groups, c.moe_router_group_topk) == (8, 4)
+    assert same_shape(model_config_from_hf(hf_config_from_model(m)), m) == []
+    with pytest.raises(
+        ConfigError, match=r"n_group=8, topk_group=2 with num_experts_per_tok=8.*best 2.*best topk // topk_group = 4"
+    ):
+        model_config_from_hf({**GLM_45, "n_group": 8, "topk_group": 2})
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"sliding_window": 4096}, r"sliding_window=4096 < max_position_embeddings=32768"),
+        ({"router_jitter_noise": 0.01}, "router_jitter_noise"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"head_dim": 64, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \(quant_method='fp8'\)"),
+        ({"moe_layer_freq": 2}, r"key 'moe_layer_freq' is not known to the MixtralForCausalLM bridge"),
+    ],
+)
+def test_mixtral_refusals_name_the_key(change, key):
+    with pytest.raises(ConfigError, match=key):
+        model_config_from_hf({**MIXTRAL_8X7B, **change})
+
+
+def test_mixtral_window_at_least_the_context_is_full_attention():
+    assert model_config_from_hf({**MIXTRAL_8X7B, "sliding_window": 32768}).family == "mixtral"
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"n_group": 4, "topk_group": 1}, r"n_group=4, topk_group=1"),
+        ({"norm_topk_prob": False}, r"norm_topk_prob=false with num_experts_per_tok=8"),
+        ({"num_experts_per_tok": 1}, r"norm_topk_prob=true with num_experts_per_tok=1"),
+        ({"n_shared_experts": 0}, "n_shared_experts=0"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, r"rope_parameters\.rope_type='yarn'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"scoring_func": "softmax"}, r"key 'scoring_func' is not known to the Glm4MoeForCausalLM bridge"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ],
+)
+def test_glm_refusals_name_the_key(change, key):
+    with pytest.raises(ConfigError, match=key):
+        model_config_from_hf({**GLM_45, **change})
+
+
+def test_glm_without_partial_rotary_factor_rotates_half_as_transformers():
+    """transformers 5.19's Glm4MoeConfig defaults ``partial_rotary_factor`` to 0.5; 5.x configs keep it
+    in ``rope_parameters``."""
+    bare = {k: v for k, v in GLM_45.items() if k != "partial_rotary_factor"}
+    assert model_config_from_hf(bare).rotary_percent == 0.5
+    v5 = bare | {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.25}}
+    assert model_config_from_hf(v5).rotary_percent == 0.25
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (
+            {"moe_router_score_function": "sigmoid"},
+            "moe_router_score_function='sigmoid' is not expressible in model.family=qwen",
+        ),
+        ({"rotary_percent": 0.5}, "rotary_percent=0.5 is not expressible"),
+        ({"family": "mixtral", "ffn_hidden_size": 768}, "qk_layernorm=True is not expressible in model.family=mixtral"),
+        ({"moe_router_enable_expert_bias": True}, "needs model.moe_router_score_function=sigmoid"),
+        ({"rotary_percent": 0.3}, r"rotary_percent=0.3 must be in \(0, 1\] and rotate an even number"),
+    ],
+)
+def test_shapes_a_family_cannot_express_are_refused(change, key):
+    from sao_megatron.config import validate_model
+
+    m = dataclasses.replace(model_config_from_hf(QWEN3_30B_A3B), **change)
+    with pytest.raises(ConfigError, match=key):
+        validate_model(m)
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"moe_router_renormalize": False}, "moe_router_renormalize=false with sigmoid scores"),
+        ({"moe_router_num_groups": 8, "moe_router_group_topk": 2}, r"topk // group_topk = 4"),
+        ({"moe_router_num_groups": 3}, "moe_router_num_groups=3 must divide num_experts=160"),
+        ({"moe_shared_expert_intermediate_size": 1000}, "positive multiple of moe_ffn_hidden_size=1536"),
+        ({"dense_layers": [1, 2]}, "must be the first k layers"),
+        ({"moe_shared_expert_gate": True}, "moe_shared_expert_gate=True is not expressible"),
+    ],
+)
+def test_glm_shapes_outside_the_architecture_are_refused(change, key):
+    from sao_megatron.config import validate_model
+
+    m = dataclasses.replace(model_config_from_hf(GLM_45), **change)
+    with pytest.raises(ConfigError, match=key):
+        validate_model(m)
