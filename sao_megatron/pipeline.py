@@ -28,7 +28,6 @@ from pathlib import Path
 
 from sao_megatron.config import SAOConfig, save_config, to_dict
 from sao_megatron.driver.learner import learner_step, run_whole
-from sao_megatron.driver.roles import start_ray
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
 from sao_megatron.driver.stages import Stage, StageRun, TakenBatch, final_evaluation, rl, sft, value_pretraining
@@ -77,7 +76,6 @@ async def train(cfg: SAOConfig, run_dir: Path, resume: bool = False) -> dict:
     save_config(cfg, run_dir)
     log = RunLog(run_dir, wandb_project=cfg.run.wandb_project, config=to_dict(cfg))
     state = RunState.load(run_dir) if resume else RunState()
-    start_ray(cfg)  # on one node: only the trainers' GPUs (Session.start's init_ray then finds Ray up)
     s = await Session.start(cfg, run_dir, state)
     _stop_on_signals(task)  # ray.init replaced SIGTERM's handler with sys.exit: take it back
     try:

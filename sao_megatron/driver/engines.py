@@ -12,6 +12,7 @@ from ray.exceptions import GetTimeoutError
 
 from sao_megatron.config import SAOConfig
 from sao_megatron.config.cluster import one_node_gpus
+from sao_megatron.rollout.client import run_api_key
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec, check_engine_args
 from sao_megatron.spawn import free_port
 
@@ -207,6 +208,7 @@ def launch_engines(
             env=engine_env(cfg, i, parent_visible),
             cpu=not c.gpus_per_node,
             extra_args=[str(a) for a in r.engine_args],
+            api_key=run_api_key(),
             startup_timeout_s=r.engine_start_timeout_s,
         )
         for i in (range(r.num_engines) if indices is None else indices)

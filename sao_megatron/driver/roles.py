@@ -335,11 +335,18 @@ def init_ray(
     import os
 
     from sao_megatron.logs import RAY_WORKER_SETUP_HOOK
+    from sao_megatron.rollout.client import API_KEY_ENV, run_api_key
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    quiet = {"worker_process_setup_hook": RAY_WORKER_SETUP_HOOK}  # before any actor argument is unpickled
+    # One engine API key per run, drawn here (the driver's first step into Ray) unless given, and
+    # handed to every Ray worker: the engines' hosts start them with it, the actor's weight sync sends it.
+    key = run_api_key()
+    quiet = {
+        "worker_process_setup_hook": RAY_WORKER_SETUP_HOOK,  # before any actor argument is unpickled
+        "env_vars": {API_KEY_ENV: key},
+    }
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, runtime_env=quiet)
     else:

@@ -29,7 +29,7 @@ from sao_megatron.config.load import check_init_from
 from sao_megatron.driver.engines import Engine, engine_model_dir, launch_engines, start_engines, wait_healthy
 from sao_megatron.driver.env_pool import EnvWorkerPool
 from sao_megatron.driver.estimator import AdvantageEstimator
-from sao_megatron.driver.roles import ActorGroup, CriticGroup, init_ray
+from sao_megatron.driver.roles import ActorGroup, CriticGroup, start_ray
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.envs.base import Task
 from sao_megatron.envs.format import tool_format_of
@@ -104,7 +104,7 @@ class Session:
         broadcast weight sync the engines are launched first and load while the roles start
         (:meth:`start_rollouts` waits for them)."""
         check_init_from(cfg)  # a missing checkpoint fails here, before any process starts
-        init_ray(cfg.cluster.ray_address)
+        start_ray(cfg)  # on one node: Ray gets only the trainers' GPUs, the engines the rest
         engines, ready = [], None
         if cfg.rollout.weight_sync == "distributed":
             # The engines load while the roles start: random weights now, the actor's by the first

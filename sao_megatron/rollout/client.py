@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -137,6 +138,20 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
 _NOT_FLUSHED = "cache was not flushed"
 
 
+API_KEY_ENV = "SAO_ENGINE_API_KEY"
+"""The run's engine API key: the driver draws one per run (``driver/roles.py:init_ray``) and hands it
+to every Ray worker; engines are started with ``--api-key`` and refuse any other request but health
+and metrics (SGLang's own rule), and every :class:`EngineClient` sends it."""
+
+
+def run_api_key() -> str:
+    """The run's engine API key: :data:`API_KEY_ENV` in this process's environment, drawn (32 random
+    bytes, hex) and put there on first use."""
+    import secrets
+
+    return os.environ.setdefault(API_KEY_ENV, secrets.token_hex(32))
+
+
 class EngineClient:
     """Calls one engine (or a router for ``/generate``). Use as ``async with EngineClient(url):``."""
 
@@ -149,8 +164,10 @@ class EngineClient:
     connection the server was closing that instant, which failed as ``ServerDisconnectedError``
     (and marked a healthy engine down)."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0, max_connections: int = 1024):
+    def __init__(self, url: str, timeout_s: float = 600.0, max_connections: int = 1024, api_key: str | None = None):
         self.url = url.rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        """Sent as ``Authorization: Bearer`` on every call; by default the run's key (:data:`API_KEY_ENV`)."""
         self.timeout_s = timeout_s
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -179,7 +196,10 @@ class EngineClient:
 
     async def __aenter__(self) -> EngineClient:
         connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=self.KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=headers
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:

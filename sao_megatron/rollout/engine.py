@@ -74,6 +74,9 @@ class EngineSpec:
     machine shared with other busy processes one torch thread per engine avoids thread barriers
     waiting on a descheduled sibling (measured on 2 busy cores, tiny MoE: agent-loop throughput
     69 -> 404 tokens/s, and identical rounds no longer vary 10x+)."""
+    api_key: str | None = None
+    """``--api-key``: requests other than health and metrics must carry it (``EngineClient`` sends the
+    run's key); None: an open server."""
     cpu: bool | None = None
     """Run SGLang's CPU engine. ``None``: whatever the starting process sees (no CUDA: CPU); a run sets
     it from ``cluster.gpus_per_node`` so an engine never lands on a GPU, or on the CPU, by accident."""
@@ -115,6 +118,8 @@ def _command(spec: EngineSpec, cpu: bool) -> list[str]:
     ]
     if spec.load_format != "auto":
         cmd += ["--load-format", spec.load_format]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.dp_attention > 1:  # SGLang 0.5.23's spelling; `--dp-size N --enable-dp-attention` is deprecated
@@ -163,6 +168,7 @@ MANAGED_FLAGS = {
     "--node-rank": "the placement",
     "--dist-init-addr": "the placement",
     "--device": "cluster.gpus_per_node",
+    "--api-key": "the run (a key drawn per run, sent by every client)",
 }
 """SGLang flags :func:`_command` sets from the config: ``rollout.engine_args`` may not set them."""
 
@@ -471,10 +477,14 @@ class RouterSpec:
     """Start the Rust router without importing ``sglang`` (see ``_FAST_ROUTER_MAIN``); False runs
     ``python -m sglang_router.launch_router`` with the same flags."""
     startup_timeout_s: float = 120.0
+    api_key: str | None = None
+    """The engines' key (``EngineSpec.api_key``), which the router sends them. sglang-router 0.3.2 does
+    not check its own clients' keys: keep ``host`` on loopback."""
 
 
 def _router_command(spec: RouterSpec, prometheus_port: int) -> list[str]:
     entry = ["-c", _FAST_ROUTER_MAIN] if spec.fast_launch else ["-m", "sglang_router.launch_router"]
+    key = ["--api-key", spec.api_key] if spec.api_key else []
     return [
         sys.executable,
         *entry,
@@ -500,6 +510,7 @@ def _router_command(spec: RouterSpec, prometheus_port: int) -> list[str]:
         "1",
         "--log-level",
         spec.log_level,
+        *key,
         *spec.extra_args,
     ]
 

@@ -117,3 +117,46 @@ def test_a_tp2_cpu_engine_gets_them_unless_the_user_set_them(tmp_path, started, 
     engines_mod.launch_engines(_cfg(), tmp_path, tmp_path)  # one rank: nothing added
     (_, env, _), *_ = started
     assert "SGLANG_NCCL_SO_PATH" not in env or env["SGLANG_NCCL_SO_PATH"] != NO_NCCL
+
+
+def test_engines_get_the_runs_api_key_and_clients_send_it(tmp_path, started, monkeypatch):
+    """One key per run: drawn once into the environment, on every engine's command line (and the
+    router's), and sent by every EngineClient as a bearer token unless told otherwise."""
+    import aiohttp.web
+
+    from sao_megatron.rollout.client import API_KEY_ENV, EngineClient, run_api_key
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    key = run_api_key()
+    assert len(key) == 64 and run_api_key() == key  # drawn once
+    engines_mod.launch_engines(_cfg(num_engines=2), tmp_path, tmp_path)
+    for spec, _, cmd in started:
+        assert spec.api_key == key and cmd[cmd.index("--api-key") + 1] == key
+    router = engine_mod._router_command(engine_mod.RouterSpec(worker_urls=["u"], port=1, api_key=key), 2)
+    assert router[router.index("--api-key") + 1] == key
+
+    seen: list = []
+
+    async def handler(request):
+        seen.append(request.headers.get("Authorization"))
+        return aiohttp.web.json_response({})
+
+    async def scenario() -> None:
+        app = aiohttp.web.Application()
+        app.router.add_get("/get_model_info", handler)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            for api_key in (None, "other", ""):
+                async with EngineClient(f"http://127.0.0.1:{port}", api_key=api_key) as client:
+                    await client._call("GET", "/get_model_info")
+        finally:
+            await runner.cleanup()
+
+    import asyncio
+
+    asyncio.run(scenario())
+    assert seen == [f"Bearer {key}", "Bearer other", None]
