@@ -1,6 +1,8 @@
 """A real SGLang server on CPU serves the tiny model; client and agent loop run against it.
 
-One engine for the module (start-up is ~20-40 s on this machine); loopback only.
+One engine for the module (start-up is ~20-40 s on this machine); loopback only. It is started on
+a port that a squatter holds, so its start also shows the restart on a fresh port (one engine start
+for that and every other test here).
 
 Order matters: the tests run in file order against the one engine. The agent-loop tests expect
 the initial weights ("default" -> version 0); every test that loads other weights restores
@@ -10,6 +12,9 @@ checkpoint 0 from disk before it returns.
 from __future__ import annotations
 
 import asyncio
+import http.server
+import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -39,13 +44,34 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoints, tmp_path_factory):
+def taken_port() -> Iterator[int]:
+    """A port bound by a plain HTTP server (its ``/health`` answers 404) for the module's lifetime:
+    probe-and-release ports (``spawn.free_port``) can be taken like this before a server binds them."""
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        yield squatter.server_address[1]
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, taken_port, tmp_path_factory):
+    """The module's engine, asked for the squatter's port."""
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     spec = EngineSpec(
-        model_path=str(checkpoints[0]), port=free_port(), dtype="float32", max_total_tokens=16384, log_path=str(log)
+        model_path=str(checkpoints[0]), port=taken_port, dtype="float32", max_total_tokens=16384, log_path=str(log)
     )
     with EngineProcess(spec) as proc:
         yield proc
+
+
+def test_an_engine_whose_port_was_taken_restarts_on_a_fresh_one(engine, taken_port):
+    """The engine notices the clash, restarts on a fresh port, and the health check never mistakes
+    the squatter for it (the squatter answers 404; every later test here talks to this engine)."""
+    assert engine.port != taken_port and engine.spec.port == engine.port
+    assert engine.healthy()
 
 
 def run(coro):
@@ -253,37 +279,10 @@ def test_router_proxies_generate(engine, tmp_path):
     with RouterProcess(spec) as router:
         assert router.url != engine.url
         routed, own, refused = run(go(router.url))
-    assert router.proc.poll() is not None  # stopped with its process group
+    assert router.proc is not None and router.proc.poll() is not None  # stopped with its process group
     assert routed.output_ids == own.output_ids and len(routed.output_ids) == 8
     assert max(abs(a - b) for a, b in zip(routed.behavior_logprobs, own.behavior_logprobs, strict=True)) <= ENGINE_TOL
     assert (
         routed.weight_versions == own.weight_versions and routed.finish_reason == "length" and routed.prompt_tokens == 5
     )
     assert refused.status == 404
-
-
-@pytest.mark.slow
-def test_an_engine_whose_port_was_taken_restarts_on_a_fresh_one(tmp_path, checkpoints):
-    """Probe-and-release ports can be taken before the server binds them: the engine notices the
-    clash, restarts on a fresh port, and the health check never mistakes the squatter for it."""
-    import http.server
-    import threading
-
-    squatter = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    taken = squatter.server_address[1]
-    threading.Thread(target=squatter.serve_forever, daemon=True).start()  # answers /health with 404
-    spec = EngineSpec(
-        model_path=str(checkpoints[0]),
-        port=taken,
-        dtype="float32",
-        max_total_tokens=2048,
-        log_path=str(tmp_path / "engine.log"),
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    try:
-        with EngineProcess(spec) as engine:
-            assert engine.port != taken and spec.port == engine.port
-            assert engine.healthy()
-    finally:
-        squatter.shutdown()
-        squatter.server_close()
