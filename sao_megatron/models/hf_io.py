@@ -6,6 +6,12 @@ touches count towards the process's resident memory until the map is closed, so 
 re-opened after every ``reopen_bytes`` read: resident memory stays near the shard being loaded
 plus that budget, even for a single-file checkpoint.
 
+FP8 block-scaled checkpoints (DeepSeek-V3's and Kimi-K2's official layout: ``quantization_config``
+``{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}``, a linear weight stored as
+``float8_e4m3fn`` beside a float32 ``<name>_scale_inv`` of one factor per block) are read dequantised:
+``weight = fp8 * scale_inv`` per block, in float32, for exactly the slice asked for (a TP slice may
+start inside a block); the ``_scale_inv`` tensors are not listed among the checkpoint's names.
+
 Writing (:class:`ShardWriter`) knows every tensor's name, shape and dtype up front (the bridge
 computes them), so each shard's header is written first and tensor bytes are streamed after it
 in arrival order: memory stays at one bucket, whatever the shard size. Several writers (ranks)
@@ -104,12 +110,36 @@ def _open(file: Path, reason: str):
         raise CheckpointError(f"{reason}: {file} is truncated or not a safetensors file ({err})") from None
 
 
+SCALE_SUFFIX = "_scale_inv"
+"""An FP8 weight's per-block dequantisation factors: ``<weight name>_scale_inv``."""
+FP8_CODES = ("F8_E4M3",)
+
+
+def fp8_block_size(config: dict) -> tuple[int, int] | None:
+    """The ``[rows, cols]`` block of an FP8 block-scaled checkpoint's ``quantization_config``; None when the
+    config has none. Raises :class:`CheckpointError` for a quantisation this reader cannot dequantise."""
+    q = config.get("quantization_config")
+    if not q:
+        return None
+    method, fmt, block = q.get("quant_method"), q.get("fmt", "e4m3"), q.get("weight_block_size")
+    if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+        raise CheckpointError(
+            f"quantization_config {json.dumps(q, sort_keys=True)} is not supported: only DeepSeek's FP8 block "
+            'scaling is read (quant_method "fp8", fmt "e4m3", weight_block_size [rows, cols]); convert the '
+            "checkpoint to bf16 first"
+        )
+    return int(block[0]), int(block[1])
+
+
 class HFCheckpoint:
     """An HF checkpoint directory: ``model.safetensors.index.json`` + shards, or one ``model.safetensors``."""
 
     def __init__(self, directory: str | Path, reopen_bytes: int = 64 << 20):
         self.directory = Path(directory)
         self.reopen_bytes = reopen_bytes
+        config = self.directory / "config.json"
+        self.fp8_block = fp8_block_size(json.loads(config.read_text())) if config.exists() else None
+        """FP8 block-scaled weights: their block ``(rows, cols)``; None for an unquantised checkpoint."""
         index = self.directory / INDEX_FILE
         single = self.directory / SINGLE_FILE
         if index.exists():
@@ -132,7 +162,8 @@ class HFCheckpoint:
         self.bytes_read = 0
 
     def names(self) -> list[str]:
-        return list(self.files)
+        """Tensor names, without FP8 weights' scale tensors (a weight is read dequantised)."""
+        return [n for n in self.files if not (n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in self.files)]
 
     def _file_of(self, name: str) -> Path:
         if name not in self.files:
@@ -158,11 +189,53 @@ class HFCheckpoint:
             raise CheckpointError(
                 f"tensor '{name}' in {info.file} has shape {list(info.shape)}, the model config expects {list(shape)}"
             )
+        if info.dtype in FP8_CODES:
+            self._check_fp8(info)
+            return info
         if info.dtype not in ("F32", "BF16", "F16"):
             raise CheckpointError(f"tensor '{name}' in {info.file} has dtype {info.dtype}; expected a float dtype")
         if dtype is not None and info.dtype != dtype:
             raise CheckpointError(f"tensor '{name}' in {info.file} has dtype {info.dtype}, config.json says {dtype}")
         return info
+
+    def _check_fp8(self, info: TensorInfo) -> None:
+        scale = info.name + SCALE_SUFFIX
+        if self.fp8_block is None or scale not in self.files:
+            raise CheckpointError(
+                f"tensor '{info.name}' in {info.file} is {info.dtype} but the checkpoint has no "
+                f"{'quantization_config in config.json' if self.fp8_block is None else repr(scale)}: "
+                "only block-scaled FP8 (DeepSeek's layout) is read"
+            )
+        blocks = tuple(-(-n // b) for n, b in zip(info.shape[-2:], self.fp8_block, strict=True))
+        expected = (*info.shape[:-2], *blocks)
+        got = self.info(scale).shape
+        if got != expected:
+            raise CheckpointError(
+                f"tensor '{scale}' has shape {list(got)}; {list(info.shape)} in {list(self.fp8_block)} blocks needs {list(expected)}"
+            )
+
+    def _dequantise(self, r: Read, fp8: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """``fp8`` (the slice ``r`` of an FP8 weight of ``shape``) times its blocks' factors, float32."""
+        assert self.fp8_block is not None, "checked by check()"
+        block_rows, block_cols = self.fp8_block
+        cols = r.cols if r.cols is not None else (0, shape[-1])
+        first_row, first_col = r.start // block_rows, cols[0] // block_cols
+        index: tuple = (
+            slice(first_row, (r.stop - 1) // block_rows + 1),
+            slice(first_col, (cols[1] - 1) // block_cols + 1),
+        )
+        if r.expert is not None:
+            index = (r.expert, *index)
+        scale_name = r.hf_name + SCALE_SUFFIX
+        handle = self._handle_for(self.info(scale_name).file)
+        try:
+            scale = handle.get_slice(scale_name)[index].float()
+        except Exception as err:
+            raise CheckpointError(f"reading tensor '{scale_name}' failed ({err})") from None
+        scale = scale.repeat_interleave(block_rows, dim=-2).repeat_interleave(block_cols, dim=-1)
+        row0, col0 = r.start - first_row * block_rows, cols[0] - first_col * block_cols
+        scale = scale[..., row0 : row0 + fp8.shape[-2], col0 : col0 + fp8.shape[-1]]
+        return fp8.float() * scale
 
     def _handle_for(self, file: Path):
         if self._handle is not None and (self._handle_file != file or self._handle_bytes >= self.reopen_bytes):
@@ -189,6 +262,9 @@ class HFCheckpoint:
         row_elems = info.shape[-1] if len(info.shape) > 1 else 1
         self._handle_bytes += row_elems * (r.stop - r.start) * tensor.element_size()
         self.bytes_read += tensor.numel() * tensor.element_size()
+        if info.dtype in FP8_CODES:
+            self._check_fp8(info)
+            return self._dequantise(r, tensor, info.shape)
         return tensor
 
     def close(self) -> None:
