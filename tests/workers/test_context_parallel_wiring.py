@@ -29,22 +29,22 @@ def case_cp_share(rank, world, pack: bool):
     whole = [shard.batch.micro_batch(mb.rows, micro_batching(p), advantages=extra) for mb in micro]
     out = {"shapes": [], "split_ok": True, "gather_ok": True}
     for mine, full in zip(micro, whole, strict=True):
-        assert mine.cp_lengths is not None and mine.advantages is not None
+        assert mine.cp_lengths is not None and mine.advantages is not None and full.advantages is not None
         idx = cp_indices(mine.cp_lengths, 2, ps.get_context_parallel_rank())
         out["shapes"].append((tuple(full.tokens.shape), tuple(mine.tokens.shape)))
         for key in ("tokens", "labels", "action_mask", "advantages", "positions"):
             out["split_ok"] &= torch.equal(getattr(mine, key), getattr(full, key)[:, idx])
         out["gather_ok"] &= torch.equal(full_sequence(mine.advantages, mine), full.advantages)
         if pack:
+            assert mine.cu_seqlens is not None and full.cu_seqlens is not None
             out["gather_ok"] &= torch.equal(mine.cu_seqlens, full.cu_seqlens)  # whole, for TE
     ps.destroy_model_parallel()
     return out
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
-def test_each_cp_rank_holds_its_balanced_share_and_outputs_gather_whole(pack):
-    results = run_distributed(case_cp_share, 2, pack)
-    for r in results:
+def test_each_cp_rank_holds_its_balanced_share_and_outputs_gather_whole(world, pack):
+    for r in world[f"share/{pack}"]:
         assert r["split_ok"] and r["gather_ok"], r
         for full, mine in r["shapes"]:
             assert full[1] % 4 == 0 and tuple(mine) == (full[0], full[1] // 2)  # 2 * CP chunks, half each
@@ -58,6 +58,9 @@ def test_a_cp_role_without_transformer_engine_is_refused_with_the_fix():
         r"set critic\.parallel\.context_parallel=1",
     ):
         check_context_parallel(ParallelConfig(world_size=2, context_parallel=2), "critic")
+
+
+LAYOUTS = ["cp2", "dp2"]
 
 
 class _ReplicatedGrads:
@@ -86,23 +89,43 @@ def case_group_norms_of_replicas(rank, world, layout: str):
     for p in module.parameters():
         p.grad = torch.randn(p.shape, generator=g)
     norms = module_group_grad_norms(module, _ReplicatedGrads(list(module.parameters())))
+    dense, experts = module.layer.dense.grad, module.layer.experts.weight.grad
+    assert dense is not None and experts is not None
     return {
         "norms": norms,
         "one_copy": {
-            "grad_norm/other": module.layer.dense.grad.double().norm().item(),
-            "grad_norm/experts": module.layer.experts.weight.grad.double().norm().item(),
+            "grad_norm/other": dense.double().norm().item(),
+            "grad_norm/experts": experts.double().norm().item(),
         },
     }
 
 
-@pytest.mark.parametrize("layout", ["cp2", "dp2"])
-def test_group_grad_norms_count_each_replicated_gradient_once(layout):
+def case_all(rank, world) -> dict:
+    """Every case of this module in one spawned 2-rank world (one start instead of four)."""
+    from megatron.core import parallel_state as ps
+
+    out: dict = {f"share/{pack}": case_cp_share(rank, world, pack) for pack in (False, True)}
+    for layout in LAYOUTS:
+        out[f"norms/{layout}"] = case_group_norms_of_replicas(rank, world, layout)
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world() -> dict:
+    """ "<case>/<parameter>" -> the per-rank results of :func:`case_all`."""
+    per_rank = run_distributed(case_all, 2)
+    return {key: [r[key] for r in per_rank] for key in per_rank[0]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_group_grad_norms_count_each_replicated_gradient_once(world, layout):
     """Without the distributed optimizer every DP and CP rank holds the whole reduced gradient: the
     per-group norms divide the summed squares by DP x CP (expert DP, which includes CP, for experts),
     so they equal one copy's norm whatever the layout: float64 sums of at most 2 x 15 squares (two
     ranks' shares) against one of 15, in another order."""
     from tests.tolerance import sum_rtol
 
-    for r in run_distributed(case_group_norms_of_replicas, 2, layout):
+    for r in world[f"norms/{layout}"]:
         for key, one_copy in r["one_copy"].items():
             assert r["norms"][key] == pytest.approx(one_copy, rel=sum_rtol(2 * 15, torch.float64)), (key, r)
