@@ -6,10 +6,30 @@ from tests.distributed import run_distributed
 from tests.tolerance import sum_rtol
 from tests.workers import worker_cases
 
+TPS = {"dp2": 1, "tp2": 2}
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["dp2", "tp2"])
-def results(request, tmp_path_factory):
-    return run_distributed(worker_cases.case_actor_critic, 2, str(tmp_path_factory.mktemp("ck")), request.param)
+
+def case_both_layouts(rank, world, ckpt_root: str) -> dict:
+    """``worker_cases.case_actor_critic`` at DP=2 and at TP=2 in one spawned world (one start
+    instead of two), each with a checkpoint directory of its own."""
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for name, tp in TPS.items():
+        out[name] = worker_cases.case_actor_critic(rank, world, f"{ckpt_root}/{name}", tp)
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, list[dict]]:
+    per_rank = run_distributed(case_both_layouts, 2, str(tmp_path_factory.mktemp("ck")))
+    return {name: [r[name] for r in per_rank] for name in TPS}
+
+
+@pytest.fixture(params=list(TPS), ids=list(TPS))
+def results(request, world):
+    return world[request.param]
 
 
 def test_actor_update_reports_dis_metrics_and_resumes_exactly(results):
