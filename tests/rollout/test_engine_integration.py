@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import os
+import secrets
 import threading
 from collections.abc import Iterator
 
@@ -21,7 +23,7 @@ import pytest
 from sao_megatron.envs.registry import make_env
 from sao_megatron.records import OBSERVATION_VERSION
 from sao_megatron.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
+from sao_megatron.rollout.client import API_KEY_ENV, EngineClient, EngineError, SamplingParams
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec, RouterProcess, RouterSpec
 from sao_megatron.spawn import free_port
 from sao_megatron.tokenizer import load_tokenizer
@@ -57,11 +59,32 @@ def taken_port() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoints, taken_port, tmp_path_factory):
-    """The module's engine, asked for the squatter's port."""
+def api_key() -> Iterator[str]:
+    """The run's engine key, as the driver sets it (every EngineClient here, and every rank a test
+    spawns, sends it by default)."""
+    key = secrets.token_hex(32)
+    before = os.environ.get(API_KEY_ENV)
+    os.environ[API_KEY_ENV] = key
+    try:
+        yield key
+    finally:
+        if before is None:
+            os.environ.pop(API_KEY_ENV, None)
+        else:
+            os.environ[API_KEY_ENV] = before
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, taken_port, api_key, tmp_path_factory):
+    """The module's engine, asked for the squatter's port, taking the run's API key."""
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     spec = EngineSpec(
-        model_path=str(checkpoints[0]), port=taken_port, dtype="float32", max_total_tokens=16384, log_path=str(log)
+        model_path=str(checkpoints[0]),
+        port=taken_port,
+        dtype="float32",
+        max_total_tokens=16384,
+        log_path=str(log),
+        api_key=api_key,
     )
     with EngineProcess(spec) as proc:
         yield proc
@@ -76,6 +99,33 @@ def test_an_engine_whose_port_was_taken_restarts_on_a_fresh_one(engine, taken_po
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def test_a_request_without_the_runs_key_is_refused(engine):
+    """Nobody else on the network drives the engine: no key or a wrong one gets 401 on generation,
+    weight updates and cache control alike; health (probes) stays open."""
+
+    async def go():
+        refused = {}
+        for label, key in (("none", ""), ("wrong", "0" * 64)):
+            async with EngineClient(engine.url, api_key=key) as client:
+                for call in ("generate", "flush", "model_info"):
+                    try:
+                        if call == "generate":
+                            await client.generate([2, 40, 3], SamplingParams(max_new_tokens=2))
+                        elif call == "flush":
+                            await client._call("POST", "/flush_cache")
+                        else:
+                            await client._call("GET", "/get_model_info")
+                    except EngineError as err:
+                        refused[(label, call)] = err.status
+        async with EngineClient(engine.url) as client:  # the run's key
+            await client._call("GET", "/get_model_info")
+        return refused
+
+    refused = run(go())
+    assert refused == {(k, c): 401 for k in ("none", "wrong") for c in ("generate", "flush", "model_info")}
+    assert engine.healthy()
 
 
 def test_generate_returns_logprobs_and_versions(engine):
@@ -264,7 +314,9 @@ def test_tensor_weight_update_serves_new_weights(engine, checkpoints):
 
 
 def test_router_proxies_generate(engine, tmp_path):
-    spec = RouterSpec(worker_urls=[engine.url], port=free_port(), log_path=str(tmp_path / "router.log"))
+    spec = RouterSpec(
+        worker_urls=[engine.url], port=free_port(), log_path=str(tmp_path / "router.log"), api_key=engine.spec.api_key
+    )
     prompt, greedy = [2, 40, 41, 42, 3], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
     async def go(router_url):
