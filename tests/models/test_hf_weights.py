@@ -21,8 +21,6 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.models import hf_io
-from tests.distributed import run_distributed
-from tests.models.hf_cases import write_big_checkpoint
 from tests.models.test_hf_stream import MODEL, _model
 
 STALL_S = 8.0
@@ -84,10 +82,10 @@ def _cases(rank, world, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("export")
-    write_big_checkpoint(root / "hf", MODEL, shard_bytes=64 << 10)
-    return root, run_distributed(_cases, 2, str(root), timeout_s=600)
+def world(export_world):
+    """This module's cases, run in the package's export world (tests/models/conftest.py)."""
+    root, results = export_world
+    return root, [r["weights"] for r in results]
 
 
 def _state(directory: Path) -> dict[str, torch.Tensor]:
