@@ -1,5 +1,7 @@
-"""One spawned 2-rank world for the HF export tests (tests/models/test_hf_stream.py, test_hf_weights.py):
-their cases read the same small checkpoint, and a world's start costs more than most of them."""
+"""Spawned 2-rank worlds shared by several test modules here (a world's start costs more than most
+cases): one for the parallel-layout cases (tests/models/test_parallel.py) and the logprob function's
+TP 2 case (test_logprobs_memory.py), one for the HF export tests (test_hf_stream.py, test_hf_weights.py),
+whose cases read the same small checkpoint."""
 
 from __future__ import annotations
 
@@ -7,6 +9,17 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.models.hf_cases import write_big_checkpoint
+
+
+def parallel_cases(rank: int, world: int) -> dict:
+    from tests.models import test_logprobs_memory, test_parallel
+
+    return {**test_parallel.all_cases(rank, world), "logprobs": test_logprobs_memory.case(rank, world)}
+
+
+@pytest.fixture(scope="package")
+def parallel_world() -> list[dict]:
+    return run_distributed(parallel_cases, 2, timeout_s=600)
 
 
 def export_cases(rank: int, world: int, root: str) -> dict:

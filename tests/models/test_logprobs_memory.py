@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
-from tests.distributed import run_distributed
 from tests.tolerance import log_softmax_atol, sum_rtol
 
 TOKENS = (2, 301)  # [B, T], odd T
@@ -87,7 +86,7 @@ def _inputs(dtype: torch.dtype):
     return full, labels, weights
 
 
-def _case(rank: int, world: int, dtype: torch.dtype = torch.float32) -> dict:
+def case(rank: int, world: int, dtype: torch.dtype = torch.float32) -> dict:
     full, labels, weights = _inputs(dtype)
     part = VOCAB // world
     local = full[..., rank * part : (rank + 1) * part].contiguous()
@@ -107,8 +106,9 @@ def _case(rank: int, world: int, dtype: torch.dtype = torch.float32) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp2():
-    return run_distributed(_case, 2, timeout_s=300)
+def tp2(parallel_world):
+    """The TP 2 case, run in the package's parallel-layout world (tests/models/conftest.py)."""
+    return [r["logprobs"] for r in parallel_world]
 
 
 def _check(r: dict, bytes_per_element: int) -> None:
@@ -120,7 +120,7 @@ def _check(r: dict, bytes_per_element: int) -> None:
 
 
 def test_logprobs_memory_and_gradients_single_rank():
-    r = _case(0, 1)
+    r = case(0, 1)
     _check(r, 4)
 
 
@@ -131,7 +131,7 @@ def test_logprobs_memory_and_gradients_tensor_parallel(tp2):
 
 
 def test_bf16_logits_save_only_themselves():
-    r = _case(0, 1, torch.bfloat16)
+    r = case(0, 1, torch.bfloat16)
     assert r["saved_per_logit"] <= 2 and r["saved_per_token"] <= 16, r
     # beyond bf16 logits: their bf16 gradient (2) and two float32 chunks of 1/8 each (1): <= 4
     assert r["peak_beyond_logits_per_logit"] <= 4, r

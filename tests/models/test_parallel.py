@@ -1,12 +1,11 @@
 """TP=2, EP=2 (allgather and alltoall), PP=2 give the single-rank logits and gradients (float32).
 
-All cases run in one spawned 2-rank gloo world (start-up dominates the cost); each test then
-asserts on its case's figures. Tolerance: max abs diff <= 1e-5 (:data:`TOL`).
+All cases run in one spawned 2-rank gloo world (start-up dominates the cost; shared with
+test_logprobs_memory.py through tests/models/conftest.py); each test then asserts on its case's figures. Tolerance: max abs diff <= 1e-5 (:data:`TOL`).
 """
 
 import pytest
 
-from tests.distributed import run_distributed
 from tests.models import parallel_cases
 
 TOL = 1e-5
@@ -16,7 +15,7 @@ nonlinear layer, so tests/tolerance.py's bound does not apply. Measured at most 
 4.6e-8 on the gradients (x86-64 CPUs); a wrong shard moves the logits by O(1)."""
 
 
-def _all_cases(rank, world):
+def all_cases(rank, world):
     return {
         "tp": parallel_cases.case_tp(rank, world),
         "ep_allgather": parallel_cases.case_ep(rank, world, "allgather"),
@@ -26,8 +25,8 @@ def _all_cases(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_all_cases, 2, timeout_s=600)
+def results(parallel_world):
+    return parallel_world
 
 
 def test_tensor_parallel_matches_single_rank(results):
