@@ -176,6 +176,23 @@ def is_buffer(name: str) -> bool:
     return name.endswith("." + EXPERT_BIAS)
 
 
+def keeps_float32(hf_name: str) -> bool:
+    """HF tensors kept in float32 whatever the checkpoint's dtype (transformers'
+    ``_keep_in_fp32_modules_strict``; Megatron keeps the expert bias in float32 too): written,
+    streamed and accepted in float32, so that engines route with the trainer's exact bias."""
+    return hf_name.endswith(".mlp.gate.e_score_correction_bias")
+
+
+def is_ignored(hf_name: str, m: ModelConfig) -> bool:
+    """HF tensors a checkpoint may hold that are not part of the model: the tied LM head, rotary
+    tables, and GLM's multi-token-prediction layers (``model.layers.{i}`` past ``num_layers``,
+    ``num_nextn_predict_layers``; transformers 5.19 ignores them too)."""
+    if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and m.tie_word_embeddings):
+        return True
+    layer = _HF_LAYER_RE.match(hf_name)
+    return m.family == "glm4_moe" and layer is not None and int(layer.group(1)) >= m.num_layers
+
+
 def _family_label(m: ModelConfig) -> str:
     return {"qwen": "Qwen3 / Qwen3-MoE / Qwen2-MoE", "mixtral": "Mixtral", "glm4_moe": "GLM-4.5"}[m.family]
 

@@ -101,13 +101,8 @@ def check_hf_checkpoint(hf_dir: str | Path, m: ModelConfig) -> tuple[int, int]:
         }
         total = 0
         for name in sorted(expected):
-            total += ckpt.check(name, bridge.hf_shape(name, m), dtype).nbytes
-        ignorable = {"lm_head.weight"} if m.tie_word_embeddings else set()
-        extra = [
-            n
-            for n in ckpt.names()
-            if n not in expected and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
-        ]
+            total += ckpt.check(name, bridge.hf_shape(name, m), None if bridge.keeps_float32(name) else dtype).nbytes
+        extra = [n for n in ckpt.names() if n not in expected and not bridge.is_ignored(n, m)]
         if extra:
             raise CheckpointError(
                 f"checkpoint {ckpt.source} holds tensors the config does not describe, e.g. "

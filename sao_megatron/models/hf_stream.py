@@ -186,7 +186,7 @@ class HFWeightStream:
         self.group, self.spread, self.inflight_bytes = group, spread, inflight_bytes
         self._params: dict[tuple[str, int], torch.Tensor] = {}
         meta = []
-        for local, param in layout.unwrap(model).named_parameters():
+        for local, param in layout.named_weights(layout.unwrap(model)):  # parameters and expert biases
             name = layout.global_name(model, local)
             if not bridge.is_exported(name, m):
                 continue
@@ -288,10 +288,14 @@ class HFWeightStream:
     def _specs(self, items: list[_Item]) -> list[TensorSpec]:
         """The HF tensors (name, shape, dtype) of ``items``, in order."""
         return [
-            TensorSpec(hf, bridge.hf_shape(hf, self.m), self.dtype or item.dtype)
+            TensorSpec(hf, bridge.hf_shape(hf, self.m), self._dtype_of(hf, item.dtype))
             for item in items
             for hf in bridge.hf_names(item.name, self.m)
         ]
+
+    def _dtype_of(self, hf_name: str, source: torch.dtype) -> torch.dtype:
+        """``dtype`` when given, else the source's; float32 for what HF keeps in float32 (the expert bias)."""
+        return torch.float32 if bridge.keeps_float32(hf_name) else self.dtype or source
 
     def steps(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[_Step]:
         """This rank's schedule: every writer's buckets (this stage's with ``per_stage``), ``(k, writer)`` order."""
@@ -359,7 +363,7 @@ class HFWeightStream:
             shards = [received[(item.name, r)] for r in range(item.tp.size)]
             full = _concat_tp(shards, item.tp)
             for hf, tensor in bridge.to_hf(item.name, full, self.m):
-                out.append((hf, tensor if self.dtype is None else tensor.to(self.dtype)))
+                out.append((hf, tensor.to(self._dtype_of(hf, tensor.dtype))))
         return out
 
 

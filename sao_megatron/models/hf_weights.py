@@ -104,11 +104,12 @@ def load_hf_weights(
     dtype = hf_io.config_dtype(json.loads(config_file.read_text())) if config_file.exists() else None
     fused = any(n.endswith(bridge.FUSED_GATE_UP) for n in ckpt.names())
     jobs = []
-    for local, param in layout.unwrap(model).named_parameters():
+    for local, param in layout.named_weights(layout.unwrap(model)):  # parameters and expert biases
         name = layout.global_name(model, local)
         pieces = bridge.hf_pieces(name, m, fused)
         for piece in pieces:
-            ckpt.check(piece.hf_name, bridge.hf_shape(piece.hf_name, m), dtype)
+            kept = bridge.keeps_float32(piece.hf_name)  # float32 in a bf16 checkpoint, or as the rest
+            ckpt.check(piece.hf_name, bridge.hf_shape(piece.hf_name, m), None if kept else dtype)
         tp, _ = _tp(param, local)
         shape = _local_shape(bridge.full_shape(name, m), tp)
         if shape != tuple(param.shape):

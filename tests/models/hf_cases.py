@@ -173,6 +173,68 @@ SHAPES: dict[str, tuple[dict, str | None]] = {
         None,
     ),
 }
+# Issue 31: Mixtral and GLM-4.5 at every 2-rank layout (tests/models/test_hf_families.py, a world of its own).
+FAMILY_SHAPES: dict[str, tuple[dict, str | None]] = {
+    # Mixtral: softmax top-2 renormalised, GQA, no q/k norm, no biases, every layer MoE.
+    "mixtral": (
+        dict(
+            arch="mixtral",
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            layouts=["tp2", "ep2", "pp2"],
+        ),
+        "20KB",
+    ),
+    # GLM-4.5: sigmoid router with expert bias, 4 groups / top-2 groups, score scaling, an ungated
+    # shared expert (2 x the expert width), q/k/v biases, RoPE on half of each head, a dense first layer.
+    "glm4_moe": (
+        dict(
+            arch="glm4_moe",
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            num_hidden_layers=4,
+            layouts=["tp2", "ep2", "pp2"],
+        ),
+        "30KB",
+    ),
+    # GLM-4.6 style: q/k norm, no groups, top-2 of 4.
+    "glm4_moe_qk_norm": (
+        dict(
+            arch="glm4_moe",
+            use_qk_norm=True,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=0,
+            attention_bias=True,
+            num_hidden_layers=2,
+            layouts=["tp2"],
+        ),
+        None,
+    ),
+}
 LAYOUTS = {"single": {}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2}, "pp2": {"pipeline_parallel": 2}}
 
 
@@ -181,7 +243,7 @@ def layouts_of(shape: str) -> list[str]:
     embedding to CUDA at construction (``LanguageModule.setup_embeddings_and_output_layer``),
     which ``megatron_cpu`` does not patch; the tied mapping is covered by the bridge tests.
     A shape's ``layouts`` key picks its 2-rank layouts (the routing variants: one or two each)."""
-    kw = SHAPES[shape][0]
+    kw = {**SHAPES, **FAMILY_SHAPES}[shape][0]
     if "layouts" in kw:
         return ["single", *kw["layouts"]]
     return [
@@ -194,6 +256,10 @@ def layouts_of(shape: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 def build_hf_model(shape: str, seed: int = 0):
     from transformers import (
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2MoeConfig,
         Qwen2MoeForCausalLM,
         Qwen3Config,
@@ -202,10 +268,12 @@ def build_hf_model(shape: str, seed: int = 0):
         Qwen3MoeForCausalLM,
     )
 
-    kw = dict(SHAPES[shape][0])
+    kw = dict({**SHAPES, **FAMILY_SHAPES}[shape][0])
     arch = kw.pop("arch")
     kw.pop("layouts", None)
     rope = {"rope_theta": kw.pop("rope_theta", 10000.0), "rope_type": "default"}
+    if arch == "glm4_moe":
+        rope["partial_rotary_factor"] = 0.5  # GLM's default, stated: rope_parameters replaces the default
     kw = {**_COMMON, **kw, "rope_parameters": rope}
     if arch == "moe":
         config = Qwen3MoeConfig(**{"norm_topk_prob": True, **kw})
@@ -213,6 +281,12 @@ def build_hf_model(shape: str, seed: int = 0):
     elif arch == "qwen2_moe":
         config = Qwen2MoeConfig(**kw)  # qkv_bias=True, norm_topk_prob=False by default
         cls = Qwen2MoeForCausalLM
+    elif arch == "mixtral":
+        config = MixtralConfig(**kw)
+        cls = MixtralForCausalLM
+    elif arch == "glm4_moe":
+        config = Glm4MoeConfig(**kw)  # partial_rotary_factor 0.5, norm_topk_prob true by default
+        cls = Glm4MoeForCausalLM
     else:
         config = Qwen3Config(**kw)
         cls = Qwen3ForCausalLM
@@ -232,6 +306,9 @@ def build_hf_model(shape: str, seed: int = 0):
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer: zero unless set (routing must use it)
+                b.normal_(0.0, 0.3)
     return model
 
 
@@ -239,10 +316,11 @@ def tokens(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def make_checkpoints(root: Path) -> dict[str, Path]:
-    """Save every shape with ``save_pretrained`` and its logits on :func:`tokens` to ``reference.pt``."""
+def make_checkpoints(root: Path, shapes: dict | None = None) -> dict[str, Path]:
+    """Save every shape (of :data:`SHAPES` by default) with ``save_pretrained`` and its logits on
+    :func:`tokens` to ``reference.pt``."""
     dirs, reference = {}, {}
-    for shape, (_, shard) in SHAPES.items():
+    for shape, (_, shard) in (SHAPES if shapes is None else shapes).items():
         model = build_hf_model(shape)
         out = root / "hf" / shape
         model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
@@ -412,6 +490,8 @@ def case_parity(rank, world, root: str, shape: str, layout_name: str) -> dict:
     if logits is not None:
         reference = torch.load(root_path / "reference.pt")[shape]
         out["logits"] = (logits - reference).abs().max().item()
+        if layout_name == "single" and m.moe_router_enable_expert_bias:
+            out["logits_without_bias"] = _logits_without_bias(model, p, reference)
     save_hf_checkpoint(
         model, m, root_path / "export" / f"{shape}-{layout_name}", template=hf_dir, max_shard_bytes=50_000
     )
@@ -431,6 +511,67 @@ def case_parity(rank, world, root: str, shape: str, layout_name: str) -> dict:
             "unique": len(set(names)) == len(names),
         }
     return out
+
+
+def _logits_without_bias(model, p: ParallelConfig, reference: torch.Tensor) -> float:
+    """Max |logits - reference| with every router's expert bias zeroed, then restored: how much
+    routing depends on the bias the loader read."""
+    biases = [b for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
+    saved = [b.clone() for b in biases]
+    for b in biases:
+        b.zero_()
+    logits = _forward_logits(model, p, tokens())
+    for b, v in zip(biases, saved, strict=True):
+        b.copy_(v)
+    assert logits is not None
+    return (logits - reference).abs().max().item()
+
+
+def case_bias_update(rank, world, root: str, mode: str) -> dict:
+    """One actor optimizer step of the GLM shape (DP=2) with ``actor.router_bias_update=mode``:
+    every router's expert bias before and after, and the bias the HF weight stream then sends."""
+    from sao_megatron.batch import MicroBatch
+    from sao_megatron.config import ActorConfig, OptimizerConfig
+    from sao_megatron.models.hf_weights import iter_hf_weights
+    from sao_megatron.workers.role import build_actor_role
+
+    hf_dir = Path(root) / "hf" / "glm4_moe"
+    m = hf_config.model_config_from_hf(hf_config.read_hf_config(hf_dir))
+    p = _setup(world)
+    actor = ActorConfig(parallel=p, optim=OptimizerConfig(lr=1e-4), init_from=str(hf_dir), router_bias_update=mode)
+    role = build_actor_role(m, actor)  # type: ignore[arg-type]  # mode is a RouterBiasUpdate value
+
+    def biases() -> dict[str, torch.Tensor]:
+        return {n: b.detach().clone() for n, b in role.module.named_buffers() if n.endswith("router.expert_bias")}
+
+    before = biases()
+    micro = MicroBatch.of_tokens(tokens(rank))
+
+    def loss_fn(logits, mb):
+        return logits.float().pow(2).mean() * 1e-3, {}
+
+    role.model.train()
+    role.forward_backward([micro], loss_fn)
+    role.step()
+    after = biases()
+    sent = {n: t.clone() for b in iter_hf_weights(role.module, m) for n, t in b if "e_score_correction_bias" in n}
+    return {
+        "moved": {n: (after[n] - before[n]).tolist() for n in before},
+        "sent": {n: t.tolist() for n, t in sent.items()},
+        "after": {n: t.tolist() for n, t in after.items()},
+        "sent_dtypes": sorted({str(t.dtype) for t in sent.values()}),
+    }
+
+
+def family_cases(rank, world, root: str) -> dict:
+    """Issue 31's cases in one world: Mixtral and GLM-4.5 at every layout, the bias update modes."""
+    results = {}
+    for shape in FAMILY_SHAPES:
+        for layout_name in layouts_of(shape):
+            results[f"{shape}/{layout_name}"] = case_parity(rank, world, root, shape, layout_name)
+    for mode in ("freeze", "train"):
+        results[f"bias_update/{mode}"] = case_bias_update(rank, world, root, mode)
+    return results
 
 
 def _per_stage_stream(model, m, out_file: Path) -> dict:
