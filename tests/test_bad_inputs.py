@@ -127,6 +127,42 @@ def _sharded(ckpt: Path) -> None:
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+# Tiny Mixtral and GLM-4.5 config.json files (issue 31): each refusal row changes one key.
+_MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "sliding_window": None,
+}
+_GLM = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+}
+
+
+def _config_of(base: dict, **changes) -> Callable[[Path], object]:
+    """Replace config.json with ``base`` changed by ``changes``."""
+    return _write("config.json", json.dumps({**base, **changes}))
+
+
 def _swe_tasks(content: str) -> Build:
     from sao_megatron.envs.swe.tasks import load_tasks
 
@@ -262,6 +298,34 @@ CASES: list[tuple[str, Build, str]] = [
      r"^actor\.init_from: {tmp}/ckpt/model\.safetensors\.index\.json is not a safetensors index"),
     ("safetensors-without-a-loadable-name", _checkpoint(lambda c: (c / "model.safetensors").rename(c / "weights.safetensors")),
      r"^actor\.init_from={tmp}/ckpt has neither model\.safetensors\.index\.json nor model\.safetensors"),
+    # Mixtral and GLM-4.5 (issue 31): what the bridge does not map, named
+    ("config-json-unknown-rope-type", _checkpoint(_config_of(_GLM, rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+     r"^actor\.init_from={tmp}/ckpt: rope_scaling=\{'rope_type': 'yarn', 'factor': 4\.0\} is not supported \(only plain "
+     r"RoPE\); remove it or convert a checkpoint without RoPE scaling$"),
+    ("config-json-group-topk-hf-and-megatron-disagree", _checkpoint(_config_of(_GLM, n_group=4, topk_group=1)),
+     r"^actor\.init_from={tmp}/ckpt: n_group=4, topk_group=1 with num_experts_per_tok=4 is not supported: HF ranks "
+     r"an expert group by its best 2 scores, Megatron by its best topk // topk_group = 4; .*== 2 \(or n_group == 1\)$"),
+    ("config-json-glm-not-renormalised", _checkpoint(_config_of(_GLM, norm_topk_prob=False)),
+     r"^actor\.init_from={tmp}/ckpt: norm_topk_prob=false with num_experts_per_tok=4 is not supported: Megatron "
+     r"renormalises sigmoid top-k weights exactly when top-k > 1$"),
+    ("config-json-glm-unknown-key", _checkpoint(_config_of(_GLM, scoring_func="softmax")),
+     r"^actor\.init_from={tmp}/ckpt: config\.json key 'scoring_func' is not known to the Glm4MoeForCausalLM bridge, "
+     r"which cannot tell whether it changes the model; remove it if it does not"),
+    ("config-json-mixtral-sliding-window", _checkpoint(_config_of(_MIXTRAL, sliding_window=256)),
+     r"^actor\.init_from={tmp}/ckpt: sliding_window=256 < max_position_embeddings=1024 is not supported: Megatron's "
+     r"local attention builds its sliding-window mask in place of the mask it is given"),
+    ("config-json-mixtral-router-jitter", _checkpoint(_config_of(_MIXTRAL, router_jitter_noise=0.01)),
+     r"^actor\.init_from={tmp}/ckpt: router_jitter_noise=0\.01 is not supported: .*; set it to 0\.0$"),
+    ("config-json-quantized-weights", _checkpoint(_config_json(quantization_config={"quant_method": "fp8"})),
+     r"^actor\.init_from={tmp}/ckpt: quantization_config \(quant_method='fp8'\) is not supported: the bridge reads "
+     r"unquantised weights; convert the checkpoint to bf16 first$"),
+    ("model-field-outside-its-family", _overrides("model.moe_router_score_function=sigmoid"),
+     r"^model\.moe_router_score_function='sigmoid' is not expressible in model\.family=qwen's HF architecture "
+     r"\(it has 'softmax'\); change the field or the family$"),
+    ("negative-router-bias-update-rate", _overrides("actor.router_bias_update_rate=-0.001"),
+     r"^actor\.router_bias_update_rate=-0\.001 must be >= 0$"),
+    ("bad-router-bias-update", _overrides("actor.router_bias_update=sync"),
+     r"^override 'actor\.router_bias_update=sync': actor\.router_bias_update: 'sync' is not one of 'freeze', 'train'$"),
     # ---- tokenizers next to an HF checkpoint
     ("tokenizer-json-missing", _checkpoint(lambda c: (c / "tokenizer.json").unlink()),
      r"^actor\.init_from={tmp}/ckpt: the checkpoint has no tokenizer \(needs tokenizer\.json and "
