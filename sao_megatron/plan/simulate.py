@@ -27,6 +27,7 @@ checks the predictions against its measured CPU configurations. Pure Python, no 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import statistics
@@ -445,7 +446,9 @@ def fit_prefill_s(
     ``measured`` tokens/s on the same workload: what starting a turn costs the engine beyond
     decoding (prefill, scheduling, and on a shared CPU the agent loop's own work), which a decode
     probe alone does not see. Bisection over [0, 1] s; ``engine`` unchanged when its decode model
-    alone does not exceed ``measured``."""
+    alone does not exceed ``measured``. Every bisection step replays the same episodes, so each
+    ``shape(i, g)`` is drawn once (a pure function of ``(i, g)``, as :func:`simulate` takes it)."""
+    shape = functools.cache(shape)
 
     def rate(prefill_s: float) -> float:
         model = dataclasses.replace(engine, prefill_s=prefill_s)
