@@ -7,11 +7,18 @@ the exports. GLM's routers carry a random expert bias (``e_score_correction_bias
 routing depends on it: a loader that skipped it would miss the reference (checked below).
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from sao_megatron.config.hf import model_config_from_hf, read_hf_config
+from sao_megatron.config.schema import REPO_ROOT
 from sao_megatron.models import hf_bridge
+from sao_megatron.rollout.sglang_cpu import STANDIN_DIR
 from tests.distributed import run_distributed
 from tests.models import hf_cases
 from tests.models.test_hf_models import TOL, _state
@@ -105,3 +112,43 @@ def test_router_bias_update_modes(world, mode):
     for name, bias in results[0]["after"].items():
         layer = name.split(".")[2]
         assert sent[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] == bias
+
+
+SGLANG_CASES = ["mixtral/ep2", "glm4_moe/tp2", "glm4_moe_qk_norm/tp2"]
+
+
+@pytest.fixture(scope="module")
+def sglang_loaded(world):
+    """SGLang's own Mixtral / GLM-4.5 classes fed the weight stream (``tests/models/sglang_load.py``)."""
+    root, out = world["root"], world["root"] / "sglang.json"
+    argv = []
+    for case in SGLANG_CASES:
+        shape, layout = case.split("/")
+        argv += [str(root / "hf" / shape), str(root / "stream" / f"{shape}-{layout}.pt")]
+    env = {
+        **os.environ,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(STANDIN_DIR), str(REPO_ROOT)]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.models.sglang_load", str(out), *argv],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", SGLANG_CASES)
+def test_sglang_loads_the_stream_into_transformers_weights(world, sglang_loaded, case):
+    """Every parameter of SGLang's model class is written by the stream (none left NaN) and equals
+    transformers' tensor for it, the GLM expert biases included."""
+    shape = case.split("/")[0]
+    r = sglang_loaded[str(world["root"] / "hf" / shape)]
+    assert r["class"] == f"sglang.srt.models.{'mixtral' if shape == 'mixtral' else 'glm4_moe'}"
+    assert r["unloaded"] == [] and r["mismatched"] == [] and r["compared"] > 10, r
+    expected_biases = sum(1 for n in _state(world["root"] / "hf" / shape) if n.endswith("e_score_correction_bias"))
+    assert len(r["bias"]) == expected_biases and (expected_biases > 0) == shape.startswith("glm")

@@ -1,0 +1,114 @@
+"""Feed the trainer's HF weight stream to SGLang's own model class on the CPU, without a server.
+
+``python -m tests.models.sglang_load OUT.json HF_DIR STREAM.pt [HF_DIR STREAM.pt ...]`` (run by
+``test_hf_families`` in a subprocess: SGLang takes over ``torch.distributed`` and its process-wide
+context, and needs the ``sgl_kernel`` stand-in on ``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``).
+For each checkpoint: SGLang's class for ``config.json``'s architecture (``sglang.srt.models.mixtral``,
+``glm4_moe``) is built in float32 at TP=1 with every parameter NaN, its ``load_weights`` gets the
+stream's ``(name, tensor)`` list in stream order (what ``/update_weights_from_distributed`` hands it),
+and every parameter is compared with the tensor ``transformers`` holds for it after
+``from_pretrained(HF_DIR)``: SGLang's fused ``qkv_proj`` / ``gate_up_proj`` are the concatenation of
+transformers' projections, its experts' ``w13_weight`` / ``w2_weight`` transformers' fused
+``gate_up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe`` transformers' ``mlp``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _init_sglang(model_path: str) -> None:
+    """SGLang's process groups (world 1, gloo) and its published server args, as its own layer tests do
+    (``sglang.test.layer_ut_utils.init_single_process_dist``, which imports benchmark-only packages)."""
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    reset_context()
+    args = ServerArgs(model_path=model_path, tp_size=1, ep_size=1, pp_size=1, device="cpu", dtype="float32")
+    publish(args, role="test", ranks=SpawnRanks(world_rank=0))
+    if parallel_state._WORLD is not None:
+        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    initialize_model_parallel(backend="gloo")
+
+
+def _sglang_class(architecture: str):
+    if architecture == "MixtralForCausalLM":
+        from sglang.srt.models.mixtral import MixtralForCausalLM
+
+        return MixtralForCausalLM
+    if architecture == "Glm4MoeForCausalLM":
+        from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
+
+        return Glm4MoeForCausalLM
+    raise ValueError(f"no SGLang class mapped for {architecture}")
+
+
+def _transformers_tensor(name: str, hf: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor SGLang's parameter ``name`` must hold, from transformers' state dict ``hf``."""
+    n = name.replace(".block_sparse_moe.", ".mlp.")
+    for kind in ("weight", "bias"):
+        if n.endswith(f"qkv_proj.{kind}"):
+            base = n.removesuffix(f"qkv_proj.{kind}")
+            return torch.cat([hf[f"{base}{x}_proj.{kind}"] for x in "qkv"])
+    if n.endswith("gate_up_proj.weight"):  # dense MLP, shared experts
+        base = n.removesuffix("gate_up_proj.weight")
+        return torch.cat([hf[f"{base}gate_proj.weight"], hf[f"{base}up_proj.weight"]])
+    if n.endswith("experts.w13_weight"):
+        return hf[n.replace("w13_weight", "gate_up_proj")]
+    if n.endswith("experts.w2_weight"):
+        return hf[n.replace("w2_weight", "down_proj")]
+    return hf[n]
+
+
+def check(hf_dir: str, stream_file: str) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    model = _sglang_class(config.architectures[0])(config, quant_config=None)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    stream: list[tuple[str, torch.Tensor]] = torch.load(stream_file)
+    model.load_weights(iter(stream))
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    unloaded, mismatched, compared = [], [], 0
+    for name, param in model.named_parameters():
+        if param.isnan().any():
+            unloaded.append(name)
+            continue
+        compared += 1
+        expected = _transformers_tensor(name, reference)
+        if param.shape != expected.shape or not torch.equal(param.detach(), expected):
+            mismatched.append(name)
+    return {
+        "class": type(model).__module__,
+        "stream": len(stream),
+        "compared": compared,
+        "unloaded": unloaded,
+        "mismatched": mismatched,
+        "bias": [n for n, _ in model.named_parameters() if n.endswith("e_score_correction_bias")],
+    }
+
+
+def main(argv: list[str]) -> None:
+    out, pairs = Path(argv[0]), list(zip(argv[1::2], argv[2::2], strict=True))
+    torch.set_default_dtype(torch.float32)
+    _init_sglang(pairs[0][0])
+    out.write_text(json.dumps({hf_dir: check(hf_dir, stream) for hf_dir, stream in pairs}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
