@@ -8,7 +8,6 @@ import torch
 
 from sao_megatron.config import ConfigError, ParallelConfig
 from sao_megatron.workers.role import check_context_parallel
-from tests.distributed import run_distributed
 from tests.workers import ragged_cases
 
 
@@ -101,7 +100,7 @@ def case_group_norms_of_replicas(rank, world, layout: str):
 
 
 def case_all(rank, world) -> dict:
-    """Every case of this module in one spawned 2-rank world (one start instead of four)."""
+    """Every case of this module, in the package's spawned 2-rank world (conftest.py)."""
     from megatron.core import parallel_state as ps
 
     out: dict = {f"share/{pack}": case_cp_share(rank, world, pack) for pack in (False, True)}
@@ -112,9 +111,10 @@ def case_all(rank, world) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world() -> dict:
-    """ "<case>/<parameter>" -> the per-rank results of :func:`case_all`."""
-    per_rank = run_distributed(case_all, 2)
+def world(workers_world) -> dict:
+    """Results of :func:`case_all` by ``<case>/<parameter>``, per rank, from the package's world
+    (conftest.py)."""
+    per_rank = [r["cp"] for r in workers_world]
     return {key: [r[key] for r in per_rank] for key in per_rank[0]}
 
 

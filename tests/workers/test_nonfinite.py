@@ -3,8 +3,6 @@ state untouched; ``updated`` 0); the next finite batch trains normally (2-rank D
 
 import torch
 
-from tests.distributed import run_distributed
-
 
 def case_nan_update(rank, world):
     from sao_megatron.batch import build_batch
@@ -35,6 +33,7 @@ def case_nan_update(rank, world):
     }
 
 
-def test_a_nan_on_one_rank_skips_the_step_everywhere_then_training_continues():
-    for r in run_distributed(case_nan_update, 2):
+def test_a_nan_on_one_rank_skips_the_step_everywhere_then_training_continues(workers_world):
+    """:func:`case_nan_update` runs in the package's spawned world (conftest.py)."""
+    for r in (rank["nonfinite"] for rank in workers_world):
         assert r == {"skipped": 0.0, "unchanged": True, "trained": 1.0, "changed": True}, r

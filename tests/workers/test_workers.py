@@ -2,7 +2,6 @@
 
 import pytest
 
-from tests.distributed import run_distributed
 from tests.tolerance import sum_rtol
 from tests.workers import worker_cases
 
@@ -10,8 +9,8 @@ TPS = {"dp2": 1, "tp2": 2}
 
 
 def case_both_layouts(rank, world, ckpt_root: str) -> dict:
-    """``worker_cases.case_actor_critic`` at DP=2 and at TP=2 in one spawned world (one start
-    instead of two), each with a checkpoint directory of its own."""
+    """``worker_cases.case_actor_critic`` at DP=2 and at TP=2 in one spawned world (the package's,
+    conftest.py), each with a checkpoint directory of its own."""
     from megatron.core import parallel_state as ps
 
     out = {}
@@ -22,9 +21,9 @@ def case_both_layouts(rank, world, ckpt_root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict[str, list[dict]]:
-    per_rank = run_distributed(case_both_layouts, 2, str(tmp_path_factory.mktemp("ck")))
-    return {name: [r[name] for r in per_rank] for name in TPS}
+def world(workers_world) -> dict[str, list[dict]]:
+    """The per-rank results of :func:`case_both_layouts`, run in the package's world (conftest.py)."""
+    return {name: [r["workers"][name] for r in workers_world] for name in TPS}
 
 
 @pytest.fixture(params=list(TPS), ids=list(TPS))
