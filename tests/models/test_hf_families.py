@@ -4,7 +4,9 @@ and back: logits against ``transformers``, bit-exact round trips, the weight str
 One spawned 2-rank gloo world runs every case (``hf_cases.family_cases``); the parent builds the tiny
 random models with ``transformers``' own config classes, saves them with ``save_pretrained`` and checks
 the exports. GLM's routers carry a random expert bias (``e_score_correction_bias``, a buffer), so
-routing depends on it: a loader that skipped it would miss the reference (checked below).
+routing depends on it: a loader that skipped it would miss the reference (checked below). Last, the
+weight stream of two layouts goes through SGLang's own ``mixtral`` / ``glm4_moe`` classes' ``load_weights``
+on the CPU (``tests/models/sglang_load.py``, a subprocess).
 """
 
 import json
