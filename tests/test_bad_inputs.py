@@ -317,8 +317,8 @@ CASES: list[tuple[str, Build, str]] = [
     ("config-json-mixtral-router-jitter", _checkpoint(_config_of(_MIXTRAL, router_jitter_noise=0.01)),
      r"^actor\.init_from={tmp}/ckpt: router_jitter_noise=0\.01 is not supported: .*; set it to 0\.0$"),
     ("config-json-quantized-weights", _checkpoint(_config_json(quantization_config={"quant_method": "fp8"})),
-     r"^actor\.init_from={tmp}/ckpt: quantization_config \(quant_method='fp8'\) is not supported: the bridge reads "
-     r"unquantised weights; convert the checkpoint to bf16 first$"),
+     r"^actor\.init_from={tmp}/ckpt: quantization_config \(quant_method='fp8', fmt='e4m3', weight_block_size=None\) is not "
+     r"supported: only DeepSeek's FP8 block scaling is read .*; convert the checkpoint to bf16 first$"),
     ("model-field-outside-its-family", _overrides("model.moe_router_score_function=sigmoid"),
      r"^model\.moe_router_score_function='sigmoid' is not expressible in model\.family=qwen's HF architecture "
      r"\(it has 'softmax'\); change the field or the family$"),

@@ -10,7 +10,9 @@ naming the HF key, never silently dropped:
 HF key                        why it is refused
 ===========================  ===================================================================
 ``architectures``             only the five above are mapped
-``quantization_config``       quantised (FP8, GPTQ, ...) weights are not read
+``quantization_config``       quantised weights are not read, except DeepSeek's FP8 block scaling
+                              (``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size``), which the
+                              reader dequantises (``models/hf_io.py``)
 ``hidden_act`` != silu         experts and MLPs are built as SwiGLU
 ``attention_bias`` true        Qwen3's ``attention_bias`` also puts a bias on ``o_proj``; Megatron
 (Qwen3)                       has q/k/v-only biases (``add_qkv_bias``) or biases on every linear
@@ -96,8 +98,8 @@ _GENERIC_KEYS = set(
 _COMMON_KEYS = set(
     "num_hidden_layers hidden_size num_attention_heads num_key_value_heads head_dim intermediate_size "
     "vocab_size max_position_embeddings rope_theta rope_scaling rope_parameters rms_norm_eps hidden_act "
-    "num_experts_per_tok attention_bias mlp_bias".split()
-)
+    "num_experts_per_tok attention_bias mlp_bias quantization_config".split()
+)  # quantization_config: checked by fp8_block (DeepSeek's FP8 block scaling is read, dequantised)
 _KNOWN_KEYS = {
     MIXTRAL_ARCH: _GENERIC_KEYS
     | _COMMON_KEYS
@@ -168,13 +170,25 @@ def _rope(hf: dict[str, Any], arch: str) -> tuple[float, float]:
     return theta, float(0.5 if factor is None else factor)
 
 
-def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
+def fp8_block(hf: dict[str, Any]) -> tuple[int, int] | None:
+    """The ``(rows, cols)`` block of an FP8 block-scaled checkpoint (DeepSeek-V3's layout: a linear
+    weight in ``float8_e4m3fn`` with one ``weight_scale_inv`` factor per block), None when
+    ``config.json`` has no ``quantization_config``; any other quantisation is refused naming it."""
+    q = hf.get("quantization_config")
+    if not q:
+        return None
+    method, fmt, block = q.get("quant_method"), q.get("fmt", "e4m3"), q.get("weight_block_size")
+    if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
         raise ConfigError(
-            f"quantization_config (quant_method={method!r}) is not supported: the bridge reads "
-            "unquantised weights; convert the checkpoint to bf16 first"
+            f"quantization_config (quant_method={method!r}, fmt={fmt!r}, weight_block_size={block!r}) is not "
+            "supported: only DeepSeek's FP8 block scaling is read (quant_method 'fp8', fmt 'e4m3', "
+            "weight_block_size [rows, cols]); convert the checkpoint to bf16 first"
         )
+    return int(block[0]), int(block[1])
+
+
+def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
+    fp8_block(hf)
     if arch in _KNOWN_KEYS:
         unknown = sorted(set(hf) - _KNOWN_KEYS[arch])
         if unknown:

@@ -116,19 +116,14 @@ FP8_CODES = ("F8_E4M3",)
 
 
 def fp8_block_size(config: dict) -> tuple[int, int] | None:
-    """The ``[rows, cols]`` block of an FP8 block-scaled checkpoint's ``quantization_config``; None when the
-    config has none. Raises :class:`CheckpointError` for a quantisation this reader cannot dequantise."""
-    q = config.get("quantization_config")
-    if not q:
-        return None
-    method, fmt, block = q.get("quant_method"), q.get("fmt", "e4m3"), q.get("weight_block_size")
-    if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
-        raise CheckpointError(
-            f"quantization_config {json.dumps(q, sort_keys=True)} is not supported: only DeepSeek's FP8 block "
-            'scaling is read (quant_method "fp8", fmt "e4m3", weight_block_size [rows, cols]); convert the '
-            "checkpoint to bf16 first"
-        )
-    return int(block[0]), int(block[1])
+    """:func:`sao_megatron.config.hf.fp8_block` with the refusal as a :class:`CheckpointError`."""
+    from sao_megatron.config import ConfigError
+    from sao_megatron.config import hf as hf_config
+
+    try:
+        return hf_config.fp8_block(config)
+    except ConfigError as err:
+        raise CheckpointError(str(err)) from None
 
 
 class HFCheckpoint:

@@ -396,6 +396,8 @@ def _publish(reports: list, staging: Path, out_dir: Path, m: ModelConfig, s: _Ex
             config = dict(s.template_cfg)
             config["dtype"] = dtype_name
             config.pop("torch_dtype", None)
+            # an FP8 template (DeepSeek's layout) was read dequantised: what is written is plain dtype_name
+            config.pop("quantization_config", None)
         else:
             config = hf_config.hf_config_from_model(m, dtype_name)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -371,7 +371,10 @@ def test_glm_expert_groups_map_where_megatron_and_hf_rank_groups_alike():
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
         ({"attention_bias": True}, "attention_bias"),
         ({"head_dim": 64, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-        ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \(quant_method='fp8'\)"),
+        (
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"quantization_config \(quant_method='fp8', fmt='e4m3', weight_block_size=None\)",
+        ),
         ({"moe_layer_freq": 2}, r"key 'moe_layer_freq' is not known to the MixtralForCausalLM bridge"),
     ],
 )

@@ -173,3 +173,14 @@ def test_unreadable_quantisation_is_refused_naming_it(checkpoints, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with hf_io.HFCheckpoint(bad) as ckpt, pytest.raises(hf_io.CheckpointError, match="has no quantization_config"):
         ckpt.check("model.layers.0.self_attn.q_proj.weight", (160, 160), "BF16")
+
+
+def test_config_json_of_an_fp8_checkpoint_maps_to_the_same_model(checkpoints):
+    """DeepSeek's FP8 block config is accepted (the reader dequantises); the model is the bf16 one's."""
+    from sao_megatron.config import hf as hf_config
+
+    fp8 = hf_config.read_hf_config(checkpoints["fp8"])
+    assert hf_config.fp8_block(fp8) == (BLOCK, BLOCK)
+    assert hf_config.model_config_from_hf(fp8) == hf_config.model_config_from_hf(
+        hf_config.read_hf_config(checkpoints["bf16"])
+    )
