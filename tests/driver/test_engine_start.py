@@ -82,7 +82,7 @@ class _FailingActor:
 def test_engines_launched_with_the_roles_are_stopped_when_a_role_fails_to_start(tmp_path, monkeypatch, sync):
     launches = _Launches()
     monkeypatch.setattr(session_mod, "launch_engines", launches)
-    monkeypatch.setattr(session_mod, "init_ray", lambda address: None)
+    monkeypatch.setattr(session_mod, "start_ray", lambda cfg: None)
     monkeypatch.setattr(session_mod, "ActorGroup", _FailingActor)
     cfg = load_config(None, ["rollout.num_engines=2", f"rollout.weight_sync={sync}"])
     with pytest.raises(RuntimeError, match="no node can hold the actor"):

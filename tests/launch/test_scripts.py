@@ -91,7 +91,9 @@ def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
 
 
 def _submit_dry_run(*args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SAO_")}
+    # RAY_AUTH_*: a test before this one may have started Ray in this process (init_ray sets
+    # RAY_AUTH_MODE=disabled for its own local Ray); a user submitting has none
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SAO_", "RAY_AUTH"))}
     out = subprocess.run(
         [sys.executable, "-m", "sao_megatron.cli", "submit", *args, "--dry-run"],
         cwd=REPO_ROOT,
