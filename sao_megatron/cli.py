@@ -5,6 +5,7 @@
     sao plan [CONFIG] [key=value ...]        parameter counts and parallel layouts per role
     sao convert ...                          HF <-> Megatron checkpoints
     sao export RUN_DIR [--step N] OUT_DIR     a run's actor as an HF checkpoint
+    sao swe import RECORDS --repos DIR --out F  SWE-bench records as a task file of the swe env
 
 Configuration errors exit with status 2 and one line naming the key and the fix, before any
 process starts.
@@ -23,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from sao_megatron.cli_checkpoints import add_convert_parser, add_export_parser
+from sao_megatron.cli_swe import add_swe_parser
 from sao_megatron.config import ConfigError, SAOConfig, load_config, save_config, to_dict
 from sao_megatron.config.load import check_init_from, check_init_tokenizer
 from sao_megatron.faults import DRIVER_PID
@@ -396,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_report)
     add_convert_parser(sub)
     add_export_parser(sub)
+    add_swe_parser(sub)
     return parser
 
 

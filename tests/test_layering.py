@@ -43,7 +43,7 @@ LAYERS: list[set[str]] = [
     {"observe", "plan", "submit"},
     {"driver"},
     {"pipeline", "report", "sweep"},
-    {"cli", "cli_checkpoints"},
+    {"cli", "cli_checkpoints", "cli_swe"},
 ]
 DRIVER_ONLY = {"ray"}  # the driver is the only place that knows about Ray
 

@@ -10,6 +10,8 @@
 * :mod:`~sao_megatron.envs.swe.env`: :class:`~sao_megatron.envs.swe.env.SWEEnv`, the ``swe``
   environment (``execute_bash`` in a sandboxed shell, the editor, ``finish``; hidden-test reward),
   imported on use through the registry (it pulls in the shell sandbox).
+* :mod:`~sao_megatron.envs.swe.importer`: ``sao swe import``, real SWE-bench records (a git mirror
+  and ``base_commit``, no ``files``) as task rows, checked and optionally verified in the env.
 
 The bundled task set (``data/swe/tasks.jsonl``) is written by ``tools/make_swe_tasks.py``.
 """

@@ -134,6 +134,32 @@ def git(
     timeout_s: float = 60.0,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``git args`` in ``cwd`` without the user's or system's config, hooks or external programs."""
+    return subprocess.run(
+        ["git", *_GIT_SAFETY, *args],
+        cwd=cwd,
+        input=input,
+        env=_git_env(cwd, env),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def git_bytes(
+    args: Sequence[str], cwd: str | Path, *, input: bytes | None = None, timeout_s: float = 600.0
+) -> subprocess.CompletedProcess[bytes]:
+    """:func:`git` with bytes in and out (blob contents, ``-z`` path lists that need not be UTF-8)."""
+    return subprocess.run(
+        ["git", *_GIT_SAFETY, *args],
+        cwd=cwd,
+        input=input,
+        env=_git_env(cwd, None),
+        capture_output=True,
+        timeout=timeout_s,
+    )
+
+
+def _git_env(cwd: str | Path, env: Mapping[str, str] | None) -> dict[str, str]:
     base = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(cwd),
@@ -149,15 +175,7 @@ def git(
         "GIT_COMMITTER_EMAIL": AUTHOR[1],
         "GIT_COMMITTER_DATE": f"{COMMIT_TIME} +0000",
     }
-    return subprocess.run(
-        ["git", *_GIT_SAFETY, *args],
-        cwd=cwd,
-        input=input,
-        env={**base, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    return {**base, **(env or {})}
 
 
 def materialise(task: SWETask, directory: str | Path) -> Path:
