@@ -23,6 +23,41 @@ class Turn:
     end: int
 
 
+EndCause = Literal["done", "env_max_turns", "max_turns", "context", "response", "observation_budget", "failed"]
+"""Why an agent-loop episode ended (:attr:`EpisodeStats.end`):
+
+* ``done``: the environment ended it (an answer, ``finish``, a single-turn task);
+* ``env_max_turns``: the environment's own turn limit (``info["truncated"]``; status ``finished``);
+* ``max_turns``: ``rollout.loop.max_turns`` actions (the last one possibly cut at ``max_new_tokens``);
+* ``context``: no room for another action in ``rollout.loop.max_context_tokens`` (or an
+  observation that would fill it);
+* ``response``: the same for ``rollout.loop.max_response_tokens``;
+* ``observation_budget``: the next observation would pass
+  ``rollout.loop.max_observation_tokens_per_episode``;
+* ``failed``: status ``failed`` (the reason is ``status_reason``).
+"""
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """What the agent loop counted in one episode beyond its token arrays (which give the context
+    accounting: :attr:`Trajectory.num_prompt_tokens`, ``num_action_tokens``,
+    ``num_observation_tokens``). ``end`` is None for trajectories the loop did not run
+    (demonstrations, episodes failed before reaching an engine)."""
+
+    end: EndCause | None = None
+    tool_outputs: int = 0
+    """Tool outputs rendered into observations (one per call answered, error outputs included)."""
+    parallel_turns: int = 0
+    """Actions answered by two or more outputs (parallel calls)."""
+    refused_calls: int = 0
+    """Calls beyond ``rollout.loop.max_calls_per_turn``: not run, answered by an error output."""
+    clipped_outputs: int = 0
+    """Tool outputs cut to ``rollout.loop.max_output_tokens_per_call``."""
+    clipped_tokens: int = 0
+    """Tokens those cuts removed (counted by the tokenizer on the output text alone)."""
+
+
 @dataclass
 class Trajectory:
     """One finished episode: the prompt, the interleaved response and everything the loss needs.
@@ -57,6 +92,7 @@ class Trajectory:
     started_at: float = 0.0
     finished_at: float = 0.0
     engine: str = ""
+    stats: EpisodeStats = field(default_factory=EpisodeStats)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -70,6 +106,20 @@ class Trajectory:
     @property
     def num_action_tokens(self) -> int:
         return sum(self.action_mask)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_observation_tokens(self) -> int:
+        """Response tokens the model did not generate (tool outputs and the template around them)."""
+        return len(self.response_ids) - self.num_action_tokens
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Prompt plus response: the context the episode ended with."""
+        return len(self.prompt_ids) + len(self.response_ids)
 
     @property
     def num_turns(self) -> int:
@@ -95,4 +145,6 @@ class Trajectory:
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
         data = dict(data)
         data["turns"] = [Turn(**t) if isinstance(t, dict) else Turn(*t) for t in data["turns"]]
+        if isinstance(data.get("stats"), dict):
+            data["stats"] = EpisodeStats(**data["stats"])
         return cls(**data)

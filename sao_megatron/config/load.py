@@ -385,6 +385,20 @@ def validate_rollout(r: RolloutConfig) -> None:
     for name in ("max_turns", "max_new_tokens"):
         if getattr(r.loop, name) < 1:
             raise ConfigError(f"rollout.loop.{name} must be >= 1 (got {getattr(r.loop, name)})")
+    if r.loop.max_calls_per_turn < 1:
+        raise ConfigError(
+            f"rollout.loop.max_calls_per_turn={r.loop.max_calls_per_turn} must be >= 1 (tool calls run per action; "
+            "1 runs only the first call of an action)"
+        )
+    for name in ("max_output_tokens_per_call", "max_observation_tokens_per_episode"):
+        if getattr(r.loop, name) < 0:
+            raise ConfigError(f"rollout.loop.{name}={getattr(r.loop, name)} must be >= 0 (0: no limit)")
+    budget = r.loop.max_observation_tokens_per_episode
+    if budget and budget >= r.loop.max_context_tokens:
+        raise ConfigError(
+            f"rollout.loop.max_observation_tokens_per_episode={budget} is not below "
+            f"rollout.loop.max_context_tokens={r.loop.max_context_tokens}: it would never bite; lower it or use 0 (no limit)"
+        )
     for name in ("generate_timeout_s", "env_step_timeout_s"):
         if not getattr(r.loop, name) > 0:
             raise ConfigError(f"rollout.loop.{name}={getattr(r.loop, name)} must be > 0 (seconds)")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from sao_megatron.algo.choices import AdvantageName, LossAgg, PolicyLossName
+from sao_megatron.config.loop import AgentLoopConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -299,36 +300,6 @@ class AlgoConfig:
     """Batch barrier: rollouts of the next batch start only after the weight update (sync baseline)."""
     critic_warmup_steps: int = 10
     """Critic-only steps before the actor trains (paper: 10)."""
-
-
-@dataclass
-class AgentLoopConfig:
-    """Limits and sampling of one episode (``sao_megatron.rollout.agent_loop``)."""
-
-    max_turns: int = 4
-    """Model actions per episode (the paper: up to 50 for math, 300 for SWE)."""
-    max_new_tokens: int = 64
-    """Tokens per action."""
-    max_response_tokens: int = 512
-    """Actions plus observations after the prompt."""
-    max_context_tokens: int = 1024
-    """Prompt plus response; must fit the engine's context (``sao plan`` sizes memory for it)."""
-    temperature: float = 1.0
-    """Sampling temperature of training episodes (evaluation uses ``train.eval_temperature`` and
-    ``train.eval_sample_temperature``)."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold; 1 samples from the whole distribution."""
-    generate_timeout_s: float = 300.0
-    """Seconds one engine call may take before the episode fails."""
-    env_step_timeout_s: float = 600.0
-    """Seconds one environment call (``areset``, each tool call ``astep``, ``areward``; ``aclose``
-    too, which is only logged) may take before the episode fails (``environment: tool timed out ...``,
-    ``reward: timed out ...``). It bites only at an ``await``: an environment whose sync ``step``
-    runs inline blocks the event loop and cannot be interrupted (make slow tools async, or run the
-    environments on env workers)."""
-    enable_thinking: bool | None = None
-    """The chat template's thinking switch (Qwen3: ``enable_thinking``); None leaves the template's
-    default. Ignored by templates without one."""
 
 
 @dataclass

@@ -4,11 +4,14 @@ A demonstration is tokenised exactly as the agent loop tokenises a live episode,
 same :class:`~sao_megatron.envs.format.ChatFormat` (the tokenizer's chat template): the prompt is
 ``apply_chat_template([system?, user], tools=..., add_generation_prompt=True)``, each action is
 its text (with the template's end marker) encoded on its own, as the engine would generate it,
-and each observation is the template's suffix rendering of the tool result. SFT therefore
+and each observation is the template's suffix rendering of the tool result (consecutive tool
+turns, the outputs of parallel calls, render as one observation). SFT therefore
 teaches the same token sequences the engine will later produce; only action tokens carry the loss.
 """
 
 from __future__ import annotations
+
+from itertools import groupby
 
 from sao_megatron.envs.base import Split, Task
 from sao_megatron.envs.format import ChatFormat, tool_format_of
@@ -33,18 +36,21 @@ def demonstration_trajectory(
     prompt_ids = chat.prompt_ids(question)
     messages = chat.prompt_messages(question)
     response, mask, turns = [], [], []
-    for role, text in env.demonstration(sample):
-        if role == "assistant":
+    for role, group in groupby(env.demonstration(sample), key=lambda turn: turn[0]):
+        texts = [text for _, text in group]
+        if role != "assistant":  # consecutive tool outputs (parallel calls): one observation
+            ids = chat.observation_ids(messages, texts)
+            mask += [0] * len(ids)
+            messages.extend(chat.tool_messages(texts))
+            response += ids
+            continue
+        for text in texts:
             action = chat.ensure_end(text)
             ids = chat.encode(action)
             turns.append(Turn(len(response), len(response) + len(ids)))
             mask += [1] * len(ids)
             messages.append(chat.assistant_message(action))
-        else:
-            ids = chat.observation_ids(messages, text)
-            mask += [0] * len(ids)
-            messages.append(chat.tool_message(text))
-        response += ids
+            response += ids
     return Trajectory(
         prompt_id=sample.prompt_id,
         prompt_ids=prompt_ids,

@@ -7,13 +7,14 @@ Names are ``group/name``: ``adv/``, ``critic/``, ``actor/``, ``dis/``, ``rollout
 from __future__ import annotations
 
 import time
+from typing import get_args
 
 import torch
 
 from sao_megatron import algo
 from sao_megatron.buffer import ReadyBuffer
 from sao_megatron.driver.learner import StepOutcome
-from sao_megatron.records import Trajectory
+from sao_megatron.records import EndCause, Trajectory
 from sao_megatron.rollout.manager import RolloutManager
 
 
@@ -57,6 +58,38 @@ def batch_metrics(
     for k in range(4):
         sel = lags >= 3 if k == 3 else lags == k
         out[f"lag/hist{k if k < 3 else '3+'}"] = float(sel.float().mean())
+    return out
+
+
+END_CAUSES: tuple[str, ...] = tuple(c for c in get_args(EndCause) if c != "failed")
+"""Why trained episodes end (failed ones are never in a batch: ``buffer/dropped_failed/*``)."""
+
+
+def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Context accounting, tool calls and why episodes ended, over a training batch.
+
+    Per episode (means): ``prompt_tokens``, ``observation_tokens``, ``context_tokens`` (prompt +
+    response; ``context_tokens_max`` the batch's longest), ``refused_calls``, ``clipped_outputs``.
+    Per turn: ``tool_outputs_per_turn``, ``parallel_turns`` (share of actions with two or more
+    calls answered). ``end/<cause>``: share of episodes that ended so (every cause, every step);
+    ``end_turn/<cause>``: the mean turn they ended at (causes present in the batch only)."""
+    n = len(trajectories)
+    turns = max(1, sum(t.num_turns for t in trajectories))
+    out = {
+        "rollout/prompt_tokens": sum(t.num_prompt_tokens for t in trajectories) / n,
+        "rollout/observation_tokens": sum(t.num_observation_tokens for t in trajectories) / n,
+        "rollout/context_tokens": sum(t.num_context_tokens for t in trajectories) / n,
+        "rollout/context_tokens_max": float(max(t.num_context_tokens for t in trajectories)),
+        "rollout/tool_outputs_per_turn": sum(t.stats.tool_outputs for t in trajectories) / turns,
+        "rollout/parallel_turns": sum(t.stats.parallel_turns for t in trajectories) / turns,
+        "rollout/refused_calls": sum(t.stats.refused_calls for t in trajectories) / n,
+        "rollout/clipped_outputs": sum(t.stats.clipped_outputs for t in trajectories) / n,
+    }
+    for cause in END_CAUSES:
+        ended = [t.num_turns for t in trajectories if t.stats.end == cause]
+        out[f"rollout/end/{cause}"] = len(ended) / n
+        if ended:
+            out[f"rollout/end_turn/{cause}"] = sum(ended) / len(ended)
     return out
 
 
@@ -105,6 +138,7 @@ class StepObserver:
         (``time.time()``)."""
         lag = algo.policy_lag(o.trained_from, o.batch.policy_versions, o.batch.action_mask)
         out = learner_metrics(o) | batch_metrics(o.trajectories, lag, o.batch.action_mask, taken_at)
+        out |= episode_metrics(o.trajectories)
         out |= buffer_metrics(self.buffer, self._groups_seen)
         self._groups_seen = len(self.buffer.stats.group_waits_s)
         out |= self.manager.engines.metrics()  # engine restarts and drops, episode retries (cumulative)

@@ -118,9 +118,16 @@ class ArithToolEnv(ToolEnv):
     tool_description = "Evaluate an arithmetic expression of integers with + - * and parentheses exactly."
     tool_argument = "expression"
     tool_argument_description = "The expression, e.g. 37*12+5."
+    calls_independent = True  # a pure function of the expression
 
-    def __init__(self, max_turns: int = 3, format_penalty: float = 0.0, max_observation_chars: int = 64) -> None:
-        super().__init__(max_turns, format_penalty, max_observation_chars)
+    def __init__(
+        self,
+        max_turns: int = 3,
+        format_penalty: float = 0.0,
+        max_observation_chars: int = 64,
+        concurrent_calls: bool = False,
+    ) -> None:
+        super().__init__(max_turns, format_penalty, max_observation_chars, concurrent_calls)
 
     def run_tool(self, code: str) -> str:
         return calculator(code.strip())

@@ -5,11 +5,12 @@ Dataflow of one episode (the rollout worker drives it)::
     sample = task.get("train", index)        # deterministic: same (split, index) -> same sample
     env = make_env(name, **env_kwargs)       # one Env instance per episode; it holds the state
     env.use_tool_format(fmt)                 # from the tokenizer's chat template (tags / json)
+    env.limit_calls_per_turn(n)              # rollout.loop.max_calls_per_turn
     question = env.reset(sample)             # prompt: the chat template with env.tools
     loop: action = model(...)                # text ending with <|end|>
           step = env.step(action)            # or `await env.astep(action)` in async workers
           if step.done: break
-          append the template's rendering of step.observation (format.ChatFormat)
+          append the template's rendering of step.outputs (format.ChatFormat)
     result = env.reward()                    # RewardResult(reward, correct, details)
     env.close()                              # always, even after a failure: release resources
 
@@ -49,13 +50,25 @@ class Sample:
 class StepResult:
     """What the environment returns after one action.
 
-    ``observation`` is the tool output to append (rendered with ``format.render_observation``);
-    it is None exactly when ``done`` (answer given, single-turn task, or turn limit reached).
+    ``observation`` is the tool output to append (rendered by the chat template as a ``tool``
+    message), or a tuple of outputs, one per call of an action that made several (parallel
+    calls; rendered as consecutive ``tool`` messages, in call order); it is None exactly when
+    ``done`` (answer given, single-turn task, or turn limit reached).
     """
 
-    observation: str | None
+    observation: str | tuple[str, ...] | None
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
+    refused_calls: int = 0
+    """Calls of this action beyond ``max_calls_per_turn``: not run, each answered by an error
+    output (counted in the trajectory's :class:`~sao_megatron.records.EpisodeStats`)."""
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The tool outputs to render: ``()`` when done, else one per call (a single string is one)."""
+        if self.observation is None:
+            return ()
+        return (self.observation,) if isinstance(self.observation, str) else tuple(self.observation)
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,9 @@ class Env(ABC):
     """
 
     task_class: ClassVar[type[Task]]
+    max_calls_per_turn: int = 1
+    """Tool calls of one action the environment runs (:meth:`limit_calls_per_turn`); environments
+    that parse several calls per action answer the ones beyond it with an error output."""
 
     @abstractmethod
     def reset(self, sample: Sample) -> str:
@@ -171,6 +187,13 @@ class Env(ABC):
         """
         if tool_format not in ("tags", "json"):
             raise ValueError(f"unknown tool format {tool_format!r}: use 'tags' or 'json'")
+
+    def limit_calls_per_turn(self, max_calls: int) -> None:
+        """Called before :meth:`reset` with ``rollout.loop.max_calls_per_turn``; environments
+        with one call per action (or none) can ignore it."""
+        if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
+            raise ValueError(f"max_calls_per_turn must be an integer >= 1, got {max_calls!r}")
+        self.max_calls_per_turn = max_calls
 
     def demonstration(self, sample: Sample) -> list[Turn]:
         """An expert trajectory for SFT (actions end with ``<|end|>``); optional."""

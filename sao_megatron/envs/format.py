@@ -210,18 +210,22 @@ class ChatFormat:
             text = text[: -len(self.end_marker)]
         return text
 
-    def observation_text(self, history: Sequence[dict], output: str) -> str:
-        """The template's text for the tool result ``output`` after ``history`` (see below).
+    def observation_text(self, history: Sequence[dict], outputs: str | Sequence[str]) -> str:
+        """The template's text for the tool result(s) ``outputs`` after ``history`` (see below).
 
-        ``history`` is the conversation so far and ends with the assistant's last action.
+        ``history`` is the conversation so far and ends with the assistant's last action;
+        ``outputs`` is one tool result, or one per call of that action in call order (parallel
+        calls), given to the template as consecutive ``tool`` messages (Qwen3 renders them as one
+        user turn of several ``<tool_response>`` blocks; the tiny template as consecutive
+        ``<|tool|>..<|assistant|>`` observations).
         Method (suffix rendering): ``before`` = render(history without its last action);
-        ``after`` = render(history + [tool message], add_generation_prompt=True). The
+        ``after`` = render(history + the tool messages, add_generation_prompt=True). The
         observation is the part of ``after`` following the first end marker after ``before``,
         i.e. after the last action's end marker (``<|end|>`` / ``<|im_end|>``), up to and
         including the next generation prompt.
 
         Assumptions, checked (:class:`ChatTemplateError` otherwise): appending the action and
-        the tool message does not change how the template renders the conversation before the
+        the tool messages does not change how the template renders the conversation before the
         action (``after`` starts with ``before``), the rendering of the history alone also
         starts with ``before`` and ends the action with the end marker, and the action's own
         text holds no end marker. The action's rendering itself may differ from what was
@@ -234,7 +238,7 @@ class ChatFormat:
             raise ChatTemplateError(f"the action's text contains the end marker {self.end_marker!r}")
         before = self.render(history[:-1])
         alone = self.render(history)
-        after = self.render([*history, self.tool_message(output)], True)
+        after = self.render([*history, *self.tool_messages(outputs)], True)
         if not alone.startswith(before) or self.end_marker not in alone[len(before) :]:
             raise ChatTemplateError(
                 "the chat template does not render the action as a turn ending with "
@@ -250,10 +254,15 @@ class ChatFormat:
             raise ChatTemplateError(f"no {self.end_marker!r} after the action in the rendered conversation")
         return after[cut + len(self.end_marker) :]
 
-    def observation_ids(self, history: Sequence[dict], output: str) -> list[int]:
+    def observation_ids(self, history: Sequence[dict], outputs: str | Sequence[str]) -> list[int]:
         """:meth:`observation_text` tokenised on its own. Exact in context because it starts right
         after the end marker, a special token at which the tokenizer always splits."""
-        return self.encode(self.observation_text(history, output))
+        return self.encode(self.observation_text(history, outputs))
+
+    @classmethod
+    def tool_messages(cls, outputs: str | Sequence[str]) -> list[dict]:
+        """One ``tool`` message per output (a single string is one output)."""
+        return [cls.tool_message(o) for o in ((outputs,) if isinstance(outputs, str) else outputs)]
 
     def ensure_end(self, action: str) -> str:
         """A demonstration action with exactly one trailing end marker (as the engine stops)."""

@@ -69,6 +69,8 @@ class MathPythonEnv(ToolEnv):
         format_penalty: subtracted from the reward when any action was malformed.
         max_observation_chars: observation text cap (stdout head + error line).
         limits: sandbox limits per tool call (default: 5 s wall, 512 MiB, 64 KiB output).
+        concurrent_calls: run the calls of one action (parallel calls) at once, each in its own
+            sandbox, instead of one after the other.
     """
 
     task_class = MathPythonTask
@@ -78,6 +80,7 @@ class MathPythonEnv(ToolEnv):
     )
     tool_argument = "code"
     tool_argument_description = "The Python code to run."
+    calls_independent = True  # every call is a fresh sandbox
 
     def __init__(
         self,
@@ -85,8 +88,9 @@ class MathPythonEnv(ToolEnv):
         format_penalty: float = 0.0,
         max_observation_chars: int = 1024,
         limits: SandboxLimits | None = None,
+        concurrent_calls: bool = False,
     ) -> None:
-        super().__init__(max_turns, format_penalty, max_observation_chars)
+        super().__init__(max_turns, format_penalty, max_observation_chars, concurrent_calls)
         self.limits = limits or SandboxLimits()
 
     def run_tool(self, code: str) -> str:

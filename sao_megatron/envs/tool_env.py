@@ -12,6 +12,15 @@ loop takes from the tokenizer's chat template):
 * anything else (bad JSON, unknown tool, missing arguments, ...) -> the tool-error observation
   ``Error: malformed action: <reason>`` (counted; optional penalty).
 
+Parallel calls (several ``<tool>`` / ``<tool_call>`` blocks in one action, :class:`Parallel`):
+each call gets its own output, in call order (the chat template renders them as consecutive
+``tool`` messages): the tool's result, ``Error: malformed action: <reason>`` for a bad block
+(counted as malformed), and ``Error: call k not run: ...`` for each call beyond
+``max_calls_per_turn`` (:meth:`Env.limit_calls_per_turn`; ``StepResult.refused_calls``). The calls
+run in order, or concurrently (``asyncio.gather`` in :meth:`astep`) when the env kwarg
+``concurrent_calls`` is true, which a subclass allows only when its calls share no state
+(:attr:`ToolEnv.calls_independent`).
+
 The single tool is declared as a JSON schema (:attr:`ToolEnv.tools`: ``tool_name``, one string
 parameter ``tool_argument``), passed to the chat template as ``tools=``.
 
@@ -22,6 +31,7 @@ was malformed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from abc import abstractmethod
 from typing import Any, ClassVar
@@ -36,9 +46,11 @@ from sao_megatron.envs.tool_parse import (
     Answer,
     Malformed,
     NativeCall,
+    Parallel,
     ToolCall,
     parse_action,
     parse_native_action,
+    refused_call,
 )
 
 
@@ -49,10 +61,25 @@ class ToolEnv(Env):
     tool_description: ClassVar[str] = "Run the tool."
     tool_argument: ClassVar[str] = "code"
     tool_argument_description: ClassVar[str] = "The tool input."
+    calls_independent: ClassVar[bool] = False
+    """True when calls share no state, so the calls of one action may run concurrently
+    (``concurrent_calls``); a subclass whose tool keeps state between calls leaves it False."""
 
-    def __init__(self, max_turns: int = 4, format_penalty: float = 0.0, max_observation_chars: int = 512) -> None:
+    def __init__(
+        self,
+        max_turns: int = 4,
+        format_penalty: float = 0.0,
+        max_observation_chars: int = 512,
+        concurrent_calls: bool = False,
+    ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if concurrent_calls and not self.calls_independent:
+            raise ValueError(
+                f"rollout.env_kwargs.concurrent_calls=true, but {type(self).__name__}'s tool calls share "
+                "state (calls_independent is False): they must run in order; drop concurrent_calls"
+            )
+        self.concurrent_calls = bool(concurrent_calls)
         self.max_turns = max_turns
         self.format_penalty = format_penalty
         self.max_observation_chars = max_observation_chars
@@ -129,20 +156,49 @@ class ToolEnv(Env):
         self.answer, self.done = None, False
         return sample.question
 
-    def _begin(self, action: str) -> ToolCall | Answer | Malformed:
+    def _begin(self, action: str) -> ToolCall | Parallel[ToolCall] | Answer | Malformed:
         if self.sample is None or self.done:
             raise RuntimeError("step() called before reset() or after the episode ended")
         self.turns += 1
         if self.tool_format == "json":
-            native = parse_native_action(action, self.tools)
-            parsed = ToolCall(str(native.arguments[self.tool_argument])) if isinstance(native, NativeCall) else native
+            parsed = self._from_native(parse_native_action(action, self.tools))
         else:
             parsed = parse_action(action)
         if isinstance(parsed, Malformed):
             self.malformed += 1
         return parsed
 
-    def _finish(self, parsed: ToolCall | Answer | Malformed, output: str | None) -> StepResult:
+    def _from_native(
+        self, parsed: NativeCall | Parallel[NativeCall] | Answer | Malformed
+    ) -> ToolCall | Parallel[ToolCall] | Answer | Malformed:
+        """A native parse with each call as its argument's :class:`ToolCall`."""
+        if isinstance(parsed, NativeCall):
+            return ToolCall(str(parsed.arguments[self.tool_argument]))
+        if isinstance(parsed, Parallel):
+            calls = (
+                c if isinstance(c, Malformed) else ToolCall(str(c.arguments[self.tool_argument])) for c in parsed.calls
+            )
+            return Parallel(tuple(calls))
+        return parsed
+
+    def _plan(self, parsed: ToolCall | Parallel[ToolCall]) -> tuple[list[ToolCall | str], int]:
+        """Per call of the action, in order: the call to run or its error output; and the number
+        of calls refused (beyond ``max_calls_per_turn``)."""
+        calls = [parsed] if isinstance(parsed, ToolCall) else list(parsed.calls)
+        plan: list[ToolCall | str] = []
+        for i, call in enumerate(calls):
+            if i >= self.max_calls_per_turn:
+                plan.append(f"Error: {refused_call(i, self.max_calls_per_turn)}")
+            elif isinstance(call, Malformed):
+                self.malformed += 1
+                plan.append(f"Error: malformed action: {call.reason}")
+            else:
+                plan.append(call)
+        return plan, max(0, len(calls) - self.max_calls_per_turn)
+
+    def _finish(
+        self, parsed: ToolCall | Parallel[ToolCall] | Answer | Malformed, outputs: list[str] | None, refused: int = 0
+    ) -> StepResult:
         info: dict[str, Any] = {"turn": self.turns, "kind": type(parsed).__name__.lower()}
         if isinstance(parsed, Answer):
             self.answer, self.done = parsed.text, True
@@ -151,27 +207,40 @@ class ToolEnv(Env):
             self.done = True
             return StepResult(None, True, {**info, "truncated": True})
         if isinstance(parsed, Malformed):
-            output = f"Error: malformed action: {parsed.reason}"
-        text = output or ""
+            outputs = [f"Error: malformed action: {parsed.reason}"]
+        texts = [self._clip(o) for o in outputs or [""]]
+        observation = tuple(texts) if isinstance(parsed, Parallel) else texts[0]
+        return StepResult(observation, False, info, refused_calls=refused)
+
+    def _clip(self, text: str) -> str:
         if len(text) > self.max_observation_chars:
-            text = text[: self.max_observation_chars] + "...[truncated]"
-        return StepResult(text, False, info)
+            return text[: self.max_observation_chars] + "...[truncated]"
+        return text
 
     def step(self, action: str) -> StepResult:
         parsed = self._begin(action)
-        output = None
-        if isinstance(parsed, ToolCall) and self.turns < self.max_turns:
-            self.tool_calls += 1
-            output = self.run_tool(parsed.code)
-        return self._finish(parsed, output)
+        if isinstance(parsed, Answer | Malformed) or self.turns >= self.max_turns:
+            return self._finish(parsed, None)
+        plan, refused = self._plan(parsed)
+        self.tool_calls += sum(isinstance(p, ToolCall) for p in plan)
+        outputs = [self.run_tool(p.code) if isinstance(p, ToolCall) else p for p in plan]
+        return self._finish(parsed, outputs, refused)
 
     async def astep(self, action: str) -> StepResult:
         parsed = self._begin(action)
-        output = None
-        if isinstance(parsed, ToolCall) and self.turns < self.max_turns:
-            self.tool_calls += 1
-            output = await self.arun_tool(parsed.code)
-        return self._finish(parsed, output)
+        if isinstance(parsed, Answer | Malformed) or self.turns >= self.max_turns:
+            return self._finish(parsed, None)
+        plan, refused = self._plan(parsed)
+        self.tool_calls += sum(isinstance(p, ToolCall) for p in plan)
+
+        async def output(p: ToolCall | str) -> str:
+            return await self.arun_tool(p.code) if isinstance(p, ToolCall) else p
+
+        if self.concurrent_calls:
+            outputs = list(await asyncio.gather(*(output(p) for p in plan)))
+        else:
+            outputs = [await output(p) for p in plan]
+        return self._finish(parsed, outputs, refused)
 
     def reward(self) -> RewardResult:
         if self.sample is None:

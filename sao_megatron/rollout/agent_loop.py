@@ -5,10 +5,14 @@ Every conversation is rendered by the tokenizer's chat template (:class:`ChatFor
     prompt ids = apply_chat_template([system?, user], tools=env.tools,
                                      add_generation_prompt=True)   (action_mask: not in response)
     repeat:  action   = engine.generate(context ids)        (action_mask 1, logprob, version)
-             step     = env.step(decode(action))
+             step     = env.step(decode(action))            (every call of the action runs)
              if done: break
-             obs ids  = the template's rendering of the tool result after the action's end
-                        marker, up to the next generation prompt (suffix method) (action_mask 0)
+             outputs  = step.outputs, each cut to max_output_tokens_per_call
+             obs ids  = the template's rendering of the outputs (consecutive tool messages, one
+                        per call) after the action's end marker, up to the next generation
+                        prompt (suffix method) (action_mask 0)
+             if obs ids pass max_observation_tokens_per_episode, or do not fit the context or
+                response budget: end here, without them
     until:   answer, max turns, max response tokens or max context
     (a sample whose ``meta["action_tokens"]`` lists action lengths, a synthetic benchmark workload,
     generates exactly that many tokens per turn: ``min_new_tokens`` = ``max_new_tokens``, so the
@@ -28,6 +32,12 @@ with it, until it returns, and no timeout can interrupt it. Slow tools must be a
 ``asyncio.to_thread``), or the environments must run on env workers (``rollout.env_workers``),
 where the driver's wait is bounded whatever the worker does.
 
+The trajectory never holds more than ``max_context_tokens`` (prompt + response) nor more than
+``max_response_tokens`` (response): the sequence length the memory plan sizes for. Its
+:class:`~sao_megatron.records.EpisodeStats` say why the episode ended (``end``: done,
+env_max_turns, max_turns, context, response, observation_budget, failed) and count the tool
+outputs, parallel turns, refused and clipped calls (``rollout/*`` metrics, docs/envs.md).
+
 Earlier turns are never re-tokenised: the context is the exact id sequence the engine saw
 plus the ids it produced. The tool format (``<tool>`` tags or native ``<tool_call>`` JSON)
 follows from the template. Failures (engine errors, timeouts, a broken environment, a chat
@@ -45,9 +55,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from sao_megatron.config import AgentLoopConfig
-from sao_megatron.envs.base import Env, Sample
+from sao_megatron.envs.base import Env, Sample, StepResult
 from sao_megatron.envs.format import ChatFormat, ChatTemplateError, ToolFormat, tool_format_of
-from sao_megatron.records import OBSERVATION_VERSION, Status, Trajectory, Turn
+from sao_megatron.records import OBSERVATION_VERSION, EndCause, EpisodeStats, Status, Trajectory, Turn
 from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
 from sao_megatron.rollout.env_workers import EnvWorkerError, environment_failure
 
@@ -63,6 +73,22 @@ class _Episode:
     behavior_logprobs: list[float]
     policy_versions: list[int]
     turns: list[Turn]
+    observation_tokens: int = 0
+    tool_outputs: int = 0
+    parallel_turns: int = 0
+    refused_calls: int = 0
+    clipped_outputs: int = 0
+    clipped_tokens: int = 0
+
+    def stats(self, end: EndCause) -> EpisodeStats:
+        return EpisodeStats(
+            end=end,
+            tool_outputs=self.tool_outputs,
+            parallel_turns=self.parallel_turns,
+            refused_calls=self.refused_calls,
+            clipped_outputs=self.clipped_outputs,
+            clipped_tokens=self.clipped_tokens,
+        )
 
     def add_action(self, ids: list[int], behavior_logprobs: list[float], policy_versions: list[int]) -> None:
         start = len(self.response_ids)
@@ -73,6 +99,7 @@ class _Episode:
         self.turns.append(Turn(start, len(self.response_ids)))
 
     def add_observation(self, ids: list[int]) -> None:
+        self.observation_tokens += len(ids)
         self.response_ids += ids
         self.action_mask += [0] * len(ids)
         self.behavior_logprobs += [0.0] * len(ids)
@@ -134,9 +161,10 @@ class AgentLoop:
     def chat_format(self, env: Env) -> ChatFormat:
         """The episode's renderer: this tokenizer's template with ``env``'s tools and system prompt.
 
-        Also tells ``env`` the tool format the template implies.
+        Also tells ``env`` the tool format the template implies and ``rollout.loop.max_calls_per_turn``.
         """
         env.use_tool_format(self.tool_format)
+        env.limit_calls_per_turn(self.cfg.max_calls_per_turn)
         return ChatFormat(
             self.tokenizer, tools=env.tools, system=env.system_prompt, enable_thinking=self.cfg.enable_thinking
         )
@@ -157,12 +185,12 @@ class AgentLoop:
         on: list[AgentLoop] = [self]  # the loop whose engine generates the next turn
         prompt_ids: list[int] = []
         ep = _Episode([], [], [], [], [])
-        status, reason = "finished", ""
+        status, reason, end = "finished", "", "failed"
         try:
             chat = self.chat_format(env)
             question = await _bounded(env.areset(sample), self.cfg.env_step_timeout_s, "environment: reset")
             prompt_ids = chat.prompt_ids(question)
-            status, reason = await self._turns(
+            status, reason, end = await self._turns(
                 env, sample, chat, chat.prompt_messages(question), prompt_ids, ep, on, reroute
             )
             try:
@@ -205,6 +233,7 @@ class AgentLoop:
             started_at=started,
             finished_at=time.time(),
             engine=on[0].engine_name,
+            stats=ep.stats("failed" if status == "failed" else end),
         )
 
     async def _turns(
@@ -217,18 +246,15 @@ class AgentLoop:
         ep: _Episode,
         on: list[AgentLoop],
         reroute: Reroute | None,
-    ) -> tuple[Status, str]:
+    ) -> tuple[Status, str, EndCause]:
         cfg = self.cfg
         stop_ids = set(chat.stop_token_ids)
         fixed = sample.meta.get("action_tokens")  # a synthetic workload's exact action lengths
         for turn in range(cfg.max_turns):
-            budget = min(
-                cfg.max_new_tokens,
-                cfg.max_response_tokens - len(ep.response_ids),
-                cfg.max_context_tokens - len(prompt_ids) - len(ep.response_ids),
-            )
+            context_left = cfg.max_context_tokens - len(prompt_ids) - len(ep.response_ids)
+            budget = min(cfg.max_new_tokens, cfg.max_response_tokens - len(ep.response_ids), context_left)
             if budget <= 0:
-                return "truncated", "token budget exhausted"
+                return "truncated", "token budget exhausted", "context" if context_left <= 0 else "response"
             exact = min(budget, int(fixed[turn])) if fixed is not None and turn < len(fixed) else 0
             sampling = SamplingParams(
                 max_new_tokens=exact or budget,
@@ -252,20 +278,62 @@ class AgentLoop:
                     break
                 nxt = await reroute(failure) if reroute is not None else None
                 if nxt is None:
-                    return "failed", failure
+                    return "failed", failure, "failed"
                 on[0] = nxt
             assert gen is not None
             if not gen.output_ids:
-                return "failed", "engine returned no tokens"
+                return "failed", "engine returned no tokens", "failed"
             ep.add_action(gen.output_ids, gen.behavior_logprobs, [_version(v) for v in gen.weight_versions])
             action_text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)
             step = await _bounded(env.astep(action_text), cfg.env_step_timeout_s, "environment: tool")
+            ep.refused_calls += step.refused_calls
             if step.done:
-                return "finished", ""
+                return "finished", "", "env_max_turns" if step.info.get("truncated") else "done"
             if gen.finish_reason == "length" and gen.output_ids[-1] not in stop_ids and len(ep.turns) >= cfg.max_turns:
-                return "truncated", "action cut at max_new_tokens"
+                return "truncated", "action cut at max_new_tokens", "max_turns"
             messages.append(chat.assistant_message(action_text))
-            observation = step.observation or ""
-            ep.add_observation(chat.observation_ids(messages, observation))
-            messages.append(chat.tool_message(observation))
-        return "truncated", f"max_turns={cfg.max_turns} reached without an answer"
+            ended = self._observe(chat, messages, step, ep, len(prompt_ids))
+            if ended is not None:
+                return "truncated", *ended
+        return "truncated", f"max_turns={cfg.max_turns} reached without an answer", "max_turns"
+
+    def _observe(
+        self, chat: ChatFormat, messages: list[dict], step: StepResult, ep: _Episode, prompt_tokens: int
+    ) -> tuple[str, EndCause] | None:
+        """Add the step's outputs as one observation (the template's rendering of one ``tool``
+        message per output); or, when the observation would pass the episode's observation budget
+        or not fit the context or response budget, leave it out and say why the episode ends."""
+        cfg = self.cfg
+        outputs = [self._clip(chat, output, ep) for output in step.outputs or ("",)]
+        ids = chat.observation_ids(messages, outputs)
+        budget = cfg.max_observation_tokens_per_episode
+        if budget and ep.observation_tokens + len(ids) > budget:
+            return (
+                f"observation budget: {ep.observation_tokens} + {len(ids)} tokens would pass "
+                f"max_observation_tokens_per_episode={budget}",
+                "observation_budget",
+            )
+        if prompt_tokens + len(ep.response_ids) + len(ids) > cfg.max_context_tokens:
+            return f"token budget exhausted: a {len(ids)}-token observation does not fit max_context_tokens", "context"
+        if len(ep.response_ids) + len(ids) > cfg.max_response_tokens:
+            return (
+                f"token budget exhausted: a {len(ids)}-token observation does not fit max_response_tokens",
+                "response",
+            )
+        ep.add_observation(ids)
+        ep.tool_outputs += len(outputs)
+        ep.parallel_turns += len(outputs) > 1
+        messages.extend(chat.tool_messages(outputs))
+        return None
+
+    def _clip(self, chat: ChatFormat, output: str, ep: _Episode) -> str:
+        """``output`` cut to ``max_output_tokens_per_call`` tokens (of the output text alone)."""
+        limit = self.cfg.max_output_tokens_per_call
+        if not limit:
+            return output
+        ids = chat.encode(output)
+        if len(ids) <= limit:
+            return output
+        ep.clipped_outputs += 1
+        ep.clipped_tokens += len(ids) - limit
+        return chat.tokenizer.decode(ids[:limit]) + f"...[{len(ids) - limit} tokens clipped]"

@@ -7,7 +7,8 @@ With ``rollout.env_workers`` > 0 the driver holds no environment: each episode's
     driver (agent loop)                       env worker (one process, many episodes)
     env = await RemoteEnv.open(call, ...)  -> open: wait for one of ``env_worker_episodes`` slots,
                                               make_env, use_tool_format; tools, system prompt
-    await env.areset(sample)               -> reset:  env.areset(sample)
+    env.limit_calls_per_turn(n)               (kept; sent with the reset)
+    await env.areset(sample)               -> reset:  env.limit_calls_per_turn(n), env.areset(sample)
     await env.astep(action)                -> step:   env.astep(action)
     await env.areward()                    -> reward: env.areward()   (+ details["env_calls"])
     await env.aclose()                     -> close:  env.aclose(), frees the slot
@@ -139,8 +140,10 @@ class EnvWorker:
         finally:
             self.running -= 1
 
-    async def reset(self, episode_id: str, sample: Sample) -> tuple[str, Where]:
-        return await self._running(self._env(episode_id, "reset").areset(sample))
+    async def reset(self, episode_id: str, sample: Sample, max_calls_per_turn: int = 1) -> tuple[str, Where]:
+        env = self._env(episode_id, "reset")
+        env.limit_calls_per_turn(max_calls_per_turn)
+        return await self._running(env.areset(sample))
 
     async def step(self, episode_id: str, action: str) -> tuple[StepResult, Where]:
         return await self._running(self._env(episode_id, "step").astep(action))
@@ -216,7 +219,7 @@ class RemoteEnv(Env):
         return value
 
     async def areset(self, sample: Sample) -> str:
-        return await self._remote("reset", sample)
+        return await self._remote("reset", sample, self.max_calls_per_turn)
 
     async def astep(self, action: str) -> StepResult:
         return await self._remote("step", action)

@@ -95,6 +95,12 @@ def test_saved_config_round_trips(tmp_path):
         ),
         ("rollout.max_turns=2", "unknown config key 'rollout.max_turns'; it is 'rollout.loop.max_turns'"),
         ("rollout.loop.max_turns=0", "rollout.loop.max_turns must be >= 1"),
+        ("rollout.loop.max_calls_per_turn=0", "rollout.loop.max_calls_per_turn=0 must be >= 1"),
+        ("rollout.loop.max_output_tokens_per_call=-1", "rollout.loop.max_output_tokens_per_call=-1 must be >= 0"),
+        (
+            "rollout.loop.max_observation_tokens_per_episode=256",
+            "rollout.loop.max_observation_tokens_per_episode=256 is not below rollout.loop.max_context_tokens=256",
+        ),
         ("cluster.cpus_per_rank=-1", "cluster.cpus_per_rank=-1.0 must be >= 0"),
         ("critic.updates_per_step=0", "K must be >= 1"),
         ("rollout.max_failed_fraction=0", "rollout.max_failed_fraction=0.0 must be in (0, 1]"),

@@ -1,4 +1,5 @@
-"""Native tool calls (``json`` format): schemas, parsing, tool-error observations, demonstrations."""
+"""Native tool calls (``json`` format): schemas, parsing (parallel calls included), tool-error
+observations, the calls of one action run in order or concurrently, demonstrations."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import random
 import pytest
 
 from sao_megatron.envs import make_env, make_task
+from sao_megatron.envs.base import Sample
 from sao_megatron.envs.format import tool_format_of
 from sao_megatron.envs.tool_env import ToolEnv
-from sao_megatron.envs.tool_parse import Answer, Malformed, NativeCall, parse_native_action
+from sao_megatron.envs.tool_parse import Answer, Malformed, NativeCall, Parallel, parse_native_action
 
 CALC = [
     {
@@ -26,6 +28,10 @@ CALC = [
         },
     }
 ]
+
+
+C1 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+C2 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
 
 
 @pytest.mark.parametrize(
@@ -46,6 +52,28 @@ CALC = [
         ("<think>\nr\n</think>\n\n<answer>5</answer><|im_end|>", Answer("5")),
         ("The answer is 5.<|im_end|><|endoftext|>", Answer("The answer is 5.")),
         ("<think>\n<answer>4</answer>?\n</think>\n\nIt is 5", Answer("It is 5")),
+        (
+            f"<think>\ntwo\n</think>\n\n{C1}\n{C2}<|im_end|>",
+            Parallel(
+                (NativeCall("calculator", {"expression": "1+1"}), NativeCall("calculator", {"expression": "2*3"}))
+            ),
+        ),
+        (  # per-call errors: each bad block is Malformed in place, the others stay calls
+            f'{C1}\n<tool_call>{{not json}}</tool_call>\n<tool_call>{{"name": "rm", "arguments": {{}}}}</tool_call>\n'
+            f"<tool_call> </tool_call>\n{C2}",
+            Parallel(
+                (
+                    NativeCall("calculator", {"expression": "1+1"}),
+                    Malformed(
+                        "tool call is not valid JSON: Expecting property name enclosed in double quotes: "
+                        "line 1 column 2 (char 1)"
+                    ),
+                    Malformed("unknown tool 'rm', use calculator"),
+                    Malformed("empty tool_call"),
+                    NativeCall("calculator", {"expression": "2*3"}),
+                )
+            ),
+        ),
     ],
 )
 def test_native_valid(text, expected):
@@ -67,7 +95,10 @@ def test_native_valid(text, expected):
         ),
         ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}', "unclosed <tool_call>"),
         ('{"name": "calculator"}</tool_call>', "</tool_call> without <tool_call>"),
-        ("<tool_call>{}</tool_call><tool_call>{}</tool_call>", "more than one <tool_call>"),
+        (f"{C1} and {C2}", "text between </tool_call> and <tool_call>"),
+        (f"{C1}\n{C2} extra", "text after </tool_call>"),
+        (f"{C1}\n<tool_call>{{", "unclosed <tool_call>"),
+        (f"{C1}\n{C2}\n<answer>3</answer>", "text after </tool_call>"),
         ("<tool_call> </tool_call>", "empty tool_call"),
         ("<|im_end|>", "no tool call and no answer"),
         ("<answer></answer>", "empty answer"),
@@ -101,7 +132,12 @@ def test_native_never_raises_on_noise():
     ]
     for _ in range(2000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
-        assert isinstance(parse_native_action(text, CALC), NativeCall | Answer | Malformed)
+        result = parse_native_action(text, CALC)
+        assert isinstance(result, NativeCall | Answer | Malformed) or (
+            isinstance(result, Parallel)
+            and len(result.calls) >= 2
+            and all(isinstance(c, NativeCall | Malformed) for c in result.calls)
+        )
     assert isinstance(parse_native_action(None, CALC), Malformed)  # type: ignore[arg-type]
 
 
@@ -169,3 +205,97 @@ def test_math_python_json_runs_code_argument():
     call = json.dumps({"name": "python", "arguments": {"code": "print(6*7)"}})
     step = asyncio.run(env.astep(f"<tool_call>\n{call}\n</tool_call><|im_end|>"))
     assert step.observation == "42"
+
+
+def parallel_env(env_name="arith_tool", max_calls=8, **kwargs):
+    env = make_env(env_name, max_turns=4, **kwargs)
+    assert isinstance(env, ToolEnv)
+    env.use_tool_format("json")
+    env.limit_calls_per_turn(max_calls)
+    env.reset(make_task(env_name).get("train", 1))
+    return env
+
+
+def calc(expr):
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}\n</tool_call>'
+
+
+def test_parallel_calls_get_one_output_each_in_order():
+    """Three calls, one malformed: three outputs in call order, the bad one an error; every later
+    call past max_calls_per_turn an error output too, counted in refused_calls."""
+    env = parallel_env(max_calls=3)
+    action = "\n".join(
+        [calc("2+3"), '<tool_call>{"name": "calculator"}</tool_call>', calc("4*5"), calc("1"), calc("2")]
+    )
+    step = asyncio.run(env.astep(action + "<|im_end|>"))
+    assert not step.done and step.info["kind"] == "parallel"
+    assert step.observation == (
+        "5",
+        "Error: malformed action: no arguments for 'calculator'",
+        "20",
+        "Error: call 4 not run: at most 3 tool calls per turn",
+        "Error: call 5 not run: at most 3 tool calls per turn",
+    )
+    assert step.outputs == step.observation and step.refused_calls == 2
+    assert (env.tool_calls, env.malformed) == (2, 1)
+    single = env.step(calc("6*7"))  # one call: a plain string, as before parallel calls
+    assert single.observation == "42" and single.outputs == ("42",) and single.refused_calls == 0
+
+
+def test_one_call_per_turn_refuses_the_rest():
+    env = parallel_env(max_calls=1)
+    step = env.step(f"{calc('1+1')}{calc('2+2')}")
+    assert step.observation == ("2", "Error: call 2 not run: at most 1 tool call per turn") and step.refused_calls == 1
+    with pytest.raises(ValueError, match="max_calls_per_turn must be an integer >= 1"):
+        env.limit_calls_per_turn(0)
+
+
+class SlowCalc(ToolEnv):
+    """A calculator whose async calls take 0.1 s each and record how many overlap."""
+
+    task_class = type(make_task("arith_tool"))
+    tool_name = "calculator"
+    tool_argument = "expression"
+    calls_independent = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.running = self.most = 0
+        self.order: list[str] = []
+
+    def run_tool(self, code):
+        return code
+
+    async def arun_tool(self, code):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(0.1 if code == "slow" else 0.0)
+        self.order.append(code)
+        self.running -= 1
+        return code
+
+    def check(self, answer, sample):
+        return False
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_calls_run_in_order_or_concurrently_as_env_kwargs_allow(concurrent):
+    env = SlowCalc(concurrent_calls=concurrent)
+    env.use_tool_format("json")
+    env.limit_calls_per_turn(4)
+    env.reset(Sample("p", "q", "a"))
+    step = asyncio.run(env.astep(calc("slow") + calc("fast") + calc("slow")))
+    assert step.observation == ("slow", "fast", "slow")  # outputs in call order either way
+    if concurrent:
+        assert env.most == 3 and env.order == ["fast", "slow", "slow"]
+    else:
+        assert env.most == 1 and env.order == ["slow", "fast", "slow"]
+
+
+def test_concurrent_calls_need_independent_calls():
+    class Stateful(SlowCalc):
+        calls_independent = False
+
+    with pytest.raises(ValueError, match="concurrent_calls=true, but Stateful's tool calls share state"):
+        Stateful(concurrent_calls=True)
+    assert make_env("math_python", concurrent_calls=True).concurrent_calls  # type: ignore[attr-defined]

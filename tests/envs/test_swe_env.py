@@ -16,6 +16,7 @@ import pytest
 from sao_megatron.envs.registry import make_env, make_task
 from sao_megatron.envs.swe.env import SWEEnv, SWETaskSet, reference_actions
 from sao_megatron.envs.swe.tasks import load_tasks
+from sao_megatron.envs.tool_parse import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from tests.envs.test_swe_tasks import SPECS, gen
 
 TASKS = sorted(load_tasks(), key=lambda t: t.instance_id)
@@ -124,6 +125,51 @@ def test_malformed_calls_turn_limit_and_path_mapping():
     assert obs[5] is None  # the sixth action hit max_turns: the episode ended, judged as it stands
     assert result.details["tool_malformed"] == 3 and result.details["finished"] is False
     assert result.reward == 0.0
+
+
+def test_parallel_calls_run_in_order_with_per_call_errors_and_finish():
+    """Native parallel calls: one output per call in call order, the second call seeing the first
+    one's file (shared state, so they run one after the other); a malformed block answered in its
+    place; the call past max_calls_per_turn refused; a finish after a call ends the episode once
+    that call ran."""
+    task = TASKS[0]
+
+    def bash(command: str) -> str:
+        return f"{TOOL_CALL_OPEN}{json.dumps({'name': 'execute_bash', 'arguments': {'command': command}})}{TOOL_CALL_CLOSE}"
+
+    async def go():
+        env = SWEEnv()
+        env.use_tool_format("json")
+        env.limit_calls_per_turn(3)
+        await env.areset(sample_of(task.instance_id))
+        try:
+            first = await env.astep(
+                "\n".join(
+                    [
+                        bash("echo one > order.txt"),
+                        bash("cat order.txt"),
+                        f"{TOOL_CALL_OPEN}x{TOOL_CALL_CLOSE}",
+                        bash("echo four"),
+                    ]
+                )
+            )
+            view = env.call_text("str_replace_editor", {"command": "view", "path": "/workspace/order.txt"})
+            last = await env.astep(view + "\n" + env.finish_text())
+            return first, last, await env.areward(), env.workspace
+        finally:
+            await env.aclose()
+
+    first, last, result, workspace = asyncio.run(go())
+    outputs = first.outputs
+    assert len(outputs) == 4 and first.refused_calls == 1 and first.info["kind"] == "parallel"
+    assert outputs[0].endswith("[Command finished with exit code 0]")
+    assert outputs[1].startswith("one\n"), outputs[1]
+    assert outputs[2].startswith("ERROR: malformed tool call: tool call is not valid JSON")
+    assert outputs[3] == "ERROR: call 4 not run: at most 3 tool calls per turn"
+    assert last.done and last.observation is None
+    assert result.details["finished"] is True and result.details["tool_execute_bash"] == 2
+    assert result.details["tool_str_replace_editor"] == 1 and result.details["tool_malformed"] == 1
+    assert workspace is not None and not workspace.exists()
 
 
 HOSTILE = {

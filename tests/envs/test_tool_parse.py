@@ -1,4 +1,5 @@
-"""parse_action: the three outcomes, every malformed shape, and no exception on any input."""
+"""parse_action: the outcomes (one call, parallel calls, answer, malformed), every malformed shape,
+per-call errors of parallel calls, and no exception on any input."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 import pytest
 
 from sao_megatron.envs.format import END, TAG_TOKENS
-from sao_megatron.envs.tool_parse import Answer, Malformed, ToolCall, parse_action
+from sao_megatron.envs.tool_parse import Answer, Malformed, Parallel, ToolCall, parse_action
 
 
 @pytest.mark.parametrize(
@@ -19,6 +20,12 @@ from sao_megatron.envs.tool_parse import Answer, Malformed, ToolCall, parse_acti
         ("<answer>449</answer><|end|>", Answer("449")),
         ("<answer>  \\frac{3}{4} </answer>", Answer("\\frac{3}{4}")),
         ("The result is <answer>449</answer>\n", Answer("449")),
+        ("<tool>1</tool><tool>2</tool>", Parallel((ToolCall("1"), ToolCall("2")))),
+        (
+            "Two at once.\n<tool>1+1</tool>\n<tool>2*3</tool> <tool>7</tool>\n<|end|>",
+            Parallel((ToolCall("1+1"), ToolCall("2*3"), ToolCall("7"))),
+        ),
+        ("<tool></tool><tool>2</tool>", Parallel((Malformed("empty tool"), ToolCall("2")))),
     ],
 )
 def test_valid_actions(text: str, expected: object) -> None:
@@ -37,8 +44,13 @@ def test_valid_actions(text: str, expected: object) -> None:
         ("<tool>   \n</tool>", "empty tool"),
         ("<answer> </answer>", "empty answer"),
         ("<tool>1</tool><answer>1</answer>", "both a tool call and an answer"),
-        ("<tool>1</tool><tool>2</tool>", "more than one <tool>"),
         ("<tool>1</tool></tool>", "more than one </tool>"),
+        ("<tool>1</tool> then <tool>2</tool>", "text between </tool> and <tool>"),
+        ("<tool>1</tool><tool>2</tool> done", "text after </tool>"),
+        ("<tool>1</tool><tool>2", "unclosed <tool>"),
+        ("<tool>1<tool>2</tool>", "<tool> inside <tool>"),
+        ("</tool> x <tool>1</tool>", "more than one </tool>"),
+        ("<tool>1</tool><tool>2</tool><answer>3</answer>", "both a tool call and an answer"),
         ("<tool>1</tool> and more", "text after </tool>"),
         ("<answer>1</answer><|end|>junk", "text after </answer>"),
         ("</tool><tool>1", "unclosed <tool>"),
@@ -61,6 +73,9 @@ def test_fuzz_never_raises() -> None:
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         result = parse_action(text)
-        assert isinstance(result, ToolCall | Answer | Malformed)
-        if isinstance(result, ToolCall):
-            assert result.code.strip() and "<tool>" not in result.code
+        assert isinstance(result, ToolCall | Parallel | Answer | Malformed)
+        calls = result.calls if isinstance(result, Parallel) else (result,)
+        assert isinstance(result, ToolCall | Answer | Malformed) or len(calls) >= 2
+        for call in calls:
+            if isinstance(call, ToolCall):
+                assert call.code.strip() and "<tool>" not in call.code and "</tool>" not in call.code

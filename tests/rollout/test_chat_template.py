@@ -3,7 +3,8 @@
 Tiny tokenizer: the template path gives exactly the ids of the former render_prompt /
 render_observation path. Qwen3 (the real tokenizer, ``qwen3_tokenizer_dir``): first prompt ==
 apply_chat_template, turn k+1's prompt == turn k's prompt + generated ids + observation ids,
-canonical text re-renders identically, the two documented re-rendering differences keep the
+canonical text re-renders identically (parallel calls of 2 and 3 too: their results are one
+observation of consecutive tool messages), the two documented re-rendering differences keep the
 generated ids, malformed native calls become tool-error observations.
 """
 
@@ -196,6 +197,67 @@ def test_qwen3_canonical_episode_equals_the_whole_conversation(qwen3):
     assert (
         obs
         == f"\n<|im_start|>user\n<tool_response>\n{calculator(expr)}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("n_calls", [2, 3])
+def test_qwen3_parallel_calls_equal_the_whole_conversation(qwen3, n_calls):
+    """Two actions of ``n_calls`` <tool_call> blocks each, then the answer. Each action's results
+    are ``n_calls`` consecutive ``tool`` messages, which Qwen3's template merges into one user turn
+    of ``n_calls`` <tool_response> blocks: the turn-by-turn ids equal apply_chat_template of the
+    whole conversation."""
+    sample = arith_sample()
+    expr = sample.meta["expression"]
+    first = [f"{expr}+{i}" for i in range(n_calls)]
+    second = [f"{i + 2}*({expr})" for i in range(n_calls)]
+    texts = [
+        "<think>\nSeveral calls at once.\n</think>\n\n" + "\n".join(call(e) for e in first),
+        "<think>\nAnd more.\n</think>\n\n" + "\n".join(call(e) for e in second),
+        f"<think>\nDone.\n</think>\n\n<answer>{sample.answer}</answer>",
+    ]
+    actions = [enc(qwen3, t + "<|im_end|>") for t in texts]
+    traj, client = run_loop(qwen3, "arith_tool", sample, actions, max_turns=4)
+    assert traj.status == "finished" and traj.reward == 1.0, traj.status_reason
+    assert traj.reward_details["tool_calls"] == 2 * n_calls and traj.reward_details["malformed"] == 0
+    assert_token_in_token_out(traj, client)
+    env, _ = json_env_chat(qwen3)
+    messages = [
+        {"role": "system", "content": env.system_prompt},
+        {"role": "user", "content": sample.question},
+        {"role": "assistant", "content": texts[0]},
+        *({"role": "tool", "content": calculator(e)} for e in first),
+        {"role": "assistant", "content": texts[1]},
+        *({"role": "tool", "content": calculator(e)} for e in second),
+        {"role": "assistant", "content": texts[2]},
+    ]
+    whole = qwen3.apply_chat_template(messages, tools=env.tools, tokenize=True, return_dict=False)
+    assert traj.prompt_ids + traj.response_ids + enc(qwen3, "\n") == list(whole)
+    obs = qwen3.decode(traj.response_ids[traj.turns[0].end : traj.turns[1].start])
+    responses = "\n".join(f"<tool_response>\n{calculator(e)}\n</tool_response>" for e in first)
+    assert obs == f"\n<|im_start|>user\n{responses}<|im_end|>\n<|im_start|>assistant\n"
+    assert (traj.stats.end, traj.stats.tool_outputs, traj.stats.parallel_turns) == ("done", 2 * n_calls, 2)
+
+
+def test_tiny_parallel_calls_equal_the_whole_conversation(tiny):
+    """The tiny template has no merging: consecutive tool messages render as consecutive
+    ``<|tool|>..<|assistant|>`` observations, and the trajectory is still its rendering, id for id."""
+    sample = make_task("arith_tool").get("train", 4)
+    expr = sample.meta["expression"]
+    texts = [f"<tool>{expr}</tool><tool>{expr}*2</tool><tool>1+</tool>", f"<answer>{sample.answer}</answer>"]
+    traj, client = run_loop(tiny, "arith_tool", sample, [old_encode(tiny, t + "<|end|>") for t in texts])
+    assert traj.status == "finished" and traj.reward == 1.0, traj.status_reason
+    assert_token_in_token_out(traj, client)
+    outputs = [calculator(expr), calculator(f"{expr}*2"), calculator("1+")]
+    assert outputs[2].startswith("Error:")
+    messages = [
+        {"role": "user", "content": sample.question},
+        {"role": "assistant", "content": texts[0]},
+        *({"role": "tool", "content": o} for o in outputs),
+        {"role": "assistant", "content": texts[1]},
+    ]
+    assert traj.prompt_ids + traj.response_ids == tiny.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert tiny.decode(traj.response_ids[traj.turns[0].end : traj.turns[1].start]) == "".join(
+        f"<|tool|>{o}<|assistant|>" for o in outputs
     )
 
 

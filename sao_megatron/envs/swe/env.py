@@ -18,7 +18,11 @@ issue and works through three tools named and shaped as in the OpenHands CodeAct
 Calls use the run's tool format: ``json`` (the model's native ``<tool_call>{"name", "arguments"}``,
 e.g. Qwen3) or ``tags`` (the tiny template: ``<tool>{"name": .., "arguments": {..}}</tool>``, and
 ``<answer>..</answer>`` for finish). An action without a call ends the episode like ``finish``;
-a malformed one gets an ``ERROR:`` observation and the episode goes on. Observations are clipped
+a malformed one gets an ``ERROR:`` observation and the episode goes on. Several calls in one
+action (parallel calls) run one after the other in the order written (the shell and the files are
+shared state, so never concurrently), each answered by its own output; a malformed block gets its
+``ERROR:`` output, calls beyond ``max_calls_per_turn`` an ``ERROR: call k not run`` output, and a
+``finish`` among them ends the episode once the calls before it ran. Observations are clipped
 to ``max_observation_chars``; after ``max_turns`` actions the episode ends (judged as it stands).
 
 The reward (:func:`~sao_megatron.envs.swe.reward.compute_reward`) applies the hidden test patch and
@@ -59,8 +63,11 @@ from sao_megatron.envs.tool_parse import (
     Answer,
     Malformed,
     NativeCall,
+    Parallel,
+    ToolCall,
     parse_action,
     parse_native_action,
+    refused_call,
 )
 
 WORKDIR = ShellSession.WORKDIR
@@ -314,6 +321,8 @@ class SWEEnv(Env):
             raise RuntimeError("step() called before reset() or after the episode ended")
         self.turns += 1
         call = self.parse(action)
+        if isinstance(call, Parallel):
+            return await self._parallel(call)
         info: dict[str, Any] = {
             "turn": self.turns,
             "kind": "malformed" if isinstance(call, Malformed) else "finish" if isinstance(call, Answer) else call.name,
@@ -329,6 +338,28 @@ class SWEEnv(Env):
             return StepResult(f"ERROR: malformed tool call: {call.reason}", False, info)
         observation = await self.run_tool(call.name, call.arguments)
         return StepResult(observation, False, info)  # each tool clips its own output
+
+    async def _parallel(self, action: Parallel[NativeCall]) -> StepResult:
+        """Several calls of one action, in order (see the module docstring)."""
+        calls = action.calls[: self.max_calls_per_turn]
+        refused = len(action.calls) - len(calls)
+        info: dict[str, Any] = {"turn": self.turns, "kind": "parallel", "calls": len(action.calls)}
+        stop = next((i for i, c in enumerate(calls) if isinstance(c, NativeCall) and c.name == "finish"), None)
+        if stop is None and self.turns >= self.max_turns:
+            self.done = True
+            return StepResult(None, True, {**info, "truncated": True})
+        outputs = []
+        for call in calls[:stop]:
+            if isinstance(call, Malformed):
+                self.counts["malformed"] += 1
+                outputs.append(f"ERROR: malformed tool call: {call.reason}")
+            else:
+                outputs.append(await self.run_tool(call.name, call.arguments))
+        if stop is not None:
+            self.finished = self.done = True
+            return StepResult(None, True, info)
+        outputs += [f"ERROR: {refused_call(i, self.max_calls_per_turn)}" for i in range(len(calls), len(action.calls))]
+        return StepResult(tuple(outputs), False, info, refused_calls=refused)
 
     def reward(self) -> RewardResult:
         return run_blocking(self.areward())
@@ -371,14 +402,21 @@ class SWEEnv(Env):
         await asyncio.to_thread(self.close)
 
     # ---- tools ----------------------------------------------------------------------------------
-    def parse(self, action: str) -> NativeCall | Answer | Malformed:
-        """The action as a tool call, a finish (answer) or a malformed action; never raises."""
+    def parse(self, action: str) -> NativeCall | Parallel[NativeCall] | Answer | Malformed:
+        """The action as tool call(s), a finish (answer) or a malformed action; never raises."""
         if self.tool_format == "json":
             return parse_native_action(action, self.tools)
         parsed = parse_action(action)
-        if isinstance(parsed, Answer | Malformed):
-            return parsed
-        return parse_native_action(f"{TOOL_CALL_OPEN}{parsed.code}{TOOL_CALL_CLOSE}", self.tools)
+        if isinstance(parsed, ToolCall):
+            return self._tag_call(parsed)
+        if isinstance(parsed, Parallel):
+            return Parallel(tuple(c if isinstance(c, Malformed) else self._tag_call(c) for c in parsed.calls))
+        return parsed
+
+    def _tag_call(self, call: ToolCall) -> NativeCall | Malformed:
+        """A ``<tool>{"name": .., "arguments": ..}</tool>`` body, validated as a native call."""
+        native = parse_native_action(f"{TOOL_CALL_OPEN}{call.code}{TOOL_CALL_CLOSE}", self.tools)
+        return native if isinstance(native, NativeCall | Malformed) else Malformed("not a single tool call")
 
     async def run_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """One validated call's observation; bad arguments are observations, never exceptions."""
@@ -443,8 +481,7 @@ class SWEEnv(Env):
             for action in reference_actions(_task_of(sample), self):
                 turns.append(("assistant", action))
                 step = self.step(action)
-                if step.observation is not None:
-                    turns.append(("tool", step.observation))
+                turns.extend(("tool", output) for output in step.outputs)
         finally:
             self.close()
         return turns
