@@ -12,6 +12,7 @@ checkpoint 0 from disk before it returns.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.server
 import os
 import secrets
@@ -20,7 +21,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from sao_megatron.driver.observer import episode_metrics
+from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.envs.registry import make_env
+from sao_megatron.envs.safe_eval import calculator
+from sao_megatron.envs.tool_parse import Parallel, ToolCall, parse_action
 from sao_megatron.records import OBSERVATION_VERSION
 from sao_megatron.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_megatron.rollout.client import API_KEY_ENV, EngineClient, EngineError, SamplingParams
@@ -28,6 +33,7 @@ from sao_megatron.rollout.engine import EngineProcess, EngineSpec, RouterProcess
 from sao_megatron.spawn import free_port
 from sao_megatron.tokenizer import load_tokenizer
 from tests.rollout.engine_fixtures import make_tiny_hf
+from tests.rollout.fakes import CountingTask
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -166,6 +172,116 @@ def test_agent_loop_multi_turn_episode(engine, env_name):
         assert observation, "a multi-turn episode has observation tokens between actions"
         text = tokenizer.decode([traj.response_ids[i] for i in observation])
         assert text.startswith("<|tool|>") and text.endswith("<|assistant|>")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegexSampling(SamplingParams):
+    """SamplingParams plus SGLang's ``regex``: the engine masks every token that would leave the
+    regular language (its grammar backend, xgrammar) and samples from the model's distribution over
+    the tokens left; the stop token is allowed once the expression is complete."""
+
+    regex: str = ""
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "regex": self.regex}
+
+
+class Recording:
+    """The module's client, every request recorded (and constrained to ``regex`` when given)."""
+
+    def __init__(self, client: EngineClient, regex: str = ""):
+        self.client, self.regex, self.url = client, regex, client.url
+        self.inputs: list[list[int]] = []
+
+    async def generate(self, input_ids, sampling, rid=None, timeout_s=None):
+        self.inputs.append(list(input_ids))
+        if self.regex:
+            sampling = RegexSampling(**dataclasses.asdict(sampling), regex=self.regex)
+        return await self.client.generate(input_ids, sampling, rid=rid, timeout_s=timeout_s)
+
+
+TWO_CALLS = r"<tool>[1-9][+*][1-9]</tool><tool>[1-9][+*][1-9]</tool>"
+
+
+def test_a_model_constrained_to_two_calls_gets_both_executed(engine):
+    """Parallel calls through the real engine. The tiny random model would almost never write two
+    well-formed calls, so every action is constrained by the engine's own structured decoding
+    (SGLang ``regex``, :data:`TWO_CALLS`): each token is still sampled by the model from its
+    distribution restricted to the grammar (nothing is inserted into an action; the trajectory
+    keeps the engine's ids and logprobs), so the two-call structure is deterministic while the
+    digits and operators are the model's. The environment parses both calls of each action, runs
+    both, and the next prompt holds both results as consecutive observations."""
+    tokenizer = load_tokenizer()
+    cfg = AgentLoopConfig(max_turns=2, max_new_tokens=32, max_response_tokens=400)
+
+    async def go():
+        async with EngineClient(engine.url) as client:
+            recording = Recording(client, TWO_CALLS)
+            env = make_env("arith_tool", max_turns=3)
+            traj = await AgentLoop(recording, tokenizer, cfg).run(env, env.task_class().get("train", 0))  # type: ignore[arg-type]
+            return traj, recording.inputs
+
+    traj, inputs = run(go())
+    assert (traj.status, traj.stats.end, traj.num_turns) == ("truncated", "max_turns", 2), traj.status_reason
+    for k, turn in enumerate(traj.turns):
+        action = tokenizer.decode(traj.response_ids[turn.start : turn.end])
+        parsed = parse_action(action)
+        assert isinstance(parsed, Parallel) and len(parsed.calls) == 2 and action.endswith("<|end|>"), action
+        outputs = [calculator(c.code) for c in parsed.calls if isinstance(c, ToolCall)]
+        assert len(outputs) == 2
+        following = traj.turns[k + 1].start if k + 1 < len(traj.turns) else len(traj.response_ids)
+        observation = tokenizer.decode(traj.response_ids[turn.end : following])
+        assert observation == "".join(f"<|tool|>{o}<|assistant|>" for o in outputs)
+        assert inputs[k] == traj.prompt_ids + traj.response_ids[: turn.start]
+    assert traj.reward_details["tool_calls"] == 4 and traj.reward_details["malformed"] == 0
+    assert (traj.stats.tool_outputs, traj.stats.parallel_turns, traj.stats.refused_calls) == (4, 2, 0)
+    assert all(lp <= 0.0 for lp in traj.behavior_logprobs[: traj.turns[0].end])
+
+
+class Ticker(Env):
+    """A scripted tool: every action is answered by one digit (the turn number mod 10); never done."""
+
+    task_class = CountingTask
+
+    def reset(self, sample: Sample) -> str:
+        self.turns = 0
+        return sample.question
+
+    def step(self, action: str) -> StepResult:
+        self.turns += 1
+        return StepResult(str(self.turns % 10), False)
+
+    def reward(self) -> RewardResult:
+        return RewardResult(0.0, None, {"turns": self.turns})
+
+
+def test_a_150_turn_episode_through_the_engine(engine):
+    """Long horizon: 150 turns against the real engine (one-token actions, one-digit observations). Token-in/token-out holds at every turn, the context accounting adds up, and the
+    episode ends at rollout.loop.max_turns (cause ``max_turns``, turn 150)."""
+    tokenizer = load_tokenizer()
+    cfg = AgentLoopConfig(max_turns=150, max_new_tokens=1, max_response_tokens=1000, max_context_tokens=1024)
+
+    async def go():
+        async with EngineClient(engine.url) as client:
+            recording = Recording(client)
+            traj = await AgentLoop(recording, tokenizer, cfg).run(Ticker(), Sample("long", "Count.", ""))  # type: ignore[arg-type]
+            return traj, recording.inputs
+
+    traj, inputs = run(go())
+    assert (traj.status, traj.stats.end, traj.num_turns) == ("truncated", "max_turns", 150), traj.status_reason
+    assert len(inputs) == 150 and traj.reward_details == {"turns": 150}
+    for k, turn in enumerate(traj.turns):
+        assert inputs[k] == traj.prompt_ids + traj.response_ids[: turn.start]
+        assert turn.end - turn.start == 1
+    for k in range(149):
+        obs = tokenizer.decode(traj.response_ids[traj.turns[k].end : traj.turns[k + 1].start])
+        assert obs == f"<|tool|>{(k + 1) % 10}<|assistant|>"
+    assert traj.num_prompt_tokens + traj.num_action_tokens + traj.num_observation_tokens == traj.num_context_tokens
+    observed = 149 if traj.status_reason == "action cut at max_new_tokens" else 150  # the last action cut: no output
+    assert traj.num_observation_tokens == observed * 3 and traj.stats.tool_outputs == observed
+    metrics = episode_metrics([traj])
+    assert metrics["rollout/end/max_turns"] == 1.0 and metrics["rollout/end_turn/max_turns"] == 150.0
+    assert metrics["rollout/context_tokens"] == traj.num_context_tokens <= 1024
 
 
 def test_weight_update_mid_generation_gives_two_versions(engine, checkpoints):
