@@ -45,6 +45,7 @@ from typing import Any
 from sao_megatron.config.schema import ConfigError
 from sao_megatron.envs.base import Sample
 from sao_megatron.envs.swe.tasks import (
+    REQUIRED,
     SWETask,
     git,
     git_bytes,
@@ -54,16 +55,7 @@ from sao_megatron.envs.swe.tasks import (
     snapshot_commit,
 )
 
-RECORD_FIELDS = (
-    "instance_id",
-    "repo",
-    "base_commit",
-    "problem_statement",
-    "patch",
-    "test_patch",
-    "FAIL_TO_PASS",
-    "PASS_TO_PASS",
-)
+RECORD_FIELDS = tuple(f for f in REQUIRED if f != "files")  # a task row's fields but its snapshot
 KEPT_FIELDS = ("environment_setup_commit", "version")
 _REPO = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+")
 _COMMIT = re.compile(r"[0-9a-fA-F]{7,64}")
