@@ -17,7 +17,8 @@ A sweep file::
       grpo_dis: [algo.advantage=grpo, algo.group_size=4]
       full_critic: {overrides: [critic.freeze_patterns=[]], shared_start: false}
 
-Runs go to ``<out_dir>/<arm>/seed<s>`` one after the other (``--parallel N``: N at a time), each a
+Runs go to ``<out_dir>/<arm>/seed<s>`` one after the other, seed by seed (``--parallel N``: N at a
+time), each a
 ``sao train ... run.seed=S run.run_dir=...`` (``SAO_TRAIN`` replaces the command, as in the
 launchers). A run that finished leaves ``done.json`` and is skipped by a rerun; one that was
 stopped resumes from its complete checkpoint (``--resume-if-present``): a sweep killed at any
@@ -260,8 +261,9 @@ def begin_from(start: Path, run_dir: Path) -> None:
 
 def run_sweep(sweep: Sweep, parallel: int = 1, only: list[str] | None = None, log=print) -> list[dict]:
     """Every (arm, seed) not done yet, after the shared starts they need; a failed run does not stop
-    the others (an arm whose start failed fails too). Returns their results."""
-    todo = [r for r in sweep.runs() if not only or r[0] in only]
+    the others (an arm whose start failed fails too). Seed by seed: a sweep stopped part way has its
+    first seeds' arms all done, which a paired comparison can already read. Returns their results."""
+    todo = sorted((r for r in sweep.runs() if not only or r[0] in only), key=lambda r: r[1])
     seeds = {seed for arm, seed, _ in todo if sweep.start_of(arm, seed) is not None}
     starts = [r for r in sweep.starts() if r[1] in seeds]
 
