@@ -17,6 +17,10 @@ carry no learning signal and would break GAE (``dropped_no_actions``). Batches:
   waiting siblings and every later one are dropped too (``dropped_group``), so no sibling waits
   forever for a member that will not come.
 
+What is dropped is not a uniform sample of what finished (long episodes are the old ones):
+:class:`Selection` keeps, per learner step, the finished and the stale-dropped trajectories' size
+and reward, and over the run the stale-drop rate by response length.
+
 The learner awaits :meth:`get` (no polling): admission wakes it once a batch is complete.
 A trajectory is handed out at most once (checked). :meth:`state_dict` captures everything
 needed to resume: waiting trajectories, incomplete groups and counters.
@@ -49,9 +53,54 @@ class BufferStats:
     """Siblings dropped because another member of their GRPO group was."""
 
 
+LENGTH_BINS = 4
+"""Response length bins of :class:`Selection`: quarters of the response budget."""
+
+
+@dataclass
+class Selection:
+    """What finished vs what the lag bound dropped. ``window``: since the learner's last step (it
+    resets it), fate -> [count, response tokens, turns, reward] sums, fates ``finished`` (every
+    trajectory that reached admission) and ``dropped_stale`` (at admission or while waiting).
+    ``by_length`` (checkpointed): since the start of the run, per quarter of ``response_budget``
+    tokens, [finished, dropped as stale]."""
+
+    response_budget: int
+    window: dict[str, list[float]] = field(default_factory=dict)
+    by_length: list[list[int]] = field(default_factory=lambda: [[0, 0] for _ in range(LENGTH_BINS)])
+
+    def bin(self, t: Trajectory) -> int:
+        return min(LENGTH_BINS - 1, LENGTH_BINS * len(t.response_ids) // max(1, self.response_budget))
+
+    def add(self, fate: str, t: Trajectory) -> None:
+        sums = self.window.setdefault(fate, [0.0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((1, len(t.response_ids), t.num_turns, t.reward)):
+            sums[i] += v
+        if fate in ("finished", "dropped_stale"):
+            self.by_length[self.bin(t)][fate == "dropped_stale"] += 1
+
+    def metrics(self) -> dict[str, float]:
+        """``select/<fate>/{n,response_tokens,turns,reward}`` of the window (means; absent when none),
+        ``select/drop_rate/len<k>`` (stale drops / finished in length quarter k, whole run)."""
+        out: dict[str, float] = {}
+        for fate in ("finished", "dropped_stale"):
+            n, tokens, turns, reward = self.window.get(fate, [0.0] * 4)
+            out[f"select/{fate}/n"] = n
+            if n:
+                out |= {f"select/{fate}/response_tokens": tokens / n, f"select/{fate}/turns": turns / n}
+                out[f"select/{fate}/reward"] = reward / n
+        for k, (finished, dropped) in enumerate(self.by_length):
+            if finished:
+                out[f"select/drop_rate/len{k}"] = dropped / finished
+        return out
+
+
 class ReadyBuffer:
-    def __init__(self, batch_size: int, group_size: int = 1, max_policy_lag: int | None = None):
-        """``max_policy_lag`` None: no staleness bound."""
+    def __init__(
+        self, batch_size: int, group_size: int = 1, max_policy_lag: int | None = None, response_budget: int = 1
+    ):
+        """``max_policy_lag`` None: no staleness bound. ``response_budget``: the response token limit
+        (``rollout.loop.max_response_tokens``), for :class:`Selection`'s length bins."""
         if batch_size < 1 or group_size < 1 or batch_size % group_size:
             raise ValueError(f"batch_size={batch_size} must be a positive multiple of group_size={group_size}")
         if max_policy_lag is not None and max_policy_lag < 0:
@@ -60,6 +109,7 @@ class ReadyBuffer:
         self.group_size = group_size
         self.max_policy_lag = max_policy_lag
         self.stats = BufferStats()
+        self.selection = Selection(response_budget)
         self._groups: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self._group_first_finish: dict[str, float] = {}
         self._handed: set[tuple[str, str, int]] = set()
@@ -82,6 +132,7 @@ class ReadyBuffer:
         """Add a finished trajectory; False when it is dropped (failed, no action token, too stale,
         or a sibling of a dropped GRPO group member)."""
         group = t.group_id or t.prompt_id
+        self.selection.add("finished", t)
         if group in self._broken:
             self.stats.dropped_group += 1
             self._account(group, 1)
@@ -94,6 +145,7 @@ class ReadyBuffer:
             return self._break(group)
         if self.max_policy_lag is not None and self.lag(t, current_version) > self.max_policy_lag:
             self.stats.dropped_stale += 1
+            self.selection.add("dropped_stale", t)
             return self._break(group)
         if self.key(t) in self._handed:
             raise ValueError(f"trajectory {self.key(t)} was already handed to the learner")
@@ -183,7 +235,12 @@ class ReadyBuffer:
             return 0
         dropped = 0
         for group in list(self._groups):
-            keep = [t for t in self._groups[group] if self.lag(t, current_version) <= self.max_policy_lag]
+            keep = []
+            for t in self._groups[group]:
+                if self.lag(t, current_version) <= self.max_policy_lag:
+                    keep.append(t)
+                else:
+                    self.selection.add("dropped_stale", t)
             stale = len(self._groups[group]) - len(keep)
             dropped += stale
             if keep and not (stale and self.group_size > 1):
@@ -217,6 +274,7 @@ class ReadyBuffer:
                 "dropped_group": self.stats.dropped_group,
             },
             "broken": dict(self._broken),
+            "drops_by_length": [list(b) for b in self.selection.by_length],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -237,3 +295,5 @@ class ReadyBuffer:
             s.get("dropped_group", 0),
         )
         self._broken = dict(state.get("broken", {}))
+        if "drops_by_length" in state:  # checkpoints from before it have none: counts start there
+            self.selection.by_length = [list(b) for b in state["drops_by_length"]]

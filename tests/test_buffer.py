@@ -145,3 +145,37 @@ def test_a_dropped_grpo_member_drops_its_siblings_so_none_waits_forever():
     restored.load_state_dict(state)
     assert not restored.admit(traj(5, version=2, group="g5", member=2), 2)
     assert restored.stats.dropped_group == 2 and restored._broken == {}
+
+
+def test_selection_compares_what_finished_with_what_the_lag_bound_dropped_by_length():
+    buf = ReadyBuffer(batch_size=8, max_policy_lag=1, response_budget=12)
+
+    def sized(i, version, tokens, reward):
+        t = traj(i, version=version)
+        t.response_ids = list(range(tokens))
+        t.action_mask = [1] * tokens
+        t.behavior_logprobs = [-0.1] * tokens
+        t.policy_versions = [version] * tokens
+        t.reward = reward
+        return t
+
+    # version 3: short and fresh ones admitted, long and old ones dropped (quarters of 12: 0-2, 3-5, 6-8, 9-12)
+    assert buf.admit(sized(1, 3, 2, 1.0), 3) and buf.admit(sized(2, 2, 4, 1.0), 3)
+    assert not buf.admit(sized(3, 0, 11, 0.0), 3) and not buf.admit(sized(4, 1, 12, 0.5), 3)
+    m = buf.selection.metrics()
+    assert m["select/finished/n"] == 4 and m["select/finished/response_tokens"] == (2 + 4 + 11 + 12) / 4
+    assert m["select/finished/reward"] == 2.5 / 4 and m["select/finished/turns"] == 1
+    assert m["select/dropped_stale/n"] == 2 and m["select/dropped_stale/response_tokens"] == 11.5
+    assert m["select/dropped_stale/reward"] == 0.25
+    assert (m["select/drop_rate/len0"], m["select/drop_rate/len1"], m["select/drop_rate/len3"]) == (0.0, 0.0, 1.0)
+    assert "select/drop_rate/len2" not in m  # nothing finished in that quarter
+
+    buf.selection.window.clear()  # the learner's step: a new window; the length counts go on
+    assert buf.discard_stale(current_version=4) == 1  # the version-2 one became too stale waiting
+    m = buf.selection.metrics()
+    assert m["select/finished/n"] == 0 and "select/finished/reward" not in m
+    assert m["select/dropped_stale/n"] == 1 and m["select/drop_rate/len1"] == 1.0
+
+    restored = ReadyBuffer(batch_size=8, max_policy_lag=1, response_budget=12)
+    restored.load_state_dict(buf.state_dict())
+    assert restored.selection.by_length == buf.selection.by_length == [[1, 0], [1, 1], [0, 0], [2, 2]]

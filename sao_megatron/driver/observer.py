@@ -1,7 +1,7 @@
 """Per-step metrics: the learner's outcome, the batch, the buffer and the rollout throughput.
 
 Names are ``group/name``: ``adv/``, ``critic/``, ``actor/``, ``dis/``, ``rollout/``, ``lag/``,
-``buffer/``, ``time/``; values are python floats (see ``observe.RunLog``).
+``buffer/``, ``select/``, ``time/``; values are python floats (see ``observe.RunLog``).
 """
 
 from __future__ import annotations
@@ -141,6 +141,8 @@ class StepObserver:
         out |= episode_metrics(o.trajectories)
         out |= buffer_metrics(self.buffer, self._groups_seen)
         self._groups_seen = len(self.buffer.stats.group_waits_s)
+        out |= self.buffer.selection.metrics()  # finished and stale-dropped since the last step
+        self.buffer.selection.window.clear()
         out |= self.manager.engines.metrics()  # engine restarts and drops, episode retries (cumulative)
         out |= {
             "time/learner_wait_s": waited_s,

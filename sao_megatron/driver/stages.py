@@ -113,7 +113,9 @@ class StageRun:
                 f"{a.batch_size} / algo.group_size={a.group_size}): add rows to data.train or lower algo.batch_size"
             )
         self.s, self.state, self.log, self.stage = s, state, log, stage
-        self.estimator, self.buffer = AdvantageEstimator(a), ReadyBuffer(a.batch_size, a.group_size, a.max_policy_lag)
+        self.estimator = AdvantageEstimator(a)
+        budget = s.cfg.rollout.loop.max_response_tokens
+        self.buffer = ReadyBuffer(a.batch_size, a.group_size, a.max_policy_lag, response_budget=budget)
         self.manager = s.manager(self.buffer, lambda: state.version, PromptCursor("train", stage.first_prompt))
         if stage.resumable and state.cursor:
             self.estimator.load_state_dict(state.advantages)
