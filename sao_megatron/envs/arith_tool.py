@@ -110,7 +110,11 @@ class ArithToolEnv(ToolEnv):
     """Calculator tool + answer; reward 1.0 iff the answer equals the exact value.
 
     The answer must be the integer (``449``; ``+449``/`` 449 `` are accepted, ``449.0`` is not).
-    Using the tool is not required for the reward; the demonstrations always use it.
+    Using the tool is not required for the reward; the demonstrations use it, except a
+    ``demo_tool_free`` share of them (chosen by the prompt, the same on every machine), which answer
+    at once, without the calculator: still correct, so supervised learning cannot tell them apart,
+    but a tiny model cannot do the arithmetic itself, and imitating them costs accuracy that only
+    a reward shows (the RL-headroom testbed, configs/experiments/headroom_*.yaml).
     """
 
     task_class = ArithTask
@@ -126,8 +130,14 @@ class ArithToolEnv(ToolEnv):
         format_penalty: float = 0.0,
         max_observation_chars: int = 64,
         concurrent_calls: bool = False,
+        demo_tool_free: float = 0.0,
     ) -> None:
         super().__init__(max_turns, format_penalty, max_observation_chars, concurrent_calls)
+        if not 0.0 <= demo_tool_free <= 1.0:
+            raise ValueError(
+                f"rollout.env_kwargs.demo_tool_free is a share of demonstrations, in [0, 1]; got {demo_tool_free}"
+            )
+        self.demo_tool_free = demo_tool_free
 
     def run_tool(self, code: str) -> str:
         return calculator(code.strip())
@@ -138,6 +148,8 @@ class ArithToolEnv(ToolEnv):
 
     def demonstration(self, sample: Sample) -> list[Turn]:
         expr = str(sample.meta["expression"])
+        if random.Random(f"demo_tool_free:{sample.prompt_id}").random() < self.demo_tool_free:
+            return [("assistant", self.answer_text(sample.answer))]
         return [
             ("assistant", self.call_text(expr)),
             ("tool", calculator(expr)),

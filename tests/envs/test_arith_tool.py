@@ -137,3 +137,24 @@ def test_train_size_makes_the_training_split_a_repeating_pool() -> None:
     assert pool.get("heldout", 7) == unlimited.get("heldout", 7)
     with pytest.raises(ValueError, match="train_size must be >= 0"):
         ArithTask(train_size=-1)
+
+
+def test_a_share_of_demonstrations_answers_without_the_tool_and_is_still_correct() -> None:
+    task, n = ArithTask(), 400
+    samples = [task.get("train", i) for i in range(n)]
+    env = ArithToolEnv(demo_tool_free=0.3)
+    demos = [env.demonstration(s) for s in samples]
+    free = [(s, d) for s, d in zip(samples, demos, strict=True) if len(d) == 1]
+    # Bernoulli(0.3) per prompt: within 4 standard deviations of n * 0.3
+    assert abs(len(free) - 0.3 * n) <= 4 * (n * 0.3 * 0.7) ** 0.5
+    for sample, [(role, text)] in free[:20]:  # one action, no calculator call, reward 1
+        assert role == "assistant" and text == env.answer_text(sample.answer)
+        env.reset(sample)
+        assert env.step(text).done and env.reward().reward == 1.0 and env.reward().details["tool_calls"] == 0
+    assert all(len(d) == 3 for d in demos if len(d) != 1)
+    again = ArithToolEnv(demo_tool_free=0.3)  # the same prompts on every machine and run
+    assert [len(again.demonstration(s)) for s in samples] == [len(d) for d in demos]
+    assert all(len(ArithToolEnv().demonstration(s)) == 3 for s in samples[:50])  # default: always the tool
+    assert all(len(ArithToolEnv(demo_tool_free=1.0).demonstration(s)) == 1 for s in samples[:50])
+    with pytest.raises(ValueError, match="rollout.env_kwargs.demo_tool_free"):
+        ArithToolEnv(demo_tool_free=1.5)
