@@ -1,7 +1,9 @@
 """The ready buffer: finished trajectories wait here until the learner takes a batch.
 
 Admission bounds staleness: a trajectory whose oldest action token was generated more than
-``max_policy_lag`` versions before the current policy is dropped (and counted). Failed
+``max_policy_lag`` versions before the current policy is dropped (and counted); with ``over_lag=
+"mask"`` only one whose newest action token is that old is dropped, and the actor masks the
+too-old tokens of the others (counted as ``kept_stale``). Failed
 episodes are dropped with their reason, and so are trajectories without a single action token
 (e.g. a prompt already over the context budget: status ``truncated`` and nothing generated), which
 carry no learning signal and would break GAE (``dropped_no_actions``). Batches:
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sao_megatron import algo
+from sao_megatron.algo.choices import OverLag
 from sao_megatron.records import Trajectory
 
 
@@ -51,6 +54,8 @@ class BufferStats:
     dropped_no_actions: int = 0
     dropped_group: int = 0
     """Siblings dropped because another member of their GRPO group was."""
+    kept_stale: int = 0
+    """Admitted past the lag bound (``over_lag="mask"``): the actor masks their too-old tokens."""
 
 
 LENGTH_BINS = 4
@@ -61,7 +66,8 @@ LENGTH_BINS = 4
 class Selection:
     """What finished vs what the lag bound dropped. ``window``: since the learner's last step (it
     resets it), fate -> [count, response tokens, turns, reward] sums, fates ``finished`` (every
-    trajectory that reached admission) and ``dropped_stale`` (at admission or while waiting).
+    trajectory that reached admission), ``dropped_stale`` (at admission or while waiting) and
+    ``kept_stale`` (admitted past the bound, ``over_lag="mask"``).
     ``by_length`` (checkpointed): since the start of the run, per quarter of ``response_budget``
     tokens, [finished, dropped as stale]."""
 
@@ -83,7 +89,7 @@ class Selection:
         """``select/<fate>/{n,response_tokens,turns,reward}`` of the window (means; absent when none),
         ``select/drop_rate/len<k>`` (stale drops / finished in length quarter k, whole run)."""
         out: dict[str, float] = {}
-        for fate in ("finished", "dropped_stale"):
+        for fate in ("finished", "dropped_stale", "kept_stale"):
             n, tokens, turns, reward = self.window.get(fate, [0.0] * 4)
             out[f"select/{fate}/n"] = n
             if n:
@@ -97,10 +103,16 @@ class Selection:
 
 class ReadyBuffer:
     def __init__(
-        self, batch_size: int, group_size: int = 1, max_policy_lag: int | None = None, response_budget: int = 1
+        self,
+        batch_size: int,
+        group_size: int = 1,
+        max_policy_lag: int | None = None,
+        response_budget: int = 1,
+        over_lag: OverLag = "drop",
     ):
         """``max_policy_lag`` None: no staleness bound. ``response_budget``: the response token limit
-        (``rollout.loop.max_response_tokens``), for :class:`Selection`'s length bins."""
+        (``rollout.loop.max_response_tokens``), for :class:`Selection`'s length bins. ``over_lag``:
+        ``drop`` a trajectory past the bound, or ``mask`` (drop only when every action token is)."""
         if batch_size < 1 or group_size < 1 or batch_size % group_size:
             raise ValueError(f"batch_size={batch_size} must be a positive multiple of group_size={group_size}")
         if max_policy_lag is not None and max_policy_lag < 0:
@@ -108,6 +120,7 @@ class ReadyBuffer:
         self.batch_size = batch_size
         self.group_size = group_size
         self.max_policy_lag = max_policy_lag
+        self.over_lag = over_lag
         self.stats = BufferStats()
         self.selection = Selection(response_budget)
         self._groups: OrderedDict[str, list[Trajectory]] = OrderedDict()
@@ -122,11 +135,19 @@ class ReadyBuffer:
         """Identity of one rollout: (group or prompt, prompt id, position in group)."""
         return (t.group_id or t.prompt_id, t.prompt_id, int(t.reward_details.get("group_index", 0)))
 
-    def lag(self, t: Trajectory, current_version: int) -> int:
-        """Versions between the oldest action token and the current policy (:func:`algo.policy_lag`)."""
+    def lag(self, t: Trajectory, current_version: int, newest: bool = False) -> int:
+        """Versions between the oldest (``newest``: the newest) action token and the current policy
+        (:func:`algo.policy_lag`)."""
         versions, mask = torch.tensor([t.policy_versions]), torch.tensor([t.action_mask])  # [1, T]
-        token_lag = algo.policy_lag(current_version, versions, mask)
-        return int(token_lag.max()) if token_lag.numel() else 0
+        token_lag = algo.policy_lag(current_version, versions, mask)[mask > 0]
+        if not token_lag.numel():
+            return 0
+        return int(token_lag.min() if newest else token_lag.max())
+
+    def _too_stale(self, t: Trajectory, current_version: int) -> bool:
+        """Past the bound: by its oldest action token (``drop``) or its newest (``mask``)."""
+        bound = self.max_policy_lag
+        return bound is not None and self.lag(t, current_version, newest=self.over_lag == "mask") > bound
 
     def admit(self, t: Trajectory, current_version: int) -> bool:
         """Add a finished trajectory; False when it is dropped (failed, no action token, too stale,
@@ -143,10 +164,13 @@ class ReadyBuffer:
         if not any(t.action_mask):
             self.stats.dropped_no_actions += 1
             return self._break(group)
-        if self.max_policy_lag is not None and self.lag(t, current_version) > self.max_policy_lag:
+        if self._too_stale(t, current_version):
             self.stats.dropped_stale += 1
             self.selection.add("dropped_stale", t)
             return self._break(group)
+        if self.max_policy_lag is not None and self.lag(t, current_version) > self.max_policy_lag:
+            self.stats.kept_stale += 1  # mask: its newer tokens train
+            self.selection.add("kept_stale", t)
         if self.key(t) in self._handed:
             raise ValueError(f"trajectory {self.key(t)} was already handed to the learner")
         self._groups.setdefault(group, []).append(t)
@@ -237,7 +261,7 @@ class ReadyBuffer:
         for group in list(self._groups):
             keep = []
             for t in self._groups[group]:
-                if self.lag(t, current_version) <= self.max_policy_lag:
+                if not self._too_stale(t, current_version):
                     keep.append(t)
                 else:
                     self.selection.add("dropped_stale", t)
@@ -272,6 +296,7 @@ class ReadyBuffer:
                 "group_waits_s": list(self.stats.group_waits_s),
                 "dropped_no_actions": self.stats.dropped_no_actions,
                 "dropped_group": self.stats.dropped_group,
+                "kept_stale": self.stats.kept_stale,
             },
             "broken": dict(self._broken),
             "drops_by_length": [list(b) for b in self.selection.by_length],
@@ -293,6 +318,7 @@ class ReadyBuffer:
             list(s["group_waits_s"]),
             s.get("dropped_no_actions", 0),
             s.get("dropped_group", 0),
+            s.get("kept_stale", 0),
         )
         self._broken = dict(state.get("broken", {}))
         if "drops_by_length" in state:  # checkpoints from before it have none: counts start there

@@ -216,6 +216,9 @@ CASES: list[tuple[str, Build, str]] = [
      r"^algo\.batch_size=10 must be a positive multiple of algo\.group_size=4$"),
     ("bad-policy-loss", _overrides("algo.policy_loss=ppo2"), r"^override 'algo\.policy_loss=ppo2': algo\.policy_loss: 'ppo2' is not one of 'dis', "),
     ("bad-advantage", _overrides("algo.advantage=gea"), r"^override 'algo\.advantage=gea': algo\.advantage: 'gea' is not one of 'gae', "),
+    ("over-lag-mask-without-a-bound", _overrides("algo.over_lag=mask", "algo.max_policy_lag=null"),
+     r"^algo\.over_lag=mask masks tokens past algo\.max_policy_lag, which is null: set a bound$"),
+    ("bad-over-lag", _overrides("algo.over_lag=keep"), r"^override 'algo\.over_lag=keep': algo\.over_lag: 'keep' is not one of 'drop', 'mask'"),
     ("yaml-syntax-error-line", _yaml("run:\n  name: x\nactor: {optim: {lr: 1e-5}\ncritic: {}\n"),
      r"^{tmp}/run\.yaml:4:1: invalid YAML \(expected ',' or '\}', but got '<scalar>'; while parsing a flow "
      r"mapping started at line 3\); fix the syntax there$"),

@@ -89,6 +89,7 @@ def test_observer_reports_the_drops_by_cause():
         "buffer/dropped_failed/engine": 1.0,
         "buffer/dropped_no_actions": 1.0,
         "buffer/dropped_group": 0.0,
+        "buffer/kept_stale": 0.0,
     }
 
 
@@ -179,3 +180,27 @@ def test_selection_compares_what_finished_with_what_the_lag_bound_dropped_by_len
     restored = ReadyBuffer(batch_size=8, max_policy_lag=1, response_budget=12)
     restored.load_state_dict(buf.state_dict())
     assert restored.selection.by_length == buf.selection.by_length == [[1, 0], [1, 1], [0, 0], [2, 2]]
+
+
+def test_mask_keeps_a_trajectory_until_its_newest_action_token_is_past_the_bound():
+    def spanning(i, oldest, newest):  # an episode whose turns were sampled by two versions
+        t = traj(i)
+        t.response_ids, t.action_mask = [7, 8, 9, 10], [1, 0, 1, 1]
+        t.behavior_logprobs, t.policy_versions = [-0.1] * 4, [oldest, -1, newest, newest]
+        return t
+
+    drop = ReadyBuffer(batch_size=4, max_policy_lag=2)
+    mask = ReadyBuffer(batch_size=4, max_policy_lag=2, over_lag="mask")
+    for buf in (drop, mask):
+        assert buf.admit(spanning(1, 3, 4), current_version=5)  # within the bound either way
+    assert not drop.admit(spanning(2, 1, 4), current_version=5)  # oldest token 4 versions old
+    assert mask.admit(spanning(2, 1, 4), current_version=5)  # newest 1 old: kept, its old turn masked
+    assert (drop.stats.dropped_stale, drop.stats.kept_stale) == (1, 0)
+    assert (mask.stats.dropped_stale, mask.stats.kept_stale) == (0, 1)
+    assert mask.selection.metrics()["select/kept_stale/n"] == 1
+    assert not mask.admit(spanning(3, 0, 2), current_version=5)  # every action token past the bound
+    assert mask.discard_stale(current_version=6) == 0 and len(mask) == 2  # newest tokens 2 old
+    restored = ReadyBuffer(batch_size=4, max_policy_lag=2, over_lag="mask")
+    restored.load_state_dict(mask.state_dict())
+    assert restored.stats.kept_stale == 1
+    assert mask.discard_stale(current_version=7) == 2 and len(mask) == 0  # now 3 old: past the bound

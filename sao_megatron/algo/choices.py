@@ -22,10 +22,15 @@ AdvantageName = Literal["gae", "step_mean", "step_last", "grpo", "rloo", "runnin
 """``gae`` (token level), ``step_mean`` / ``step_last`` (turn level, see :data:`StepMode`), ``grpo``,
 ``rloo``, ``running_mean_prompt`` or ``running_mean_global`` (running-mean reward baselines)."""
 
+OverLag = Literal["drop", "mask"]
+"""A trajectory past the lag bound: ``drop`` it (its oldest action token is too old), or ``mask``: keep
+it while its newest action token is within the bound, its older tokens carrying no policy gradient."""
+
 POLICY_LOSSES: tuple[PolicyLossName, ...] = get_args(PolicyLossName)
 AGG_MODES: tuple[LossAgg, ...] = get_args(LossAgg)
 STEP_MODES: tuple[StepMode, ...] = get_args(StepMode)
 ADVANTAGE_ESTIMATORS: tuple[AdvantageName, ...] = get_args(AdvantageName)
+OVER_LAG: tuple[OverLag, ...] = get_args(OverLag)
 
 CRITIC_ESTIMATORS: tuple[AdvantageName, ...] = ("gae", *STEP_MODES)
 """The estimators that bootstrap from a learned value function (the others need no critic)."""

@@ -44,6 +44,7 @@ def policy_objective(
     num_tokens_global: float,
     num_seqs_global: float,
     segment_ids: Tensor | None = None,
+    stale_lag: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The actor's loss on one micro-batch: policy loss ``loss`` (:mod:`~sao_megatron.algo.policy_loss`)
     plus its diagnostics.
@@ -58,9 +59,16 @@ def policy_objective(
     Metrics: the policy loss's (``loss``, ``ratio/*``, ``kl_k3``, ..., each with ``#n``);
     ``entropy``, the mean over the action tokens; ``micro_tokens``; and, whatever ``loss``, the
     share of tokens inside the DIS band ``1 - eps_low < rho < 1 + eps_high`` per lag bucket and
-    advantage sign (:func:`~sao_megatron.algo.diagnostics.kept_by_lag`)."""
+    advantage sign (:func:`~sao_megatron.algo.diagnostics.kept_by_lag`).
+
+    ``stale_lag`` (``algo.over_lag: mask``): tokens whose lag exceeds it carry no gradient (their
+    advantage is zeroed: every loss here is linear in it) and still count in the normalisers, as
+    the tokens DIS masks do; ``stale_masked`` is their share of the action tokens."""
     check_choice("policy loss", loss, POLICY_LOSSES)
     mask = action_mask > 0
+    loss_advantages = advantages
+    if stale_lag is not None:
+        loss_advantages = advantages * (lag <= stale_lag)
     tokens, seqs = _normalisers(agg, num_tokens_global, num_seqs_global)
     bounds = {"eps_low": eps_low, "eps_high": eps_high} if loss != "vanilla" else {}  # vanilla: no band
     extra = {"detach_ratio": detach_ratio} if loss == "dis" else {}
@@ -68,7 +76,7 @@ def policy_objective(
         loss,
         logprobs,
         behavior_logprobs,
-        advantages,
+        loss_advantages,
         mask,
         agg=agg,
         num_tokens_global=tokens,
@@ -79,6 +87,8 @@ def policy_objective(
     )
     metrics["entropy"] = masked_mean(entropy, mask.float()).item()
     metrics["micro_tokens"] = float(mask.sum())
+    if stale_lag is not None:
+        metrics["stale_masked"] = masked_mean((lag > stale_lag).float(), mask.float()).item()
     kept = dis_band(logprobs.detach(), behavior_logprobs, eps_low, eps_high)
     metrics.update(kept_by_lag(kept, lag, advantages, mask))
     return value, metrics

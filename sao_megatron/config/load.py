@@ -350,6 +350,8 @@ def validate_algo(a: AlgoConfig) -> None:
         raise ConfigError(f"algo.advantage={a.advantage} needs algo.group_size >= 2 (same-prompt groups)")
     if a.max_policy_lag is not None and a.max_policy_lag < 0:
         raise ConfigError(f"algo.max_policy_lag={a.max_policy_lag}; use null (unbounded) or >= 0")
+    if a.over_lag == "mask" and a.max_policy_lag is None:
+        raise ConfigError("algo.over_lag=mask masks tokens past algo.max_policy_lag, which is null: set a bound")
     if a.max_batches_ahead is not None and a.max_batches_ahead < 1:
         raise ConfigError(f"algo.max_batches_ahead={a.max_batches_ahead}; use null (no cap) or >= 1")
 

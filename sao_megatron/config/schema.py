@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sao_megatron.algo.choices import AdvantageName, LossAgg, PolicyLossName
+from sao_megatron.algo.choices import AdvantageName, LossAgg, OverLag, PolicyLossName
 from sao_megatron.config.loop import AgentLoopConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -291,6 +291,9 @@ class AlgoConfig:
     """Rollouts per prompt: 1 for SAO, G for GRPO (batch = batch_size / G prompts x G)."""
     max_policy_lag: int | None = 4
     """Drop trajectories whose oldest action token is more than this many versions old; null: unbounded."""
+    over_lag: OverLag = "drop"
+    """Past ``max_policy_lag``: ``drop`` the trajectory, or ``mask``: keep it while its newest action
+    token is within the bound and give its older tokens no policy gradient (``actor/stale_masked``)."""
     max_batches_ahead: int | None = None
     """Flow control: a new episode starts only while the episodes started in the stage number at
     most (learner steps done + this) x ``batch_size``, so the engines run at most this many batches

@@ -105,6 +105,7 @@ def buffer_metrics(buffer: ReadyBuffer, groups_since: int = 0) -> dict[str, floa
         "buffer/dropped_failed": float(sum(b.dropped_failed.values())),
         "buffer/dropped_no_actions": float(b.dropped_no_actions),
         "buffer/dropped_group": float(b.dropped_group),
+        "buffer/kept_stale": float(b.kept_stale),
     }
     for reason, n in sorted(b.dropped_failed.items()):  # engine, environment, reward, task, ...
         out[f"buffer/dropped_failed/{reason.replace(' ', '_')}"] = float(n)

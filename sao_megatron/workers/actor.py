@@ -99,6 +99,7 @@ class ActorWorker:
                 num_tokens_global=shard.num_tokens_global,
                 num_seqs_global=shard.num_seqs_global,
                 segment_ids=mb.segment_ids,
+                stale_lag=a.max_policy_lag if a.over_lag == "mask" else None,
             )
 
         out = self.role.forward_backward(micro, loss_fn)

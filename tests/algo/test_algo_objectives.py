@@ -108,6 +108,23 @@ def test_policy_objective_micro_batches_sum_to_the_full_batch(name, agg):
     assert torch.allclose(g_split, g_full, atol=1e-14, rtol=0)
 
 
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("name", ["dis", "ppo_clip", "vanilla"])
+def test_stale_lag_gives_the_tokens_past_it_no_gradient_and_keeps_the_normalisers(name, agg):
+    lp, ent, beh, adv, mask, lag = _inputs(2)
+    s = _settings(name, agg, mask)
+    loss, metrics = policy_objective(lp, ent, beh, adv, mask, lag, **s, stale_lag=2)
+    (grad,) = torch.autograd.grad(loss, lp)
+    stale = (lag > 2) & (mask > 0)
+    assert stale.any() and ((lag <= 2) & (mask > 0)).any()
+    fresh_only, _ = policy_objective(lp, ent, beh, adv * (lag <= 2), mask, lag, **s)  # same counts
+    (want,) = torch.autograd.grad(fresh_only, lp)
+    assert loss.item() == fresh_only.item() and torch.equal(grad, want)
+    assert torch.all(grad[stale] == 0) and grad[(lag <= 2) & (mask > 0)].abs().sum() > 0
+    assert metrics["stale_masked"] == pytest.approx(float(stale.sum() / (mask > 0).sum()), rel=1e-12)
+    assert "stale_masked" not in policy_objective(lp, ent, beh, adv, mask, lag, **s)[1]
+
+
 def test_policy_objective_refuses_an_unknown_loss():
     lp, ent, beh, adv, mask, lag = _inputs(2)
     with pytest.raises(ValueError, match="policy loss"):
