@@ -9,7 +9,8 @@ episodes are dropped with their reason, and so are trajectories without a single
 carry no learning signal and would break GAE (``dropped_no_actions``). Batches:
 
 - SAO (``group_size == 1``): the first ``batch_size`` admitted trajectories, each from a
-  distinct prompt, in admission order (no barrier: whatever finished first trains first).
+  distinct prompt, in admission order (no barrier: whatever finished first trains first), or, with
+  ``batch_order="start"``, the waiting ones that started first (long episodes before they go stale).
   Distinct means distinct ``prompt_id``: when the cursor wraps around a small dataset, a second
   rollout of a row already in the batch waits for a later batch.
 - GRPO baselines (``group_size == G``): ``batch_size / G`` complete groups; a group is
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sao_megatron import algo
-from sao_megatron.algo.choices import OverLag
+from sao_megatron.algo.choices import BatchOrder, OverLag
 from sao_megatron.records import Trajectory
 
 
@@ -109,10 +110,12 @@ class ReadyBuffer:
         max_policy_lag: int | None = None,
         response_budget: int = 1,
         over_lag: OverLag = "drop",
+        batch_order: BatchOrder = "finish",
     ):
         """``max_policy_lag`` None: no staleness bound. ``response_budget``: the response token limit
         (``rollout.loop.max_response_tokens``), for :class:`Selection`'s length bins. ``over_lag``:
-        ``drop`` a trajectory past the bound, or ``mask`` (drop only when every action token is)."""
+        ``drop`` a trajectory past the bound, or ``mask`` (drop only when every action token is).
+        ``batch_order``: take waiting groups in the order they ``finish``ed or ``start``ed."""
         if batch_size < 1 or group_size < 1 or batch_size % group_size:
             raise ValueError(f"batch_size={batch_size} must be a positive multiple of group_size={group_size}")
         if max_policy_lag is not None and max_policy_lag < 0:
@@ -121,6 +124,7 @@ class ReadyBuffer:
         self.group_size = group_size
         self.max_policy_lag = max_policy_lag
         self.over_lag = over_lag
+        self.batch_order = batch_order
         self.stats = BufferStats()
         self.selection = Selection(response_budget)
         self._groups: OrderedDict[str, list[Trajectory]] = OrderedDict()
@@ -200,10 +204,13 @@ class ReadyBuffer:
         return sum(len(g) for g in self._groups.values())
 
     def _batch_groups(self) -> list[str]:
-        """The next batch's groups: the first complete ones in admission order, one per prompt
+        """The next batch's groups: the first complete ones (admission or start order), one per prompt
         (a repeat of a prompt already chosen waits), at most ``batch_size / group_size``."""
         needed, chosen, prompts = self.batch_size // self.group_size, [], set()
-        for group, members in self._groups.items():
+        groups = list(self._groups.items())
+        if self.batch_order == "start":  # stable: admission order among equals
+            groups.sort(key=lambda item: min(t.started_at for t in item[1]))
+        for group, members in groups:
             if len(members) >= self.group_size and members[0].prompt_id not in prompts:
                 chosen.append(group)
                 prompts.add(members[0].prompt_id)

@@ -219,6 +219,7 @@ CASES: list[tuple[str, Build, str]] = [
     ("over-lag-mask-without-a-bound", _overrides("algo.over_lag=mask", "algo.max_policy_lag=null"),
      r"^algo\.over_lag=mask masks tokens past algo\.max_policy_lag, which is null: set a bound$"),
     ("bad-over-lag", _overrides("algo.over_lag=keep"), r"^override 'algo\.over_lag=keep': algo\.over_lag: 'keep' is not one of 'drop', 'mask'"),
+    ("bad-batch-order", _overrides("algo.batch_order=oldest"), r"^override 'algo\.batch_order=oldest': algo\.batch_order: 'oldest' is not one of 'finish', 'start'"),
     ("yaml-syntax-error-line", _yaml("run:\n  name: x\nactor: {optim: {lr: 1e-5}\ncritic: {}\n"),
      r"^{tmp}/run\.yaml:4:1: invalid YAML \(expected ',' or '\}', but got '<scalar>'; while parsing a flow "
      r"mapping started at line 3\); fix the syntax there$"),

@@ -204,3 +204,15 @@ def test_mask_keeps_a_trajectory_until_its_newest_action_token_is_past_the_bound
     restored.load_state_dict(mask.state_dict())
     assert restored.stats.kept_stale == 1
     assert mask.discard_stale(current_version=7) == 2 and len(mask) == 0  # now 3 old: past the bound
+
+
+def test_start_order_takes_the_waiting_episodes_that_started_first():
+    finish, start = ReadyBuffer(batch_size=2), ReadyBuffer(batch_size=2, batch_order="start")
+    for buf in (finish, start):
+        for i, started in ((1, 30.0), (2, 20.0), (3, 10.0), (4, 25.0)):  # finish order 1, 2, 3, 4
+            t = traj(i)
+            t.started_at = started
+            assert buf.admit(t, 0)
+    assert [t.sample_index for t in finish.take() or []] == [1, 2]
+    assert [t.sample_index for t in start.take() or []] == [3, 2]  # started at 10, then 20
+    assert [t.sample_index for t in start.take() or []] == [4, 1]

@@ -26,11 +26,16 @@ OverLag = Literal["drop", "mask"]
 """A trajectory past the lag bound: ``drop`` it (its oldest action token is too old), or ``mask``: keep
 it while its newest action token is within the bound, its older tokens carrying no policy gradient."""
 
+BatchOrder = Literal["finish", "start"]
+"""Which waiting trajectories a batch takes first: the first to ``finish`` (SAO: no barrier), or the
+first to have ``start``ed (an age-aware order: long episodes train before they pass the lag bound)."""
+
 POLICY_LOSSES: tuple[PolicyLossName, ...] = get_args(PolicyLossName)
 AGG_MODES: tuple[LossAgg, ...] = get_args(LossAgg)
 STEP_MODES: tuple[StepMode, ...] = get_args(StepMode)
 ADVANTAGE_ESTIMATORS: tuple[AdvantageName, ...] = get_args(AdvantageName)
 OVER_LAG: tuple[OverLag, ...] = get_args(OverLag)
+BATCH_ORDERS: tuple[BatchOrder, ...] = get_args(BatchOrder)
 
 CRITIC_ESTIMATORS: tuple[AdvantageName, ...] = ("gae", *STEP_MODES)
 """The estimators that bootstrap from a learned value function (the others need no critic)."""

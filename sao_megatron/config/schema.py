@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sao_megatron.algo.choices import AdvantageName, LossAgg, OverLag, PolicyLossName
+from sao_megatron.algo.choices import AdvantageName, BatchOrder, LossAgg, OverLag, PolicyLossName
 from sao_megatron.config.loop import AgentLoopConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -294,6 +294,9 @@ class AlgoConfig:
     over_lag: OverLag = "drop"
     """Past ``max_policy_lag``: ``drop`` the trajectory, or ``mask``: keep it while its newest action
     token is within the bound and give its older tokens no policy gradient (``actor/stale_masked``)."""
+    batch_order: BatchOrder = "finish"
+    """Which waiting trajectories a batch takes: the first to ``finish`` (SAO), or the first to have
+    ``start``ed (age-aware: long episodes train before they pass the lag bound)."""
     max_batches_ahead: int | None = None
     """Flow control: a new episode starts only while the episodes started in the stage number at
     most (learner steps done + this) x ``batch_size``, so the engines run at most this many batches

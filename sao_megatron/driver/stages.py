@@ -115,7 +115,7 @@ class StageRun:
         self.s, self.state, self.log, self.stage = s, state, log, stage
         self.estimator = AdvantageEstimator(a)
         budget = s.cfg.rollout.loop.max_response_tokens
-        self.buffer = ReadyBuffer(a.batch_size, a.group_size, a.max_policy_lag, budget, a.over_lag)
+        self.buffer = ReadyBuffer(a.batch_size, a.group_size, a.max_policy_lag, budget, a.over_lag, a.batch_order)
         self.manager = s.manager(self.buffer, lambda: state.version, PromptCursor("train", stage.first_prompt))
         if stage.resumable and state.cursor:
             self.estimator.load_state_dict(state.advantages)
