@@ -50,4 +50,11 @@ def case_every_loss_and_estimator(rank, world):
                 "adv_nonzero": bool(adv.abs().sum() > 0),
                 "metrics_finite": all(math.isfinite(v) for v in {**m, **adv_metrics}.values()),
             }
+    # algo.over_lag=mask: the tokens (all sampled by version 0) within the bound at version 2, past it at 9
+    a = dataclasses.replace(base.algo, advantage="gae", over_lag="mask", max_policy_lag=4)
+    adv, _, _ = AdvantageEstimator(a)(batch, values, trajs)
+    actor.cfg = dataclasses.replace(actor.cfg, algo=a)
+    for version in (2, 9):
+        m = actor.update(shard, shard.take(adv), version)
+        out[f"mask/v{version}"] = {"stale_masked": m["stale_masked"], "loss": m["loss"], "updated": m["updated"]}
     return out

@@ -22,3 +22,9 @@ def test_one_real_step(sweep, estimator, loss):
     assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
     if estimator != "running_mean_global":  # a fresh global baseline may equal the batch mean only by chance
         assert r["adv_nonzero"] and r["grad_norm"] > 0, r
+
+
+def test_over_lag_mask_gives_tokens_past_the_bound_no_gradient_in_a_real_step(sweep):
+    fresh, stale = sweep["mask/v2"], sweep["mask/v9"]  # the policy loss (the MoE's aux loss aside)
+    assert fresh["stale_masked"] == 0.0 and fresh["loss"] != 0.0 and fresh["updated"] == 1.0, fresh
+    assert stale["stale_masked"] == 1.0 and stale["loss"] == 0.0 and stale["updated"] == 1.0, stale
