@@ -157,6 +157,27 @@ _GLM = {
     "max_position_embeddings": 1024,
 }
 
+_DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 12,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+}
+
 
 def _config_of(base: dict, **changes) -> Callable[[Path], object]:
     """Replace config.json with ``base`` changed by ``changes``."""
@@ -247,6 +268,9 @@ CASES: list[tuple[str, Build, str]] = [
      r"rollout\.engine_args: expected a list, got '--chunked-prefill-size 8192'; write it as \[a, b, \.\.\.\]$"),
     ("engine-args-number", _overrides("rollout.engine_args=[--chunked-prefill-size, 8192]"),
      r"rollout\.engine_args\[1\]: expected a string, got 8192; quote it$"),
+    ("bad-update-policy", _overrides("rollout.update_policy=keep"),
+     r"^override 'rollout\.update_policy=keep': rollout\.update_policy: 'keep' is not one of 'retract', 'in_place', "
+     r"'abort'$"),
     # A cluster config has no ray_address until its launcher adds it: checked where the local Ray starts.
     ("one-node-gpus-overflow", lambda tmp: lambda: one_node_gpus(load_config(None, ["cluster.gpus_per_node=2"])),
      r"^cluster\.gpus_per_node=2 < 3 GPUs this run needs on one node \(no cluster\.ray_address\): "
@@ -323,6 +347,24 @@ CASES: list[tuple[str, Build, str]] = [
     ("config-json-quantized-weights", _checkpoint(_config_json(quantization_config={"quant_method": "fp8"})),
      r"^actor\.init_from={tmp}/ckpt: quantization_config \(quant_method='fp8', fmt='e4m3', weight_block_size=None\) is not "
      r"supported: only DeepSeek's FP8 block scaling is read .*; convert the checkpoint to bf16 first$"),
+    # DeepSeek-V3 / Kimi-K2 (issue 31): multi-latent attention, YaRN, the sigmoid router
+    ("config-json-deepseek-mla-without-query-lora", _checkpoint(_config_of(_DEEPSEEK, q_lora_rank=None)),
+     r"^actor\.init_from={tmp}/ckpt: q_lora_rank=null \(multi-latent attention without a query LoRA, DeepSeek-V2-Lite "
+     r"style\) is not supported: .*norm\+linear module its local layer spec lacks; use a checkpoint with q_lora_rank set$"),
+    ("config-json-deepseek-unknown-rope-type",
+     _checkpoint(_config_of(_DEEPSEEK, rope_scaling={"type": "dynamic", "factor": 2.0})),
+     r"^actor\.init_from={tmp}/ckpt: rope_scaling rope type 'dynamic' is not supported for DeepseekV3ForCausalLM \(only "
+     r"plain RoPE and 'yarn'.*\); convert a checkpoint without it$"),
+    ("config-json-deepseek-group-topk-hf-and-megatron-disagree", _checkpoint(_config_of(_DEEPSEEK, n_group=4, topk_group=1)),
+     r"^actor\.init_from={tmp}/ckpt: n_group=4, topk_group=1 with num_experts_per_tok=4 is not supported: HF ranks "
+     r"an expert group by its best 2 scores, Megatron by its best topk // topk_group = 4; .*\(or n_group == 1\)$"),
+    ("config-json-deepseek-rope-not-interleaved", _checkpoint(_config_of(_DEEPSEEK, rope_interleave=False)),
+     r"^actor\.init_from={tmp}/ckpt: rope_interleave=False is not supported for DeepseekV3ForCausalLM: the bridge maps "
+     r"DeepSeek-V3's rope_interleave=True"),
+    ("config-json-deepseek-yarn-attention-factor",
+     _checkpoint(_config_of(_DEEPSEEK, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                                      "attention_factor": 1.1})),
+     r"^actor\.init_from={tmp}/ckpt: rope_scaling\.attention_factor=1\.1 is not mapped to Megatron's YaRN"),
     ("model-field-outside-its-family", _overrides("model.moe_router_score_function=sigmoid"),
      r"^model\.moe_router_score_function='sigmoid' is not expressible in model\.family=qwen's HF architecture "
      r"\(it has 'softmax'\); change the field or the family$"),

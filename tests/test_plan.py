@@ -67,6 +67,23 @@ LAYOUTS = [
         dataclasses.replace(TINY, num_experts=0, tie_word_embeddings=True),
         ParallelConfig(world_size=2, tensor_parallel=2),
     ),
+    (  # DeepSeek-V3: multi-latent attention (column-parallel down-projections), GLM-style MoE layers
+        "mla",
+        dataclasses.replace(
+            TINY,
+            family="deepseek_v3",
+            num_query_groups=4,
+            q_lora_rank=32,
+            kv_lora_rank=30,
+            qk_rope_head_dim=2,
+            v_head_dim=12,
+            moe_shared_expert_intermediate_size=32,
+            dense_layers=[0],
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+        ),
+        ParallelConfig(world_size=4, tensor_parallel=2, pipeline_parallel=2),
+    ),
 ]
 
 
@@ -79,9 +96,10 @@ def test_analytic_counts_match_a_meta_device_build_name_by_name():
 
 
 def test_stage_counts_add_up_to_the_closed_form_model_count():
-    m = dataclasses.replace(TINY, moe_shared_expert_intermediate_size=48, dense_layers=[1])
-    stages = plan.analytic_parameters(m, ParallelConfig(world_size=2, pipeline_parallel=2))
-    assert sum(n for stage in stages for n, _ in stage.values()) == parameter_counts(m)["total"]
+    mla = next(m for name, m, _ in LAYOUTS if name == "mla")
+    for m in (dataclasses.replace(TINY, moe_shared_expert_intermediate_size=48, dense_layers=[1]), mla):
+        stages = plan.analytic_parameters(m, ParallelConfig(world_size=2, pipeline_parallel=2))
+        assert sum(n for stage in stages for n, _ in stage.values()) == parameter_counts(m)["total"]
 
 
 def _plan(path: str, *overrides: str) -> plan.Plan:

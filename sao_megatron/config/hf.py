@@ -1,7 +1,8 @@
 """HF ``config.json`` <-> our :class:`~sao_megatron.config.ModelConfig`.
 
-Mapped architectures: Qwen3, Qwen3-MoE, Qwen2-MoE (``family: qwen``), Mixtral (``mixtral``) and
-GLM-4.5/4.6 (``Glm4MoeForCausalLM``, ``glm4_moe``). Pure dictionaries in, dataclasses out: no
+Mapped architectures: Qwen3, Qwen3-MoE, Qwen2-MoE (``family: qwen``), Mixtral (``mixtral``),
+GLM-4.5/4.6 (``Glm4MoeForCausalLM``, ``glm4_moe``) and DeepSeek-V3 / V3.1 / Kimi-K2
+(``DeepseekV3ForCausalLM``, ``deepseek_v3``). Pure dictionaries in, dataclasses out: no
 ``transformers`` import, so ``sao convert hf-config`` works on a bare ``config.json``. Features
 Megatron would compute differently are refused with a :class:`~sao_megatron.config.ConfigError`
 naming the HF key, never silently dropped:
@@ -9,7 +10,7 @@ naming the HF key, never silently dropped:
 ===========================  ===================================================================
 HF key                        why it is refused
 ===========================  ===================================================================
-``architectures``             only the five above are mapped
+``architectures``             only the six above are mapped
 ``quantization_config``       quantised weights are not read, except DeepSeek's FP8 block scaling
                               (``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size``), which the
                               reader dequantises (``models/hf_io.py``)
@@ -28,13 +29,26 @@ size`` 0 (Qwen2-MoE)
                               given (packed sequences) and on CUDA; refused
 ``router_jitter_noise`` > 0   HF's training-time noise scales the experts' input too; Megatron's
 (Mixtral)                     ``moe_input_jitter_eps`` only the router's
-``rope_scaling`` /             only plain RoPE (``rope_type: default``) is built
-``rope_parameters.rope_type``
+``rope_scaling`` /             only plain RoPE (``rope_type: default``) is built; DeepSeek-V3 also
+``rope_parameters.rope_type``  ``yarn`` (Megatron's MLA YaRN), except ``attention_factor``,
+                              ``truncate: false`` and ``mscale`` unset with ``mscale_all_dim`` set
+``q_lora_rank`` null           MLA without a query LoRA (DeepSeek-V2-Lite): Megatron fuses a norm
+(DeepSeek-V3)                 into its query projection, a module the local layer spec lacks
+``scoring_func``,              DeepSeek-V3's sigmoid / ``noaux_tc`` / 1 / true only
+``topk_method``,
+``moe_layer_freq``,
+``rope_interleave``
+``rms_norm_eps`` != 1e-6       transformers normalises DeepSeek's q/kv latents with 1e-6 always
+(DeepSeek-V3)
+``num_key_value_heads`` !=     MLA has one key and value per head
+heads (DeepSeek-V3)
 ``n_group`` / ``topk_group``   Megatron ranks a group by its best ``topk // topk_group`` experts,
-(GLM)                         HF by its best 2: groups with ``topk // topk_group != 2`` refused
-``norm_topk_prob`` (GLM)      Megatron renormalises sigmoid weights exactly when top-k > 1
-``n_shared_experts`` 0 (GLM)  GLM always builds a shared expert
-any other key (Mixtral, GLM)  not known to the bridge, which cannot tell whether it changes the
+(GLM, DeepSeek)               HF by its best 2: groups with ``topk // topk_group != 2`` refused
+``norm_topk_prob`` (GLM,      Megatron renormalises sigmoid weights exactly when top-k > 1
+DeepSeek)
+``n_shared_experts`` 0        GLM and DeepSeek-V3 always build a shared expert
+any other key (Mixtral, GLM,  not known to the bridge, which cannot tell whether it changes the
+DeepSeek)
                               model: refused (``_KNOWN_KEYS``)
 ===========================  ===================================================================
 
@@ -47,8 +61,13 @@ layer MoE with experts ``intermediate_size`` wide. GLM-4.5: sigmoid scores with 
 ``topk_group``), ``first_k_dense_replace`` dense layers first, an ungated shared expert
 ``n_shared_experts x moe_intermediate_size`` wide, q/k/v biases (``attention_bias``), optional q/k
 norm (``use_qk_norm``), RoPE on the first ``partial_rotary_factor`` (default 0.5) of each head.
-Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of the model: not
-loaded, not exported (as ``transformers`` 5.19, which ignores them).
+DeepSeek-V3: GLM's MoE layers (defaults of ``DeepseekV3Config``: 8 groups, top-4 groups, 3 dense
+layers) and multi-latent attention (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim`` ->
+``head_dim``, ``qk_rope_head_dim``, ``v_head_dim``; q/kv latent norms -> ``qk_layernorm``), plain
+RoPE or YaRN (``factor``, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
+``mscale``, ``mscale_all_dim``). Multi-token-prediction layers (``num_nextn_predict_layers``;
+DeepSeek-V3's count is kept in ``mtp_layers``) are not part of the model: not loaded, not exported
+(as ``transformers`` 5.19, which ignores them).
 
 Keys that name a shape (layers, widths, heads, vocabulary, experts) must be present; the rest
 default as in ``transformers`` 5.19 (``head_dim``: ``hidden_size / num_attention_heads`` except
@@ -64,6 +83,8 @@ from typing import Any
 
 import yaml
 
+from sao_megatron.config import hf_deepseek
+from sao_megatron.config.hf_deepseek import DEEPSEEK_V3_ARCH
 from sao_megatron.config.parse import build, read_yaml
 from sao_megatron.config.schema import ConfigError, ModelConfig
 from sao_megatron.config.shape import validate_model
@@ -73,17 +94,18 @@ DENSE_ARCH = "Qwen3ForCausalLM"
 QWEN2_MOE_ARCH = "Qwen2MoeForCausalLM"
 MIXTRAL_ARCH = "MixtralForCausalLM"
 GLM4_MOE_ARCH = "Glm4MoeForCausalLM"
-SUPPORTED_ARCHITECTURES = (MOE_ARCH, DENSE_ARCH, QWEN2_MOE_ARCH, MIXTRAL_ARCH, GLM4_MOE_ARCH)
+SUPPORTED_ARCHITECTURES = (MOE_ARCH, DENSE_ARCH, QWEN2_MOE_ARCH, MIXTRAL_ARCH, GLM4_MOE_ARCH, DEEPSEEK_V3_ARCH)
 _MODEL_TYPE = {
     MOE_ARCH: "qwen3_moe",
     DENSE_ARCH: "qwen3",
     QWEN2_MOE_ARCH: "qwen2_moe",
     MIXTRAL_ARCH: "mixtral",
     GLM4_MOE_ARCH: "glm4_moe",
+    DEEPSEEK_V3_ARCH: "deepseek_v3",
 }
 _MOE_ARCHS = (MOE_ARCH, QWEN2_MOE_ARCH)
-_FAMILY = {MIXTRAL_ARCH: "mixtral", GLM4_MOE_ARCH: "glm4_moe"}
-_ARCH_OF_FAMILY = {"mixtral": MIXTRAL_ARCH, "glm4_moe": GLM4_MOE_ARCH}
+_FAMILY = {MIXTRAL_ARCH: "mixtral", GLM4_MOE_ARCH: "glm4_moe", DEEPSEEK_V3_ARCH: "deepseek_v3"}
+_ARCH_OF_FAMILY = {v: k for k, v in _FAMILY.items()}
 
 # Keys of transformers' PreTrainedConfig (and old configs' generation settings) that do not change
 # the model's forward pass.
@@ -110,8 +132,13 @@ _KNOWN_KEYS = {
         "moe_intermediate_size n_routed_experts n_shared_experts routed_scaling_factor n_group topk_group "
         "first_k_dense_replace norm_topk_prob use_qk_norm partial_rotary_factor num_nextn_predict_layers".split()
     ),
+    DEEPSEEK_V3_ARCH: _GENERIC_KEYS | _COMMON_KEYS | hf_deepseek.KEYS,
 }
-"""Every ``config.json`` key the Mixtral and GLM bridges accept; any other is refused."""
+"""Every ``config.json`` key the Mixtral, GLM and DeepSeek-V3 bridges accept; any other is refused."""
+_GLM_ROUTER_DEFAULTS = dict(
+    n_group=1, topk_group=1, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True
+)
+"""``Glm4MoeConfig``'s defaults (transformers 5.19) for routing keys a config.json may omit."""
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -155,13 +182,13 @@ def _rope(hf: dict[str, Any], arch: str) -> tuple[float, float]:
     ``rope_parameters`` (5.x) must be default. GLM's ``partial_rotary_factor`` sits at the top
     level (4.x) or in ``rope_parameters`` (5.x); its default is 0.5, the others rotate the whole head."""
     scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+    if arch != DEEPSEEK_V3_ARCH and scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         raise ConfigError(
             f"rope_scaling={scaling!r} is not supported (only plain RoPE); remove it or "
             "convert a checkpoint without RoPE scaling"
         )
     params = hf.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default":
+    if arch != DEEPSEEK_V3_ARCH and params.get("rope_type", "default") != "default":
         raise ConfigError(f"rope_parameters.rope_type={params['rope_type']!r} is not supported (only 'default' RoPE)")
     theta = float(hf.get("rope_theta", params.get("rope_theta", 1e6 if arch == MIXTRAL_ARCH else 10000.0)))
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
@@ -217,8 +244,17 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
         )
     if arch == MIXTRAL_ARCH:
         _refuse_mixtral(hf)
-    if arch == GLM4_MOE_ARCH:
-        _refuse_glm(hf)
+    if arch in (GLM4_MOE_ARCH, DEEPSEEK_V3_ARCH):
+        _refuse_sigmoid_router(hf, arch)
+    if arch == DEEPSEEK_V3_ARCH:
+        hf_deepseek.refuse(hf)
+
+
+def _router_key(hf: dict[str, Any], key: str, arch: str) -> Any:
+    """A routing key of GLM or DeepSeek-V3, or its default in transformers' config class."""
+    if arch == DEEPSEEK_V3_ARCH:
+        return hf.get(key, hf_deepseek.ROUTER_DEFAULTS.get(key))
+    return hf.get(key, _GLM_ROUTER_DEFAULTS.get(key))
 
 
 def _refuse_mixtral(hf: dict[str, Any]) -> None:
@@ -236,23 +272,23 @@ def _refuse_mixtral(hf: dict[str, Any]) -> None:
         )
 
 
-def _refuse_glm(hf: dict[str, Any]) -> None:
-    topk = int(hf.get("num_experts_per_tok", 8))
-    groups, chosen = int(hf.get("n_group", 1)), int(hf.get("topk_group", 1))
+def _refuse_sigmoid_router(hf: dict[str, Any], arch: str) -> None:
+    topk = int(_router_key(hf, "num_experts_per_tok", arch))
+    groups, chosen = int(_router_key(hf, "n_group", arch)), int(_router_key(hf, "topk_group", arch))
     if groups > 1 and topk // max(chosen, 1) != 2:
         raise ConfigError(
             f"n_group={groups}, topk_group={chosen} with num_experts_per_tok={topk} is not supported: HF ranks "
             f"an expert group by its best 2 scores, Megatron by its best topk // topk_group = {topk // max(chosen, 1)}; "
             "they agree only when num_experts_per_tok // topk_group == 2 (or n_group == 1)"
         )
-    norm = bool(hf.get("norm_topk_prob", True))
+    norm = bool(_router_key(hf, "norm_topk_prob", arch))
     if norm != (topk > 1):
         raise ConfigError(
             f"norm_topk_prob={str(norm).lower()} with num_experts_per_tok={topk} is not supported: Megatron "
             "renormalises sigmoid top-k weights exactly when top-k > 1"
         )
-    if not int(hf.get("n_shared_experts", 1)):
-        raise ConfigError("n_shared_experts=0 is not supported: the GLM bridge maps exactly its shared expert")
+    if not int(_router_key(hf, "n_shared_experts", arch)):
+        raise ConfigError(f"n_shared_experts=0 is not supported: the {arch} bridge maps exactly its shared expert")
 
 
 def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
@@ -261,6 +297,9 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
     _refuse_unsupported(hf, arch)
     heads = int(_require(hf, "num_attention_heads", arch))
     hidden = int(_require(hf, "hidden_size", arch))
+    head_dim = int(hf.get("head_dim") or (128 if arch == DENSE_ARCH else hidden // heads))
+    if arch == DEEPSEEK_V3_ARCH:  # transformers' head_dim is qk_rope_head_dim there; ours is the unrotated part
+        head_dim = int(_require(hf, "qk_nope_head_dim", arch))
     theta, rotary = _rope(hf, arch)
     m = ModelConfig(
         name=name or str(hf.get("_name_or_path") or "").rstrip("/").split("/")[-1],
@@ -269,14 +308,15 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or (128 if arch == DENSE_ARCH else hidden // heads)),
+        head_dim=head_dim,
         ffn_hidden_size=int(hf.get("intermediate_size") or 0),
         vocab_size=int(_require(hf, "vocab_size", arch)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         rope_theta=theta,
         rotary_percent=rotary if arch == GLM4_MOE_ARCH else 1.0,
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        qk_layernorm=arch in (MOE_ARCH, DENSE_ARCH) or (arch == GLM4_MOE_ARCH and bool(hf.get("use_qk_norm"))),
+        qk_layernorm=arch in (MOE_ARCH, DENSE_ARCH, DEEPSEEK_V3_ARCH)
+        or (arch == GLM4_MOE_ARCH and bool(hf.get("use_qk_norm"))),
         add_qkv_bias=(arch == QWEN2_MOE_ARCH and bool(hf.get("qkv_bias", True)))
         or (arch == GLM4_MOE_ARCH and bool(hf.get("attention_bias", False))),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -292,8 +332,10 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
             moe_ffn_hidden_size=width,
             moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
         )
-    elif arch == GLM4_MOE_ARCH:
-        m = _glm(hf, m)
+    elif arch in (GLM4_MOE_ARCH, DEEPSEEK_V3_ARCH):
+        m = _glm(hf, m, arch)
+        if arch == DEEPSEEK_V3_ARCH:
+            m = hf_deepseek.with_mla(hf, m)
     elif not m.ffn_hidden_size:
         raise ConfigError(f"config.json lacks 'intermediate_size', which {arch} needs")
     validate_model(m)
@@ -320,10 +362,12 @@ def _qwen_moe(hf: dict[str, Any], arch: str, m: ModelConfig) -> ModelConfig:
     )
 
 
-def _glm(hf: dict[str, Any], m: ModelConfig) -> ModelConfig:
-    arch = GLM4_MOE_ARCH
+def _glm(hf: dict[str, Any], m: ModelConfig, arch: str) -> ModelConfig:
+    """GLM-4.5's MoE layers; DeepSeek-V3's are the same (sigmoid router with expert bias, groups,
+    scaling, an ungated shared expert, the first k layers dense)."""
     width = int(_require(hf, "moe_intermediate_size", arch))
-    topk = int(hf.get("num_experts_per_tok", 8))
+    topk = int(_router_key(hf, "num_experts_per_tok", arch))
+    groups = int(_router_key(hf, "n_group", arch))
     if not m.ffn_hidden_size:
         raise ConfigError(f"config.json lacks 'intermediate_size', which {arch} needs (its dense layers)")
     return dataclasses.replace(
@@ -331,14 +375,14 @@ def _glm(hf: dict[str, Any], m: ModelConfig) -> ModelConfig:
         num_experts=int(_require(hf, "n_routed_experts", arch)),
         moe_router_topk=topk,
         moe_ffn_hidden_size=width,
-        moe_shared_expert_intermediate_size=width * int(hf.get("n_shared_experts", 1)),
-        moe_router_renormalize=topk > 1,  # _refuse_glm: norm_topk_prob says the same
+        moe_shared_expert_intermediate_size=width * int(_router_key(hf, "n_shared_experts", arch)),
+        moe_router_renormalize=topk > 1,  # _refuse_sigmoid_router: norm_topk_prob says the same
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        moe_router_num_groups=int(hf.get("n_group", 1)),
-        moe_router_group_topk=int(hf.get("topk_group", 1)) if int(hf.get("n_group", 1)) > 1 else 1,
-        dense_layers=list(range(min(int(hf.get("first_k_dense_replace", 1)), m.num_layers))),
+        moe_router_num_groups=groups,
+        moe_router_group_topk=int(_router_key(hf, "topk_group", arch)) if groups > 1 else 1,
+        dense_layers=list(range(min(int(_router_key(hf, "first_k_dense_replace", arch)), m.num_layers))),
         moe_aux_loss_coeff=0.0,  # aux-loss-free: the expert bias balances the load
     )
 
@@ -380,6 +424,8 @@ def hf_config_from_model(m: ModelConfig, dtype: str = "float32") -> dict[str, An
         return hf
     if arch == GLM4_MOE_ARCH:
         return hf | _glm_keys(m)
+    if arch == DEEPSEEK_V3_ARCH:
+        return {k: v for k, v in hf.items() if k != "head_dim"} | hf_deepseek.config_keys(m, _glm_keys(m))
     hf["use_sliding_window"] = False
     if arch == QWEN2_MOE_ARCH:
         hf["qkv_bias"] = m.add_qkv_bias

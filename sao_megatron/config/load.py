@@ -249,6 +249,13 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
             f"{key}.tensor_parallel={tp} does not divide model.num_attention_heads={m.num_attention_heads} "
             f"and model.num_query_groups={m.num_query_groups}; use one of {options}"
         )
+    latent = {"q_lora_rank": m.q_lora_rank, "kv_lora_rank + qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim}
+    for name, rows in latent.items():  # MLA's down-projections are column-parallel on the local spec
+        if rows % tp:
+            raise ConfigError(
+                f"{key}.tensor_parallel={tp} does not divide model.{name}={rows} (multi-latent attention's "
+                f"down-projections are split over TP); use one of {divisors(rows)[:8]}"
+            )
     if m.vocab_size % tp:
         raise ConfigError(
             f"{key}.tensor_parallel={tp} does not divide model.vocab_size={m.vocab_size}; "

@@ -31,14 +31,18 @@ Backend = Literal["auto", "nccl", "gloo"]
 """torch.distributed backend of the trainer ranks."""
 NodeGroup = Literal["actor", "critic", "rollout"]
 """A node group of a cluster run (``cluster.*_nodes``; its nodes advertise ``sao_<group>`` to Ray)."""
+UpdatePolicy = Literal["retract", "in_place", "abort"]
+"""What a weight sync does to the requests the engines are running (``rollout.update_policy``)."""
 RetryFrom = Literal["scratch", "turn"]
 """Where an episode retried after an engine fault starts again (``rollout.episode_retry_from``)."""
-ModelFamily = Literal["qwen", "mixtral", "glm4_moe"]
+ModelFamily = Literal["qwen", "mixtral", "glm4_moe", "deepseek_v3"]
 """The HF architecture family of a model shape: it names the checkpoint's tensors (``models/hf_bridge.py``)."""
 RouterScore = Literal["softmax", "sigmoid"]
 """The MoE router's score function (HF: Qwen and Mixtral softmax, GLM-4.5 sigmoid)."""
 RouterBiasUpdate = Literal["freeze", "train"]
 """What training does to the MoE router's expert bias (``actor.router_bias_update``)."""
+RopeType = Literal["default", "yarn"]
+"""RoPE frequencies: plain, or YaRN-scaled (DeepSeek-V3's long context; multi-latent attention only)."""
 
 
 class ConfigError(ValueError):
@@ -51,14 +55,15 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     """Shape of a decoder of a supported HF family: Qwen3-MoE (dense Qwen3 when ``num_experts ==
-    0``), Qwen2-MoE, Mixtral or GLM-4.5/4.6 (``family``)."""
+    0``), Qwen2-MoE, Mixtral, GLM-4.5/4.6 or DeepSeek-V3 / Kimi-K2 (``family``)."""
 
     name: str = ""
     """Human-readable name, e.g. ``tiny_moe`` or ``qwen3_30b_a3b``."""
     family: ModelFamily = "qwen"
     """The HF architecture the shape maps to, which names the checkpoint's tensors and writes its
     ``config.json``: ``qwen`` (Qwen3, Qwen3-MoE and Qwen2-MoE, told apart by the fields below),
-    ``mixtral`` (``MixtralForCausalLM``) or ``glm4_moe`` (``Glm4MoeForCausalLM``: GLM-4.5, 4.6)."""
+    ``mixtral`` (``MixtralForCausalLM``), ``glm4_moe`` (``Glm4MoeForCausalLM``: GLM-4.5, 4.6) or
+    ``deepseek_v3`` (``DeepseekV3ForCausalLM``: DeepSeek-V3, V3.1, Kimi-K2; multi-latent attention)."""
     num_layers: int = 0
     """Transformer layers (HF ``num_hidden_layers``)."""
     hidden_size: int = 0
@@ -68,7 +73,19 @@ class ModelConfig:
     num_query_groups: int = 0
     """Key/value heads for GQA (HF ``num_key_value_heads``)."""
     head_dim: int = 0
-    """Per-head width (HF ``head_dim``); may differ from hidden_size / heads in Qwen3."""
+    """Per-head width (HF ``head_dim``); may differ from hidden_size / heads in Qwen3. With
+    multi-latent attention (``deepseek_v3``) the query/key part RoPE does not rotate (HF
+    ``qk_nope_head_dim``, Megatron ``qk_head_dim``); a query/key head is ``head_dim +
+    qk_rope_head_dim`` wide."""
+    q_lora_rank: int = 0
+    """Multi-latent attention (``deepseek_v3`` only, 0 elsewhere): the query's low-rank width (HF ``q_lora_rank``)."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention: the compressed key/value latent's width (HF ``kv_lora_rank``)."""
+    qk_rope_head_dim: int = 0
+    """Multi-latent attention: the query/key width per head that RoPE rotates, the key's part shared by
+    all heads (HF ``qk_rope_head_dim``, Megatron ``qk_pos_emb_head_dim``)."""
+    v_head_dim: int = 0
+    """Multi-latent attention: per-head value width (HF ``v_head_dim``)."""
     ffn_hidden_size: int = 0
     """Dense MLP width (HF ``intermediate_size``), used by dense layers and dense models."""
     vocab_size: int = 0
@@ -118,6 +135,18 @@ class ModelConfig:
     rotary_percent: float = 1.0
     """Share of each head's dimensions that RoPE rotates, the first ones (HF
     ``partial_rotary_factor``: GLM-4.5 0.5); the rest pass unrotated."""
+    rope_type: RopeType = "default"
+    """``yarn``: YaRN-scaled RoPE (HF ``rope_scaling`` / ``rope_parameters`` of type ``yarn``; multi-latent
+    attention only). The ``rope_*`` / ``yarn_*`` fields below are HF's ``factor``,
+    ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``:
+    cos/sin scaled by ``m(factor, yarn_mscale) / m(factor, yarn_mscale_all_dim)``, the softmax by
+    ``m(factor, yarn_mscale_all_dim)^2``, ``m(s, a) = 0.1 a ln s + 1``."""
+    rope_scaling_factor: float = 1.0
+    rope_original_max_position_embeddings: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon (HF ``rms_norm_eps``)."""
     qk_layernorm: bool = True
@@ -127,6 +156,10 @@ class ModelConfig:
     ``attention_bias``)."""
     tie_word_embeddings: bool = False
     """Share input embedding and LM head (Qwen3-MoE: untied)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers the HF checkpoint carries after the decoder (DeepSeek-V3
+    ``num_nextn_predict_layers``, ``model.layers.{num_layers}...``): not built, loaded, trained or
+    exported; ``models/counting.py`` counts them apart from the model's total."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,6 +409,17 @@ class RolloutConfig:
     """``distributed`` (one broadcast group per actor pipeline stage -> engines; the engines start with random
     weights while the roles start, and the first sync gives them the actor's) or ``disk`` (the
     engines start from, and reload, the actor's HF export in ``<run_dir>/hf/policy``)."""
+    update_policy: UpdatePolicy = "retract"
+    """What a broadcast weight sync does to the requests the engines are running (docs/rollout.md):
+    ``retract`` (they go back to the engine's queue; the cache is flushed once per sync, so their
+    contexts are prefilled again under the new weights), ``in_place`` (they stay in the batch with
+    their KV cache, computed under the old weights, and continue with the new ones; the cache is not
+    flushed while requests run, so later prefix-cache hits may reuse old KV too: the trajectory's
+    ``stale_kv`` spans record those tokens) or ``abort`` (the engines return them with their partial
+    output; the agent loop resubmits each as a continuation, prompt + tokens so far, and the tokens
+    already generated keep their behavior logprobs and versions). Measured side by side in
+    docs/PERFORMANCE.md (``benchmarks/bench_update_policy.py``). The disk sync
+    (``weight_sync: disk``) does not pause: the engine finishes its requests before it loads."""
     weight_sync_every: int = 1
     """Push the actor's weights to the engines every n policy versions (1: every step). n > 1 is a
     staleness knob for experiments: episodes then run on weights up to n - 1 versions old (and

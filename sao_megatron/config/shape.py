@@ -102,6 +102,45 @@ _ROUTER_DEFAULTS = dict(
 )
 
 
+_NO_MLA = dict(
+    q_lora_rank=0,
+    kv_lora_rank=0,
+    qk_rope_head_dim=0,
+    v_head_dim=0,
+    rope_type="default",
+    rope_scaling_factor=1.0,
+    rope_original_max_position_embeddings=0,
+)
+
+
+def _validate_mla(m: ModelConfig) -> dict[str, object]:
+    """Multi-latent attention's widths (``deepseek_v3``); returns the fields the family fixes."""
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(
+                f"model.{name}={getattr(m, name)} must be > 0 for deepseek_v3 (multi-latent attention; "
+                "a query without LoRA, q_lora_rank 0, is not built on the local layer spec)"
+            )
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    if m.rope_type == "yarn" and (m.rope_scaling_factor <= 1 or m.rope_original_max_position_embeddings <= 0):
+        raise ConfigError(
+            f"model.rope_type=yarn needs rope_scaling_factor > 1 (got {m.rope_scaling_factor}) and "
+            f"rope_original_max_position_embeddings > 0 (got {m.rope_original_max_position_embeddings})"
+        )
+    if m.mtp_layers < 0:
+        raise ConfigError(f"model.mtp_layers must be >= 0 (got {m.mtp_layers})")
+    # every head has its own keys and values (HF num_key_value_heads = num_attention_heads)
+    return dict(
+        num_query_groups=m.num_attention_heads,
+        qk_layernorm=True,
+        add_qkv_bias=False,
+        rotary_percent=1.0,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    )
+
+
 def _validate_family(m: ModelConfig) -> None:
     """What the shape's HF architecture can express: the engines build that architecture, so a
     field it lacks would train one model and serve another."""
@@ -124,20 +163,24 @@ def _validate_family(m: ModelConfig) -> None:
                 f"model.ffn_hidden_size={m.ffn_hidden_size} must equal moe_ffn_hidden_size={m.moe_ffn_hidden_size} "
                 "for mixtral (one HF intermediate_size sizes its experts)"
             )
-    if m.family == "glm4_moe":
+    if m.family in ("glm4_moe", "deepseek_v3"):
         fixed = dict(moe_layer_freq=1, moe_shared_expert_gate=False)
         if not m.num_experts:
-            raise ConfigError("model.family=glm4_moe needs num_experts > 0")
+            raise ConfigError(f"model.family={m.family} needs num_experts > 0")
         shared = m.moe_shared_expert_intermediate_size
         if not shared or shared % m.moe_ffn_hidden_size:
             raise ConfigError(
                 f"model.moe_shared_expert_intermediate_size={shared} must be a positive multiple of "
-                f"moe_ffn_hidden_size={m.moe_ffn_hidden_size} for glm4_moe (HF n_shared_experts x moe_intermediate_size)"
+                f"moe_ffn_hidden_size={m.moe_ffn_hidden_size} for {m.family} (HF n_shared_experts x moe_intermediate_size)"
             )
         if m.dense_layers != list(range(len(m.dense_layers))):
             raise ConfigError(
-                f"model.dense_layers={m.dense_layers} must be the first k layers for glm4_moe (HF first_k_dense_replace)"
+                f"model.dense_layers={m.dense_layers} must be the first k layers for {m.family} (HF first_k_dense_replace)"
             )
+    if m.family == "deepseek_v3":
+        fixed |= _validate_mla(m)
+    else:
+        fixed |= {**_NO_MLA, "mtp_layers": 0}
     for key, value in fixed.items():
         if getattr(m, key) != value:
             raise ConfigError(

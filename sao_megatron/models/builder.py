@@ -12,7 +12,9 @@ Qwen2-MoE: no q/k norm, q/k/v biases (``add_qkv_bias``), a shared SwiGLU expert 
 is scaled by ``sigmoid(x @ shared_expert_gate)`` (``moe_shared_expert_gate``). Mixtral: no q/k
 norm, no biases, every layer MoE. GLM-4.5: q/k/v biases, optional q/k norm, RoPE on the first
 ``rotary_percent`` of each head (``rotary_percent``, HF ``partial_rotary_factor``), an ungated
-shared expert, the first k layers dense, and the sigmoid router below.
+shared expert, the first k layers dense, and the sigmoid router below. DeepSeek-V3: GLM's MoE
+layers and multi-latent attention (``MLATransformerConfig``, :func:`mla_kwargs`; on the local spec
+with :class:`~sao_megatron.models.mla_attention.LocalMLACoreAttention`, :func:`layer_spec`).
 
 Softmax router (HF: ``softmax over all experts -> topk``, then ``/ sum`` with ``norm_topk_prob``):
 
@@ -198,7 +200,7 @@ def transformer_config(
     conversion): parameters are built on the CPU whatever devices the process sees
     (``use_cpu_initialization``) and only allocated, not initialised (``perform_initialization``
     off), so building touches no memory the load will not fill and no GPU."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     knobs = resolved(p)
@@ -228,7 +230,11 @@ def transformer_config(
         )
     else:  # the MoE fusions are MoE-only settings
         fusions = {k: v for k, v in fusions.items() if not k.startswith("moe_")}
-    config = TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if m.family == "deepseek_v3":
+        config_class, mla = MLATransformerConfig, mla_kwargs(m)
+        fusions["apply_rope_fusion"] = False  # Megatron 0.19: MLA's fused RoPE is experimental, training only
+    config = config_class(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size or m.moe_ffn_hidden_size,
@@ -259,17 +265,55 @@ def transformer_config(
         **recompute_kwargs(m, p, knobs, grouped_gemm=fusions.get("moe_grouped_gemm", False)),
         **fusions,
         **moe,
+        **mla,
     )
     if m.num_experts and softmax and m.moe_router_renormalize and m.moe_router_topk == 1:
         config.moe_router_pre_softmax = False  # top-1 renormalised: weight 1.0 (module docstring)
     return config
 
 
+def mla_kwargs(m: ModelConfig) -> dict[str, Any]:
+    """``MLATransformerConfig``'s fields for a ``deepseek_v3`` shape (HF -> Megatron):
+    ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim`` -> ``qk_head_dim``, ``qk_rope_head_dim``
+    -> ``qk_pos_emb_head_dim``, ``v_head_dim``; RoPE ``rope`` or ``yarn`` with YaRN's factor, original
+    context, betas and mscales. Megatron's MLA rotates interleaved pairs (HF ``rope_interleave``) and
+    scales the softmax by ``m(factor, mscale_all_dim)^2 / sqrt(qk_nope + qk_rope)`` (1 without YaRN)."""
+    yarn = m.rope_type == "yarn"
+    return dict(
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_base=m.rope_theta,
+        rotary_scaling_factor=m.rope_scaling_factor if yarn else 1.0,
+        original_max_position_embeddings=m.rope_original_max_position_embeddings or m.max_position_embeddings,
+        beta_fast=m.yarn_beta_fast,
+        beta_slow=m.yarn_beta_slow,
+        mscale=m.yarn_mscale if yarn else 1.0,
+        mscale_all_dim=m.yarn_mscale_all_dim if yarn else 0.0,
+    )
+
+
 def layer_spec(config):
-    """Decoder block spec: TE layers with a GPU and TE installed, local Megatron-Core layers otherwise."""
+    """Decoder block spec: TE layers with a GPU and TE installed, local Megatron-Core layers otherwise.
+
+    Multi-latent attention on the local spec: Megatron's local ``DotProductAttention`` sizes keys,
+    values and its output by ``kv_channels`` and refuses MLA's ``k_channels`` / ``v_channels``
+    (only TE's attention takes them); :class:`~sao_megatron.models.mla_attention.LocalMLACoreAttention`
+    replaces it in every layer's spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine(), normalization="RMSNorm")
+    te = have_transformer_engine()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    if config.multi_latent_attention and not te:
+        from sao_megatron.models.mla_attention import LocalMLACoreAttention
+
+        layers: list[Any] = list(spec.layer_specs or [])  # ModuleSpecs of TransformerLayerSubmodules
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = LocalMLACoreAttention
+    return spec
 
 
 # TE's layer spec fuses a norm into the following linear layer (``TELayerNormColumnParallelLinear``):
@@ -279,6 +323,8 @@ def layer_spec(config):
 _TE_FUSED_NORMS = (
     (".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
     (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."),
+    (".self_attention.linear_q_up_proj.layer_norm_", ".self_attention.q_layernorm."),  # MLA's latent norms
+    (".self_attention.linear_kv_up_proj.layer_norm_", ".self_attention.kv_layernorm."),
 )
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 

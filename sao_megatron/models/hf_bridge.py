@@ -103,6 +103,20 @@ _ONE_TO_ONE = {
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+# Multi-latent attention (deepseek_v3), local spec | TE spec (whose q/kv latent norms are fused into
+# the up-projections, ``linear_{q,kv}_up_proj.layer_norm_weight``). Every tensor maps whole: Megatron
+# keeps HF's row order (per head ``[nope; rope]`` queries, ``[nope; v]`` keys/values, ``[latent;
+# rope]`` for the key/value down-projection).
+_MLA_ONE_TO_ONE = {
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
 EXPERT_BIAS = "mlp.router.expert_bias"
 """The Megatron suffix of the one buffer the bridge maps (the router's expert bias)."""
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
@@ -142,6 +156,7 @@ _FAMILY_NAMES = {
         "block_sparse_moe.gate.weight", "block_sparse_moe.experts.", "w1.weight", "w3.weight", "w2.weight"
     ),
 }
+_FAMILY_NAMES["deepseek_v3"] = _FAMILY_NAMES["glm4_moe"]  # its MoE block is GLM's; attention is MLA
 _FUSED_ROUTER = "mlp.gate.weight"
 """The router in transformers' in-memory (fused) naming, every family (Mixtral's ``block_sparse_moe`` renamed)."""
 
@@ -159,6 +174,8 @@ def _one_to_one(m: ModelConfig, fused: bool = False) -> dict[str, str]:
     }
     if n.shared:
         extra["mlp.shared_experts.linear_fc2.weight"] = f"{n.shared}down_proj.weight"
+    if is_mla(m):
+        extra |= _MLA_ONE_TO_ONE
     return _ONE_TO_ONE | extra
 
 
@@ -169,6 +186,11 @@ def _glu(m: ModelConfig) -> dict[str, tuple[str, str]]:
     if shared:
         glu["mlp.shared_experts.linear_fc1.weight"] = (f"{shared}gate_proj.weight", f"{shared}up_proj.weight")
     return glu
+
+
+def is_mla(m: ModelConfig) -> bool:
+    """Multi-latent attention (the ``deepseek_v3`` family)."""
+    return m.family == "deepseek_v3"
 
 
 def is_buffer(name: str) -> bool:
@@ -185,16 +207,27 @@ def keeps_float32(hf_name: str) -> bool:
 
 def is_ignored(hf_name: str, m: ModelConfig) -> bool:
     """HF tensors a checkpoint may hold that are not part of the model: the tied LM head, rotary
-    tables, and GLM's multi-token-prediction layers (``model.layers.{i}`` past ``num_layers``,
-    ``num_nextn_predict_layers``; transformers 5.19 ignores them too)."""
+    tables, and GLM's and DeepSeek-V3's multi-token-prediction layers (:func:`is_mtp`)."""
     if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and m.tie_word_embeddings):
         return True
+    return is_mtp(hf_name, m)
+
+
+def is_mtp(hf_name: str, m: ModelConfig) -> bool:
+    """A multi-token-prediction layer's tensor (GLM, DeepSeek-V3: ``model.layers.{i}`` past
+    ``num_layers``, HF ``num_nextn_predict_layers``): not loaded, not exported (transformers 5.19
+    ignores them too)."""
     layer = _HF_LAYER_RE.match(hf_name)
-    return m.family == "glm4_moe" and layer is not None and int(layer.group(1)) >= m.num_layers
+    return m.family in ("glm4_moe", "deepseek_v3") and layer is not None and int(layer.group(1)) >= m.num_layers
 
 
 def _family_label(m: ModelConfig) -> str:
-    return {"qwen": "Qwen3 / Qwen3-MoE / Qwen2-MoE", "mixtral": "Mixtral", "glm4_moe": "GLM-4.5"}[m.family]
+    return {
+        "qwen": "Qwen3 / Qwen3-MoE / Qwen2-MoE",
+        "mixtral": "Mixtral",
+        "glm4_moe": "GLM-4.5",
+        "deepseek_v3": "DeepSeek-V3",
+    }[m.family]
 
 
 def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
@@ -241,6 +274,8 @@ def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
     }
     if m.moe_router_enable_expert_bias:
         shapes["mlp.gate.e_score_correction_bias"] = (e,)
+    if is_mla(m):  # no q/k/v projections or per-head q/k norms
+        shapes = {k: v for k, v in shapes.items() if not k.startswith("self_attn.")} | _mla_shapes(m)
     if n.shared:
         shapes |= {
             f"{n.shared}gate_proj.weight": (s, h),
@@ -252,6 +287,21 @@ def hf_shape(hf_name: str, m: ModelConfig) -> tuple[int, ...]:
     if suffix not in shapes:
         raise MappingError(f"'{hf_name}' is not a {_family_label(m)} tensor")
     return shapes[suffix]
+
+
+def _mla_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF per-layer shapes of multi-latent attention (``o_proj`` reads ``heads x v_head_dim``)."""
+    h, n, q, kv, rope = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    shapes = {
+        "self_attn.q_a_proj.weight": (q, h),
+        "self_attn.q_a_layernorm.weight": (q,),
+        "self_attn.q_b_proj.weight": (n * (m.head_dim + rope), q),
+        "self_attn.kv_a_proj_with_mqa.weight": (kv + rope, h),
+        "self_attn.kv_a_layernorm.weight": (kv,),
+        "self_attn.kv_b_proj.weight": (n * (m.head_dim + m.v_head_dim), kv),
+        "self_attn.o_proj.weight": (h, n * m.v_head_dim),
+    }
+    return shapes
 
 
 def _qkv_pieces(prefix: str, m: ModelConfig, kind: str = "weight") -> list[Piece]:
@@ -449,13 +499,7 @@ def mcore_names(m: ModelConfig, spec: str = "local") -> list[str]:
     names = ["embedding.word_embeddings.weight"]
     for layer, is_moe in enumerate(moe_layer_pattern(m)):
         pre = f"decoder.layers.{layer}."
-        attn = ["self_attention.linear_qkv.layer_norm_weight"] if te else ["input_layernorm.weight"]
-        attn += ["self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
-        if m.add_qkv_bias:
-            attn.append("self_attention.linear_qkv.bias")
-        if m.qk_layernorm:
-            attn += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-        names += [pre + s for s in attn]
+        names += [pre + s for s in (_mla_names(te) if is_mla(m) else _attention_names(m, te))]
         if not is_moe:
             norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
             names += [pre + s for s in (norm, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
@@ -478,6 +522,26 @@ def mcore_names(m: ModelConfig, spec: str = "local") -> list[str]:
     if not m.tie_word_embeddings:
         names.append("output_layer.weight")
     return names
+
+
+def _attention_names(m: ModelConfig, te: bool) -> list[str]:
+    attn = ["self_attention.linear_qkv.layer_norm_weight"] if te else ["input_layernorm.weight"]
+    attn += ["self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
+    if m.add_qkv_bias:
+        attn.append("self_attention.linear_qkv.bias")
+    if m.qk_layernorm:
+        attn += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    return attn
+
+
+def _mla_names(te: bool) -> list[str]:
+    """Multi-latent attention's parameters in Megatron's order (TE fuses the latent norms into the
+    up-projections and keeps the input norm apart)."""
+    names = ["input_layernorm.weight", "self_attention.linear_proj.weight"]
+    names += [f"self_attention.linear_{x}_proj.weight" for x in ("q_down", "q_up", "kv_down", "kv_up")]
+    if te:
+        return names + [f"self_attention.linear_{x}_up_proj.layer_norm_weight" for x in ("q", "kv")]
+    return names + ["self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight"]
 
 
 def expected_hf_names(m: ModelConfig) -> list[str]:

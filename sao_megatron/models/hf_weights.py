@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,7 @@ from sao_megatron.models.hf_stream import (
     _tp,
 )
 
+_log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 5 << 30
 EXPORT_GB_PER_S = 0.5
 """Stated bandwidth of a whole HF export (gathers and shard writes, all writers together) from
@@ -103,6 +105,15 @@ def load_hf_weights(
     config_file = Path(hf_dir) / "config.json"
     dtype = hf_io.config_dtype(json.loads(config_file.read_text())) if config_file.exists() else None
     fused = any(n.endswith(bridge.FUSED_GATE_UP) for n in ckpt.names())
+    mtp = [n for n in ckpt.names() if bridge.is_mtp(n, m)]
+    if mtp and (not dist.is_initialized() or dist.get_rank() == 0):
+        _log.info(
+            "%s: skipping %d tensors of multi-token-prediction layers (model.layers.%d and after): "
+            "not part of the trained model, not loaded",
+            hf_dir,
+            len(mtp),
+            m.num_layers,
+        )
     jobs = []
     for local, param in layout.named_weights(layout.unwrap(model)):  # parameters and expert biases
         name = layout.global_name(model, local)

@@ -302,6 +302,8 @@ def engine_memory(cfg: SAOConfig) -> EngineMemory:
         weights += n / split * dtype_bytes
     kv_heads = max(1.0, m.num_query_groups / attn_tp)
     kv_per_token = m.num_layers * 2 * kv_heads * m.head_dim * 2
+    if m.family == "deepseek_v3":  # MLA caches its latent and the shared RoPE key, not per-head keys/values
+        kv_per_token = m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
     budget = c.engine_mem_fraction * c.gpu_memory_gb * GiB - weights
     total = parameter_counts(m)["total"]
     return EngineMemory(

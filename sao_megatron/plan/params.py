@@ -30,11 +30,14 @@ def stage_parameters(m: ModelConfig, p: ParallelConfig, stage: int, critic: Crit
     for i in range(per_stage):
         pre = f"decoder.layers.{i}."
         out[pre + "input_layernorm.weight"] = h
-        out[pre + "self_attention.linear_proj.weight"] = h * (a * d // tp)
-        out[pre + "self_attention.linear_qkv.weight"] = (a + 2 * g) * d // tp * h
-        if m.qk_layernorm:
-            out[pre + "self_attention.q_layernorm.weight"] = d
-            out[pre + "self_attention.k_layernorm.weight"] = d
+        if m.family == "deepseek_v3":
+            out |= _mla(m, tp, pre)
+        else:
+            out[pre + "self_attention.linear_proj.weight"] = h * (a * d // tp)
+            out[pre + "self_attention.linear_qkv.weight"] = (a + 2 * g) * d // tp * h
+            if m.qk_layernorm:
+                out[pre + "self_attention.q_layernorm.weight"] = d
+                out[pre + "self_attention.k_layernorm.weight"] = d
         out[pre + "pre_mlp_layernorm.weight"] = h
         if pattern[stage * per_stage + i]:
             out[pre + "mlp.router.weight"] = m.num_experts * h
@@ -58,6 +61,22 @@ def stage_parameters(m: ModelConfig, p: ParallelConfig, stage: int, critic: Crit
             out["output_layer.weight"] = m.vocab_size // tp * h
     frozen = _frozen(out, critic)
     return {name: (n, name not in frozen) for name, n in out.items()}
+
+
+def _mla(m: ModelConfig, tp: int, pre: str) -> dict[str, int]:
+    """Multi-latent attention on the local spec: every projection column-parallel (the down-projections
+    too, gathered after), the output row-parallel, the latent norms whole."""
+    h, n, q, kv, rope = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    attn = pre + "self_attention."
+    return {
+        attn + "linear_proj.weight": h * (n * m.v_head_dim // tp),
+        attn + "linear_q_down_proj.weight": q // tp * h,
+        attn + "linear_q_up_proj.weight": n * (m.head_dim + rope) // tp * q,
+        attn + "linear_kv_down_proj.weight": (kv + rope) // tp * h,
+        attn + "linear_kv_up_proj.weight": n * (m.head_dim + m.v_head_dim) // tp * kv,
+        attn + "q_layernorm.weight": q,
+        attn + "kv_layernorm.weight": kv,
+    }
 
 
 def _frozen(names, critic: CriticConfig | None) -> set[str]:

@@ -49,6 +49,19 @@ GLM = dataclasses.replace(
     rotary_percent=0.5,
 )
 
+# DeepSeek-V3: GLM's MoE layers, multi-latent attention (q LoRA 8, kv latent 6 + 2 RoPE dims).
+DEEPSEEK = dataclasses.replace(
+    GLM,
+    family="deepseek_v3",
+    num_query_groups=4,
+    add_qkv_bias=False,
+    rotary_percent=1.0,
+    q_lora_rank=8,
+    kv_lora_rank=6,
+    qk_rope_head_dim=2,
+    v_head_dim=3,
+)
+
 
 def random_hf_state(m: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -107,8 +120,8 @@ def test_glu_and_expert_layouts():
 
 @pytest.mark.parametrize(
     "m",
-    [MOE, DENSE_TIED, QWEN2_MOE, MIXTRAL, GLM],
-    ids=["moe_shared_dense_layer", "dense_tied", "qwen2_moe", "mixtral", "glm4_moe"],
+    [MOE, DENSE_TIED, QWEN2_MOE, MIXTRAL, GLM, DEEPSEEK],
+    ids=["moe_shared_dense_layer", "dense_tied", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"],
 )
 @pytest.mark.parametrize("spec", ["local", "te", "te_grouped"])
 def test_round_trip_is_bit_exact_for_every_spec(m, spec):
@@ -209,6 +222,45 @@ def test_glm_shared_experts_and_expert_bias():
         bridge.hf_shape(pre + "gate.e_score_correction_bias", MOE)
 
 
+def test_mla_names_map_whole_and_te_fuses_the_latent_norms():
+    """Every MLA tensor maps to one HF tensor whole; TE's spec names the q/kv latent norms after the
+    up-projections they are fused into, and keeps the input norm apart."""
+    pre, hf = "decoder.layers.1.self_attention.", "model.layers.1.self_attn."
+    pairs = {
+        "linear_q_down_proj.weight": ("q_a_proj.weight", (8, 8)),
+        "q_layernorm.weight": ("q_a_layernorm.weight", (8,)),
+        "linear_q_up_proj.weight": ("q_b_proj.weight", (4 * (4 + 2), 8)),
+        "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa.weight", (6 + 2, 8)),
+        "kv_layernorm.weight": ("kv_a_layernorm.weight", (6,)),
+        "linear_kv_up_proj.weight": ("kv_b_proj.weight", (4 * (4 + 3), 6)),
+        "linear_proj.weight": ("o_proj.weight", (8, 4 * 3)),
+    }
+    for mcore, (name, shape) in pairs.items():
+        assert bridge.hf_names(pre + mcore, DEEPSEEK) == [hf + name]
+        assert bridge.full_shape(pre + mcore, DEEPSEEK) == bridge.hf_shape(hf + name, DEEPSEEK) == shape
+    names = dict(zip(bridge.mcore_names(DEEPSEEK, "local"), bridge.mcore_names(DEEPSEEK, "te"), strict=True))
+    assert names[pre + "q_layernorm.weight"] == pre + "linear_q_up_proj.layer_norm_weight"
+    assert names[pre + "kv_layernorm.weight"] == pre + "linear_kv_up_proj.layer_norm_weight"
+    assert names["decoder.layers.1.input_layernorm.weight"] == "decoder.layers.1.input_layernorm.weight"
+    for local, te in names.items():
+        assert bridge.hf_names(local, DEEPSEEK) == bridge.hf_names(te, DEEPSEEK)
+    assert not [n for n in bridge.expected_hf_names(DEEPSEEK) if ".q_proj." in n or "q_norm" in n]
+    with pytest.raises(bridge.MappingError, match="not a DeepSeek-V3 tensor"):
+        bridge.hf_shape(hf + "q_proj.weight", DEEPSEEK)
+    assert bridge.is_mtp("model.layers.3.eh_proj.weight", DEEPSEEK) and bridge.is_ignored(
+        "model.layers.3.self_attn.q_a_proj.weight", DEEPSEEK
+    )
+    assert not bridge.is_mtp("model.layers.2.self_attn.q_a_proj.weight", DEEPSEEK)
+
+
+def test_canonical_names_of_te_mla_norms():
+    from sao_megatron.models.builder import canonical_name
+
+    pre = "decoder.layers.0.self_attention."
+    assert canonical_name(pre + "linear_q_up_proj.layer_norm_weight") == pre + "q_layernorm.weight"
+    assert canonical_name(pre + "linear_kv_up_proj.layer_norm_weight") == pre + "kv_layernorm.weight"
+
+
 def test_unknown_names_are_refused():
     with pytest.raises(bridge.MappingError, match="no HF counterpart"):
         bridge.hf_pieces("decoder.layers.0.mlp.value_head.weight", MOE)
@@ -225,13 +277,13 @@ def _fake_tp(monkeypatch, size: int, rank: int) -> None:
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
-@pytest.mark.parametrize("base", [QWEN2_MOE, GLM], ids=["qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("base", [QWEN2_MOE, GLM, DEEPSEEK], ids=["qwen2_moe", "glm4_moe", "deepseek_v3"])
 def test_local_reads_equal_layout_shard(monkeypatch, tp_size, base):
     """Reading a rank's HF slices gives exactly ``layout.shard`` of the full tensor."""
     m = dataclasses.replace(
         base,
         num_attention_heads=8,
-        num_query_groups=4,
+        num_query_groups=8 if bridge.is_mla(base) else 4,
         ffn_hidden_size=16,
         moe_ffn_hidden_size=8,
         moe_shared_expert_intermediate_size=8,
@@ -241,6 +293,8 @@ def test_local_reads_equal_layout_shard(monkeypatch, tp_size, base):
         "linear_qkv.weight": 0,
         "linear_qkv.bias": 0,
         "linear_proj.weight": 1,
+        "_down_proj.weight": 0,  # MLA: column-parallel on the local spec (rows 8 and 6 + 2: TP 2 and 4 divide)
+        "_up_proj.weight": 0,
         "linear_fc1.weight": 0,
         "linear_fc2.weight": 1,
         "word_embeddings.weight": 0,
