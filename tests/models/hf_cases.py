@@ -173,6 +173,9 @@ SHAPES: dict[str, tuple[dict, str | None]] = {
         None,
     ),
 }
+# Keys of DeepSeek's published config.json that transformers' DeepseekV3Config lacks and SGLang's
+# deepseek_v2 class reads (the values DeepSeek-V3 and Kimi-K2 publish; the bridge accepts exactly these).
+_DEEPSEEK_PUBLISHED = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
 # Issue 31: Mixtral and GLM-4.5 at every 2-rank layout (tests/models/test_hf_families.py, a world of its own).
 FAMILY_SHAPES: dict[str, tuple[dict, str | None]] = {
     # Mixtral: softmax top-2 renormalised, GQA, no q/k norm, no biases, every layer MoE.
@@ -234,6 +237,72 @@ FAMILY_SHAPES: dict[str, tuple[dict, str | None]] = {
         ),
         None,
     ),
+    # DeepSeek-V3 / Kimi-K2: multi-latent attention with a query LoRA (interleaved RoPE on 4 of each
+    # head's 12 query/key dims), the GLM-style sigmoid router (8 experts, top-4 in 4 groups / top-2
+    # groups, scale 2.5, expert bias), one shared expert, the first layer dense.
+    "deepseek_v3": (
+        dict(
+            arch="deepseek_v3",
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=4,  # DeepseekV3Config's default is 128 whatever the heads
+            **_DEEPSEEK_PUBLISHED,
+            q_lora_rank=16,
+            kv_lora_rank=12,  # + 4 RoPE dims: 16 rows of kv_a_proj_with_mqa, split over TP 2
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            num_hidden_layers=4,
+            layouts=["tp2", "ep2", "pp2"],
+        ),
+        "30KB",
+    ),
+    # YaRN (DeepSeek-V3's long-context RoPE): factor 4 over 64 original positions; mscale differs from
+    # mscale_all_dim, so both the cos/sin scale and the softmax temperature differ from plain RoPE.
+    "deepseek_v3_yarn": (
+        dict(
+            arch="deepseek_v3",
+            rope_extra=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=0.8,
+                mscale_all_dim=1.0,
+            ),
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=4,  # DeepseekV3Config's default is 128 whatever the heads
+            **_DEEPSEEK_PUBLISHED,
+            q_lora_rank=16,
+            kv_lora_rank=12,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=0,
+            num_hidden_layers=2,
+            layouts=["tp2"],
+        ),
+        None,
+    ),
 }
 LAYOUTS = {"single": {}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2}, "pp2": {"pipeline_parallel": 2}}
 
@@ -256,6 +325,8 @@ def layouts_of(shape: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 def build_hf_model(shape: str, seed: int = 0):
     from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
         Glm4MoeConfig,
         Glm4MoeForCausalLM,
         MixtralConfig,
@@ -274,6 +345,7 @@ def build_hf_model(shape: str, seed: int = 0):
     rope = {"rope_theta": kw.pop("rope_theta", 10000.0), "rope_type": "default"}
     if arch == "glm4_moe":
         rope["partial_rotary_factor"] = 0.5  # GLM's default, stated: rope_parameters replaces the default
+    rope.update(kw.pop("rope_extra", {}))
     kw = {**_COMMON, **kw, "rope_parameters": rope}
     if arch == "moe":
         config = Qwen3MoeConfig(**{"norm_topk_prob": True, **kw})
@@ -287,6 +359,9 @@ def build_hf_model(shape: str, seed: int = 0):
     elif arch == "glm4_moe":
         config = Glm4MoeConfig(**kw)  # partial_rotary_factor 0.5, norm_topk_prob true by default
         cls = Glm4MoeForCausalLM
+    elif arch == "deepseek_v3":
+        config = DeepseekV3Config(**kw)  # rope_interleave, norm_topk_prob true; num_key_value_heads = heads
+        cls = DeepseekV3ForCausalLM
     else:
         config = Qwen3Config(**kw)
         cls = Qwen3ForCausalLM

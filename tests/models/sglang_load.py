@@ -4,12 +4,16 @@
 ``test_hf_families`` in a subprocess: SGLang takes over ``torch.distributed`` and its process-wide
 context, and needs the ``sgl_kernel`` stand-in on ``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``).
 For each checkpoint: SGLang's class for ``config.json``'s architecture (``sglang.srt.models.mixtral``,
-``glm4_moe``) is built in float32 at TP=1 with every parameter NaN, its ``load_weights`` gets the
+``glm4_moe``, ``deepseek_v2``) is built in float32 at TP=1 with every parameter NaN, its ``load_weights`` gets the
 stream's ``(name, tensor)`` list in stream order (what ``/update_weights_from_distributed`` hands it),
 and every parameter is compared with the tensor ``transformers`` holds for it after
 ``from_pretrained(HF_DIR)``: SGLang's fused ``qkv_proj`` / ``gate_up_proj`` are the concatenation of
 transformers' projections, its experts' ``w13_weight`` / ``w2_weight`` transformers' fused
-``gate_up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe`` transformers' ``mlp``.
+``gate_up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe`` transformers' ``mlp``, DeepSeek's
+``fused_qkv_a_proj_with_mqa`` the concatenation of ``q_a_proj`` and ``kv_a_proj_with_mqa``. For
+DeepSeek-V3 the per-head key and value up-projections SGLang's MLA derives from ``kv_b_proj`` after
+loading (``w_kc``, ``w_vc``, plain attributes) are checked against transformers' ``kv_b_proj`` too. No
+forward runs (SGLang's CPU MLA needs sgl-kernel ops the stand-in lacks).
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ def _sglang_class(architecture: str):
         from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
 
         return Glm4MoeForCausalLM
+    if architecture == "DeepseekV3ForCausalLM":
+        from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM
     raise ValueError(f"no SGLang class mapped for {architecture}")
 
 
@@ -63,6 +71,9 @@ def _transformers_tensor(name: str, hf: dict[str, torch.Tensor]) -> torch.Tensor
         if n.endswith(f"qkv_proj.{kind}"):
             base = n.removesuffix(f"qkv_proj.{kind}")
             return torch.cat([hf[f"{base}{x}_proj.{kind}"] for x in "qkv"])
+    if n.endswith("fused_qkv_a_proj_with_mqa.weight"):  # DeepSeek's q and kv down-projections
+        base = n.removesuffix("fused_qkv_a_proj_with_mqa.weight")
+        return torch.cat([hf[f"{base}q_a_proj.weight"], hf[f"{base}kv_a_proj_with_mqa.weight"]])
     if n.endswith("gate_up_proj.weight"):  # dense MLP, shared experts
         base = n.removesuffix("gate_up_proj.weight")
         return torch.cat([hf[f"{base}gate_proj.weight"], hf[f"{base}up_proj.weight"]])
@@ -94,6 +105,7 @@ def check(hf_dir: str, stream_file: str) -> dict:
         if param.shape != expected.shape or not torch.equal(param.detach(), expected):
             mismatched.append(name)
     return {
+        "mla_absorbed": _mla_absorbed(model, config, reference),
         "class": type(model).__module__,
         "stream": len(stream),
         "compared": compared,
@@ -101,6 +113,23 @@ def check(hf_dir: str, stream_file: str) -> dict:
         "mismatched": mismatched,
         "bias": [n for n, _ in model.named_parameters() if n.endswith("e_score_correction_bias")],
     }
+
+
+def _mla_absorbed(model, config, hf: dict[str, torch.Tensor]) -> dict[str, int] | None:
+    """DeepSeek: how many layers' ``w_kc`` / ``w_vc`` (SGLang's split of ``kv_b_proj`` per head, made
+    by ``post_load_weights``) equal transformers' ``kv_b_proj`` split alike; None for other classes."""
+    if not hasattr(config, "kv_lora_rank"):
+        return None
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    out = {"layers": 0, "equal": 0}
+    for i, layer in enumerate(model.model.layers):
+        w = hf[f"model.layers.{i}.self_attn.kv_b_proj.weight"]  # [heads x (nope + v), kv_lora_rank]
+        w_kc, w_vc = w.unflatten(0, (-1, nope + v)).split([nope, v], dim=1)
+        attn = layer.self_attn
+        out["layers"] += 1
+        if torch.equal(attn.w_kc, w_kc) and torch.equal(attn.w_vc, w_vc.transpose(1, 2)):
+            out["equal"] += 1
+    return out
 
 
 def main(argv: list[str]) -> None:

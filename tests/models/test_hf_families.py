@@ -1,12 +1,14 @@
-"""Mixtral and GLM-4.5/4.6 (issue 31) from HF checkpoints into Megatron at one rank, TP=2, EP=2 and PP=2,
-and back: logits against ``transformers``, bit-exact round trips, the weight stream, the expert bias.
+"""Mixtral, GLM-4.5/4.6 and DeepSeek-V3 (issue 31) from HF checkpoints into Megatron at one rank, TP=2,
+EP=2 and PP=2 (DeepSeek-V3 with YaRN at one rank and TP=2), and back: logits against ``transformers``,
+bit-exact round trips, the weight stream, the expert bias.
 
 One spawned 2-rank gloo world runs every case (``hf_cases.family_cases``); the parent builds the tiny
 random models with ``transformers``' own config classes, saves them with ``save_pretrained`` and checks
 the exports. GLM's routers carry a random expert bias (``e_score_correction_bias``, a buffer), so
-routing depends on it: a loader that skipped it would miss the reference (checked below). Last, the
-weight stream of two layouts goes through SGLang's own ``mixtral`` / ``glm4_moe`` classes' ``load_weights``
-on the CPU (``tests/models/sglang_load.py``, a subprocess).
+routing depends on it: a loader that skipped it would miss the reference (checked below); so do
+DeepSeek-V3's. Last, the weight stream of two layouts goes through SGLang's own ``mixtral`` /
+``glm4_moe`` / ``deepseek_v2`` classes' ``load_weights`` on the CPU (``tests/models/sglang_load.py``, a
+subprocess).
 """
 
 import json
@@ -43,8 +45,8 @@ def test_logits_match_transformers(world, shape, layout):
     assert diffs and max(diffs) <= TOL, (shape, layout, diffs)
 
 
-@pytest.mark.parametrize("shape", [s for s in hf_cases.FAMILY_SHAPES if s.startswith("glm")])
-def test_glm_routing_depends_on_the_loaded_expert_bias(world, shape):
+@pytest.mark.parametrize("shape", [s for s in hf_cases.FAMILY_SHAPES if s.startswith(("glm", "deepseek"))])
+def test_sigmoid_routing_depends_on_the_loaded_expert_bias(world, shape):
     """Zeroing the loaded expert biases moves the logits far beyond the parity tolerance: the parity
     above holds only because the bias buffers were read from the checkpoint."""
     for r in world["results"]:
@@ -60,18 +62,20 @@ def test_round_trip_is_bit_exact(world, shape, layout):
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
-@pytest.mark.parametrize("export", ["mixtral-ep2", "glm4_moe-pp2", "glm4_moe_qk_norm-tp2"])
+@pytest.mark.parametrize(
+    "export", ["mixtral-ep2", "glm4_moe-pp2", "glm4_moe_qk_norm-tp2", "deepseek_v3-ep2", "deepseek_v3_yarn-tp2"]
+)
 def test_transformers_loads_the_export(world, export):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(world["root"] / "export" / export).eval()
-    reference = torch.load(world["root"] / "reference.pt")[export.split("-")[0]]
+    reference = torch.load(world["root"] / "reference.pt")[export.rsplit("-", 1)[0]]
     with torch.no_grad():
         logits = model(input_ids=hf_cases.tokens()).logits
     assert torch.equal(logits, reference)  # the same weights into the same code
 
 
-@pytest.mark.parametrize("case", ["mixtral/ep2", "glm4_moe/tp2", "glm4_moe/ep2"])
+@pytest.mark.parametrize("case", ["mixtral/ep2", "glm4_moe/tp2", "glm4_moe/ep2", "deepseek_v3/tp2", "deepseek_v3/ep2"])
 def test_the_weight_stream_sends_every_tensor_once_to_rank0(world, case):
     """``iter_hf_weights``, the weight sync's names: the on-disk HF names (Mixtral's
     ``block_sparse_moe.experts.{e}.w1``, GLM's ``mlp.gate.e_score_correction_bias``), each once."""
@@ -116,12 +120,19 @@ def test_router_bias_update_modes(world, mode):
         assert sent[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] == bias
 
 
-SGLANG_CASES = ["mixtral/ep2", "glm4_moe/tp2", "glm4_moe_qk_norm/tp2"]
+# DeepSeek: the YaRN shape (SGLang's CPU rotary embedding for DeepSeek asserts a rope_scaling)
+SGLANG_CASES = ["mixtral/ep2", "glm4_moe/tp2", "glm4_moe_qk_norm/tp2", "deepseek_v3_yarn/tp2"]
+SGLANG_CLASS = {
+    "mixtral": "mixtral",
+    "glm4_moe": "glm4_moe",
+    "glm4_moe_qk_norm": "glm4_moe",
+    "deepseek_v3_yarn": "deepseek_v2",
+}
 
 
 @pytest.fixture(scope="module")
 def sglang_loaded(world):
-    """SGLang's own Mixtral / GLM-4.5 classes fed the weight stream (``tests/models/sglang_load.py``)."""
+    """SGLang's own Mixtral / GLM-4.5 / DeepSeek-V3 classes fed the weight stream (``tests/models/sglang_load.py``)."""
     root, out = world["root"], world["root"] / "sglang.json"
     argv = []
     for case in SGLANG_CASES:
@@ -147,10 +158,13 @@ def sglang_loaded(world):
 @pytest.mark.parametrize("case", SGLANG_CASES)
 def test_sglang_loads_the_stream_into_transformers_weights(world, sglang_loaded, case):
     """Every parameter of SGLang's model class is written by the stream (none left NaN) and equals
-    transformers' tensor for it, the GLM expert biases included."""
+    transformers' tensor for it, the GLM and DeepSeek expert biases included; DeepSeek's per-head MLA
+    key/value up-projections SGLang derives after loading equal transformers' ``kv_b_proj`` split."""
     shape = case.split("/")[0]
     r = sglang_loaded[str(world["root"] / "hf" / shape)]
-    assert r["class"] == f"sglang.srt.models.{'mixtral' if shape == 'mixtral' else 'glm4_moe'}"
+    assert r["class"] == f"sglang.srt.models.{SGLANG_CLASS[shape]}"
     assert r["unloaded"] == [] and r["mismatched"] == [] and r["compared"] > 10, r
     expected_biases = sum(1 for n in _state(world["root"] / "hf" / shape) if n.endswith("e_score_correction_bias"))
-    assert len(r["bias"]) == expected_biases and (expected_biases > 0) == shape.startswith("glm")
+    assert len(r["bias"]) == expected_biases and (expected_biases > 0) == (shape != "mixtral")
+    if shape.startswith("deepseek"):
+        assert r["mla_absorbed"] == {"layers": 2, "equal": 2}, r["mla_absorbed"]
