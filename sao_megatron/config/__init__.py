@@ -47,6 +47,7 @@ from sao_megatron.config.schema import (
     SAOConfig,
     TokenDispatcher,
     TrainConfig,
+    UpdatePolicy,
     ValueHeadInit,
     WeightSync,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "SAOConfig",
     "TokenDispatcher",
     "TrainConfig",
+    "UpdatePolicy",
     "ValueHeadInit",
     "WeightSync",
     "load_config",

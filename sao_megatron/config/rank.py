@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sao_megatron.config.schema import ActorConfig, AlgoConfig, Backend, CriticConfig, ModelConfig, SAOConfig
+from sao_megatron.config.schema import (
+    ActorConfig,
+    AlgoConfig,
+    Backend,
+    CriticConfig,
+    ModelConfig,
+    SAOConfig,
+    UpdatePolicy,
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,8 @@ class ActorRankConfig:
     """``run.export_gb_per_s``."""
     export_inflight_mb: int = 1024
     """``run.export_inflight_mb``."""
+    update_policy: UpdatePolicy = "retract"
+    """``rollout.update_policy``."""
 
     @classmethod
     def of(cls, cfg: SAOConfig) -> ActorRankConfig:
@@ -54,6 +64,7 @@ class ActorRankConfig:
             export_timeout_s=cfg.run.export_timeout_s,
             export_gb_per_s=cfg.run.export_gb_per_s,
             export_inflight_mb=cfg.run.export_inflight_mb,
+            update_policy=r.update_policy,
         )
 
 

@@ -72,7 +72,11 @@ def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     response; ``context_tokens_max`` the batch's longest), ``refused_calls``, ``clipped_outputs``.
     Per turn: ``tool_outputs_per_turn``, ``parallel_turns`` (share of actions with two or more
     calls answered). ``end/<cause>``: share of episodes that ended so (every cause, every step);
-    ``end_turn/<cause>``: the mean turn they ended at (causes present in the batch only)."""
+    ``end_turn/<cause>``: the mean turn they ended at (causes present in the batch only).
+    Weight syncs (``rollout.update_policy``): ``stale_kv_tokens`` (share of the action tokens sampled
+    on stale KV), and, summed over the batch (with one sync per step, about one sync's worth),
+    ``prefill_recomputed`` (context tokens the engines prefilled again) and ``resubmitted``
+    (aborted generations resubmitted as continuations)."""
     n = len(trajectories)
     turns = max(1, sum(t.num_turns for t in trajectories))
     out = {
@@ -84,6 +88,10 @@ def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "rollout/parallel_turns": sum(t.stats.parallel_turns for t in trajectories) / turns,
         "rollout/refused_calls": sum(t.stats.refused_calls for t in trajectories) / n,
         "rollout/clipped_outputs": sum(t.stats.clipped_outputs for t in trajectories) / n,
+        "rollout/stale_kv_tokens": sum(t.num_stale_kv_tokens for t in trajectories)
+        / max(1, sum(t.num_action_tokens for t in trajectories)),
+        "rollout/prefill_recomputed": float(sum(t.stats.prefill_recomputed for t in trajectories)),
+        "rollout/resubmitted": float(sum(t.stats.resubmitted for t in trajectories)),
     }
     for cause in END_CAUSES:
         ended = [t.num_turns for t in trajectories if t.stats.end == cause]

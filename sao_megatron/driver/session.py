@@ -61,6 +61,7 @@ _SYNC_METRICS = {
     "sync_gb_per_s": "sync/gb_per_s",
     "sync_tensors": "sync/tensors",
     "sync_senders": "sync/senders",
+    "sync_caches_kept": "sync/caches_kept",
 }
 """The actor's sync timing (``ActorWorker.sync_weights``) as logged: seconds under time/, the rest under sync/."""
 
@@ -189,7 +190,15 @@ class Session:
         for i, engine in enumerate(self.engines):
             client = await EngineClient(engine.url).__aenter__()
             self.clients.append(client)
-            self.loops.append(AgentLoop(client, self.tokenizer, self.cfg.rollout.loop, engine_name=f"engine{i}"))
+            self.loops.append(
+                AgentLoop(
+                    client,
+                    self.tokenizer,
+                    self.cfg.rollout.loop,
+                    engine_name=f"engine{i}",
+                    update_policy=self.cfg.rollout.update_policy,
+                )
+            )
         self.engine_states = EngineStates(len(self.engines), on_failure=self._episode_failed)
         async with self.weights_lock:
             await self.sync_weights(version)  # forms the broadcast group; labels tokens with ints
@@ -228,6 +237,8 @@ class Session:
             if label != str(version):
                 raise RuntimeError(f"engine{i} serves weights labelled {label!r} after the sync of version {version}")
             self.loops[i].client = self.clients[i]  # a restarted engine's: episodes reach it from now on
+            if not metrics.get("sync/caches_kept"):  # every cache flushed: it holds KV of this version only
+                self.clients[i].cache_version = version
             states.mark_up(i)
         return metrics
 
@@ -409,8 +420,13 @@ class Session:
         settings = [dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_temperature)]
         if k > 0:
             settings.append(dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_sample_temperature))
+        policy = self.cfg.rollout.update_policy
         loops = [
-            [AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}") for i, c in enumerate(clients)] for s in settings
+            [
+                AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}", update_policy=policy)
+                for i, c in enumerate(clients)
+            ]
+            for s in settings
         ]
         sem = asyncio.Semaphore(self.cfg.rollout.max_concurrent)
         samples = [self.task.get("heldout", i) for i in range(n)]

@@ -38,6 +38,14 @@ The trajectory never holds more than ``max_context_tokens`` (prompt + response) 
 env_max_turns, max_turns, context, response, observation_budget, failed) and count the tool
 outputs, parallel turns, refused and clipped calls (``rollout/*`` metrics, docs/envs.md).
 
+Weight syncs (``rollout.update_policy``): under ``abort`` an engine returns the requests it was
+running with the tokens generated so far (finish reason ``abort``); the action continues from them
+on the same engine (prompt + response + those tokens, the rest of the token budget), so the tokens
+already generated keep their behavior logprobs and versions and the episode is neither lost nor run
+twice. Under ``in_place`` the tokens sampled on stale KV (after a sync kept the request's cache, or
+on a prefix-cache hit that may hold an older version's KV) are recorded as ``Trajectory.stale_kv``.
+``EpisodeStats.resubmitted`` and ``prefill_recomputed`` count what the syncs cost the episode.
+
 Earlier turns are never re-tokenised: the context is the exact id sequence the engine saw
 plus the ids it produced. The tool format (``<tool>`` tags or native ``<tool_call>`` JSON)
 follows from the template. Failures (engine errors, timeouts, a broken environment, a chat
@@ -48,17 +56,18 @@ reason; they never raise to the caller.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sao_megatron.config import AgentLoopConfig
+from sao_megatron.config import AgentLoopConfig, UpdatePolicy
 from sao_megatron.envs.base import Env, Sample, StepResult
 from sao_megatron.envs.format import ChatFormat, ChatTemplateError, ToolFormat, tool_format_of
 from sao_megatron.records import OBSERVATION_VERSION, EndCause, EpisodeStats, Status, Trajectory, Turn
-from sao_megatron.rollout.client import EngineClient, EngineError, SamplingParams
+from sao_megatron.rollout.client import EngineClient, EngineError, Generation, SamplingParams
 from sao_megatron.rollout.env_workers import EnvWorkerError, environment_failure
 
 __all__ = ["AgentLoop", "AgentLoopConfig"]  # AgentLoopConfig: the run config's ``rollout.loop`` section
@@ -79,6 +88,9 @@ class _Episode:
     refused_calls: int = 0
     clipped_outputs: int = 0
     clipped_tokens: int = 0
+    resubmitted: int = 0
+    prefill_recomputed: int = 0
+    stale_kv: list[Turn] = field(default_factory=list)
 
     def stats(self, end: EndCause) -> EpisodeStats:
         return EpisodeStats(
@@ -88,15 +100,18 @@ class _Episode:
             refused_calls=self.refused_calls,
             clipped_outputs=self.clipped_outputs,
             clipped_tokens=self.clipped_tokens,
+            resubmitted=self.resubmitted,
+            prefill_recomputed=self.prefill_recomputed,
         )
 
-    def add_action(self, ids: list[int], behavior_logprobs: list[float], policy_versions: list[int]) -> None:
+    def add_action(self, action: _Action) -> None:
         start = len(self.response_ids)
-        self.response_ids += ids
-        self.action_mask += [1] * len(ids)
-        self.behavior_logprobs += behavior_logprobs
-        self.policy_versions += policy_versions
+        self.response_ids += action.ids
+        self.action_mask += [1] * len(action.ids)
+        self.behavior_logprobs += action.behavior_logprobs
+        self.policy_versions += action.policy_versions
         self.turns.append(Turn(start, len(self.response_ids)))
+        self.stale_kv += [Turn(start + a, start + b) for a, b in action.stale_kv]
 
     def add_observation(self, ids: list[int]) -> None:
         self.observation_tokens += len(ids)
@@ -104,6 +119,32 @@ class _Episode:
         self.action_mask += [0] * len(ids)
         self.behavior_logprobs += [0.0] * len(ids)
         self.policy_versions += [OBSERVATION_VERSION] * len(ids)
+
+
+@dataclass
+class _Action:
+    """One action as generated so far: pieces from one or more ``/generate`` calls (a continuation
+    after each abort), their tokens' behavior logprobs and versions, and the stale-KV spans (relative
+    to the action's start)."""
+
+    ids: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    stale_kv: list[tuple[int, int]] = field(default_factory=list)
+    finish_reason: str = ""
+
+    def extend(self, gen: Generation, versions: list[int], stale_from: int | None) -> None:
+        if stale_from is not None:
+            self.stale_kv.append((len(self.ids) + stale_from, len(self.ids) + len(gen.output_ids)))
+        self.ids += gen.output_ids
+        self.behavior_logprobs += gen.behavior_logprobs
+        self.policy_versions += versions
+        self.finish_reason = gen.finish_reason
+
+
+MAX_EMPTY_ABORTS = 8
+"""Aborts in a row that returned no token before an action fails (under ``update_policy: abort``
+each sync aborts a request at most once; more means the engine aborts it for another reason)."""
 
 
 class _RewardError(Exception):
@@ -151,11 +192,20 @@ Reroute = Callable[[str], Awaitable["AgentLoop | None"]]
 class AgentLoop:
     """Runs episodes of one environment class against one engine client."""
 
-    def __init__(self, client: EngineClient, tokenizer, cfg: AgentLoopConfig, engine_name: str = ""):
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer,
+        cfg: AgentLoopConfig,
+        engine_name: str = "",
+        update_policy: UpdatePolicy = "retract",
+    ):
+        """``update_policy``: ``rollout.update_policy``, what the weight syncs do to the requests."""
         self.client = client
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.engine_name = engine_name or client.url
+        self.update_policy = update_policy
         self.tool_format: ToolFormat = tool_format_of(getattr(tokenizer, "chat_template", None))
 
     def chat_format(self, env: Env) -> ChatFormat:
@@ -234,6 +284,7 @@ class AgentLoop:
             finished_at=time.time(),
             engine=on[0].engine_name,
             stats=ep.stats("failed" if status == "failed" else end),
+            stale_kv=ep.stale_kv,
         )
 
     async def _turns(
@@ -263,39 +314,87 @@ class AgentLoop:
                 stop_token_ids=chat.stop_token_ids,
                 min_new_tokens=exact,
             )
-            gen = None
-            while True:  # the turn, again on another engine after an engine fault (``reroute``)
-                try:
-                    gen = await on[0].client.generate(
-                        prompt_ids + ep.response_ids, sampling, timeout_s=cfg.generate_timeout_s
-                    )
-                    failure = "generation aborted by the engine" if gen.finish_reason == "abort" else ""
-                except EngineError as err:
-                    if reroute is None:
-                        raise
-                    failure = f"engine: {err}"
-                if not failure:
-                    break
-                nxt = await reroute(failure) if reroute is not None else None
-                if nxt is None:
-                    return "failed", failure, "failed"
-                on[0] = nxt
-            assert gen is not None
-            if not gen.output_ids:
+            action = await self._generate(prompt_ids + ep.response_ids, sampling, ep, on, reroute)
+            if isinstance(action, str):
+                return "failed", action, "failed"
+            if not action.ids:
                 return "failed", "engine returned no tokens", "failed"
-            ep.add_action(gen.output_ids, gen.behavior_logprobs, [_version(v) for v in gen.weight_versions])
-            action_text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)
+            ep.add_action(action)
+            action_text = self.tokenizer.decode(action.ids, skip_special_tokens=False)
             step = await _bounded(env.astep(action_text), cfg.env_step_timeout_s, "environment: tool")
             ep.refused_calls += step.refused_calls
             if step.done:
                 return "finished", "", "env_max_turns" if step.info.get("truncated") else "done"
-            if gen.finish_reason == "length" and gen.output_ids[-1] not in stop_ids and len(ep.turns) >= cfg.max_turns:
+            if action.finish_reason == "length" and action.ids[-1] not in stop_ids and len(ep.turns) >= cfg.max_turns:
                 return "truncated", "action cut at max_new_tokens", "max_turns"
             messages.append(chat.assistant_message(action_text))
             ended = self._observe(chat, messages, step, ep, len(prompt_ids))
             if ended is not None:
                 return "truncated", *ended
         return "truncated", f"max_turns={cfg.max_turns} reached without an answer", "max_turns"
+
+    async def _generate(
+        self, context: list[int], sampling: SamplingParams, ep: _Episode, on: list[AgentLoop], reroute: Reroute | None
+    ) -> _Action | str:
+        """One action on ``on[0]``'s engine (again on another after an engine fault, ``reroute``); or
+        why it failed. Under ``update_policy: abort`` an aborted generation (the sync's) continues
+        from its tokens on the same engine: prompt + response + the action so far, the rest of the
+        token budget."""
+        action = _Action()
+        empty_aborts = 0
+        while True:
+            client = on[0].client
+            asked = dataclasses.replace(
+                sampling,
+                max_new_tokens=sampling.max_new_tokens - len(action.ids),
+                min_new_tokens=max(0, sampling.min_new_tokens - len(action.ids)),
+            )
+            try:
+                gen = await client.generate(context + action.ids, asked, timeout_s=self.cfg.generate_timeout_s)
+            except EngineError as err:
+                if reroute is None:
+                    raise
+                gen, failure = None, f"engine: {err}"
+            if gen is not None:
+                if gen.finish_reason != "abort" or self.update_policy == "abort":  # else: its tokens are dropped
+                    versions = [_version(v) for v in gen.weight_versions]
+                    self._count_recomputed(ep, len(context) + len(action.ids), versions)
+                    action.extend(gen, versions, self._stale_from(gen, versions, client))
+                if gen.finish_reason != "abort":
+                    return action
+                empty_aborts = 0 if gen.output_ids else empty_aborts + 1
+                if self.update_policy == "abort" and empty_aborts < MAX_EMPTY_ABORTS:
+                    if len(action.ids) >= sampling.max_new_tokens:  # aborted as its budget ran out
+                        action.finish_reason = "length"
+                        return action
+                    ep.resubmitted += 1
+                    ep.prefill_recomputed += len(context) + len(action.ids)  # the continuation's context
+                    continue
+                failure = "generation aborted by the engine"
+            nxt = await reroute(failure) if reroute is not None else None
+            if nxt is None:
+                return failure
+            on[0] = nxt
+
+    def _count_recomputed(self, ep: _Episode, context_tokens: int, versions: list[int]) -> None:
+        """Under ``retract``, a version change inside a generation is a sync that retracted the request
+        with ``context_tokens`` + the tokens generated by then, all prefilled again after the flush."""
+        if self.update_policy == "retract":
+            ep.prefill_recomputed += sum(
+                context_tokens + i for i in range(1, len(versions)) if versions[i] != versions[i - 1]
+            )
+
+    def _stale_from(self, gen: Generation, versions: list[int], client: EngineClient) -> int | None:
+        """Under ``in_place``: the first of ``gen``'s tokens sampled on stale KV, or None. A version
+        change inside the generation is a sync that kept the request's KV (every later token attends
+        to it); a prefix-cache hit (``cached_tokens``) sampled at a version newer than the oldest one
+        the engine's cache may hold (``client.cache_version``) may have reused an older version's KV
+        (an upper bound: the engine does not say which version computed a cached prefix)."""
+        if self.update_policy != "in_place" or not versions:
+            return None
+        if gen.cached_tokens and client.cache_version is not None and versions[0] > client.cache_version:
+            return 0
+        return next((i for i in range(1, len(versions)) if versions[i] != versions[i - 1]), None)
 
     def _observe(
         self, chat: ChatFormat, messages: list[dict], step: StepResult, ep: _Episode, prompt_tokens: int

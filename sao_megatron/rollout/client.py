@@ -87,6 +87,8 @@ class Generation:
     """``stop`` (stop token/string), ``length`` (max_new_tokens) or ``abort``."""
     prompt_tokens: int
     latency_s: float
+    cached_tokens: int = 0
+    """Prompt tokens whose KV the engine took from its prefix cache instead of computing it."""
 
 
 def expand_versions(spans: list[dict] | None, n: int, default: str) -> list[str]:
@@ -114,6 +116,7 @@ def parse_generation(body: dict, latency_s: float = 0.0) -> Generation:
         finish_reason=str(reason.get("type", "unknown")) if isinstance(reason, dict) else str(reason),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         latency_s=latency_s,
+        cached_tokens=int(meta.get("cached_tokens") or 0),
     )
 
 
@@ -175,6 +178,10 @@ class EngineClient:
         self._paused = False
         self._clock_since = 0.0
         self._generating_s = 0.0
+        self.cache_version: int | None = None
+        """The oldest weight version whose KV the engine's prefix cache may hold, as whoever syncs the
+        engine knows it: a sync that flushed the cache sets its version; one that kept it
+        (``rollout.update_policy: in_place`` with requests running) leaves it. None: no sync yet."""
 
     def _clock(self, generating: int | None = None, paused: bool | None = None) -> None:
         """Account generating time: seconds with a ``/generate`` call in flight while not paused."""
@@ -284,6 +291,7 @@ class EngineClient:
         return str((await self.model_info(timeout_s)).get("weight_version"))
 
     async def flush_cache(self) -> None:
+        """Drop the engine's prefix cache; refused (HTTP 400) while requests run in its batch."""
         await self._call("POST", "/flush_cache")
 
     async def pause(self, mode: str = "retract") -> None:

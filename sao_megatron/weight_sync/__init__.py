@@ -15,10 +15,16 @@ one dtype) as one byte buffer: one broadcast, SGLang's ``flattened_bucket``.
 
 Control plane (:class:`EngineControl`, held by one coordinator, trainer rank 0):
 
-    engines: /pause_generation (retract: in-flight requests are kept) -> /begin_weight_update
+    engines: /pause_generation {mode: rollout.update_policy} -> /begin_weight_update
     per bucket, in one global order: POST /update_weights_from_distributed {names, dtypes,
-        shapes, group} to every engine || that bucket's sender broadcasts it
-    engines: /end_weight_update -> /continue_generation
+        shapes, group, flush_cache: false} to every engine || that bucket's sender broadcasts it
+    engines: /end_weight_update -> /flush_cache (once per sync) -> /continue_generation
+
+The pause mode (``rollout.update_policy``) decides what happens to the requests in flight:
+``retract`` puts them back in the engine's queue (their contexts are prefilled again after the
+flush), ``in_place`` keeps them in the batch with their KV cache (the engine refuses the flush while
+they are there, so the cache keeps KV of the old weights), ``abort`` returns them with their
+partial output and the agent loop resubmits them as continuations.
 
 An engine takes one update request at a time. If two engines took two senders' buckets in
 different orders, each could wait inside one group for the other, busy in the other group; so
@@ -32,7 +38,8 @@ error the coordinator stops every sender at its next bucket, and the engines end
 resume. An engine that refuses a bucket without receiving it, or dies mid-broadcast, still holds
 that broadcast's other members until the group's timeout (300 s).
 
-In-flight episodes continue under the new version; their later tokens carry it. When the
+In-flight episodes continue under the new version; their later tokens carry it (under
+``in_place`` those tokens were sampled on KV of the old weights: the trajectory's ``stale_kv``). When the
 engines change (one restarted on a new port, or dropped), the groups are re-formed under new
 names: :meth:`WeightSync.close` destroys the old one on the engines still running
 (``/destroy_weights_update_group``) and here. The disk strategy is the fallback when no

@@ -30,7 +30,8 @@ class BroadcastSync:
     the bucket size (``rollout.weight_sync_bucket_mb``); ``inflight_mb``: what a TP / EP / DP peer
     may have sent its stage's sender unacknowledged (``run.export_inflight_mb``); ``timeout_s``:
     the gather group's timeout (``run.export_timeout_s``; 0: sized from the model's HF bytes at
-    ``gb_per_s``, ``run.export_gb_per_s``)."""
+    ``gb_per_s``, ``run.export_gb_per_s``); ``policy``: what a sync does to the engines' running
+    requests (``rollout.update_policy``, :class:`~sao_megatron.weight_sync.EngineControl`)."""
 
     def __init__(
         self,
@@ -43,8 +44,9 @@ class BroadcastSync:
         inflight_mb: int = 1024,
         timeout_s: float = 0.0,
         gb_per_s: float = 0.5,
+        policy: str = "retract",
     ):
-        self.module, self.model_cfg = module, model_cfg
+        self.module, self.model_cfg, self.policy = module, model_cfg, policy
         self.engine_tp, self.flat, self.bucket_bytes = engine_tp, flat, bucket_mb << 20
         self.inflight_bytes, self.timeout_s, self.gb_per_s = inflight_mb << 20, timeout_s, gb_per_s
         self.sender: WeightSync | None = None  # this rank's group, on a pipeline stage's sender
@@ -93,12 +95,12 @@ class BroadcastSync:
         if self._urls != engine_urls:
             dist.all_gather_object(formed, self._connect(stream.senders, engine_urls, addresses, master_port, gate))
         t0 = time.perf_counter()
-        paused = 0.0
+        paused, kept = 0.0, 0
         if any(formed):  # skipped everywhere: an engine would wait for that sender's buckets forever
             results = [(0, 0, error) for error in formed]
         elif rank == 0:
             try:
-                nbytes, tensors, error, paused = asyncio.run(self._coordinate(stream, gate, engine_urls, version))
+                nbytes, tensors, error, paused, kept = asyncio.run(self._coordinate(stream, gate, engine_urls, version))
             except Exception as err:  # a bug: the other ranks still get their word below
                 nbytes, tensors, error = 0, 0, f"{type(err).__name__}: {err}"
             gate.done()  # the engines were resumed
@@ -120,6 +122,7 @@ class BroadcastSync:
         return {
             "sync_s": seconds,
             "sync_pause_s": paused,
+            "sync_caches_kept": float(kept),
             "sync_gb_per_s": total / max(seconds, 1e-9) / 1e9,
             "sync_tensors": float(sum(t for _, t, _ in results)),
             "sync_senders": float(len(stream.senders)),
@@ -177,12 +180,12 @@ class BroadcastSync:
 
     async def _coordinate(
         self, stream: HFWeightStream, gate: SyncGate, engine_urls: list[str], version: int
-    ) -> tuple[int, int, str | None, float]:
+    ) -> tuple[int, int, str | None, float, int]:
         """Rank 0: pause the engines, start the update, then for every bucket in the global order wait
-        until its sender holds it, release and post it (while sending its own stage's); end and
-        resume. ``(bytes, tensors, error, paused_s)``. On an error the senders are stopped at their
+        until its sender holds it, release and post it (while sending its own stage's); end, flush
+        the caches and resume. ``(bytes, tensors, error, paused_s, caches_kept)``. On an error the senders are stopped at their
         next bucket and the engines resumed before this rank's own sending is awaited."""
-        control = EngineControl(engine_urls)
+        control = EngineControl(engine_urls, self.policy)
         try:
             plan = [
                 [BucketSpec.planned(b, self.flat) for b in stage] for stage in stream.bucket_plan(self.bucket_bytes)
@@ -192,7 +195,7 @@ class BroadcastSync:
         except Exception as err:  # nothing was sent: the other ranks are told to skip the update
             error = f"{type(err).__name__}: {err}"
             gate.start(error)
-            return 0, 0, error, control.paused_s
+            return 0, 0, error, control.paused_s, 0
         gate.start()
         sending = asyncio.ensure_future(asyncio.to_thread(self._data_plane, stream, gate))
         released = [0] * len(plan)  # per stage: buckets released so far
@@ -217,7 +220,7 @@ class BroadcastSync:
                 await control.__aexit__(RuntimeError if error else None, None, None)
             except Exception as err:
                 error = error or f"{type(err).__name__}: {err}"
-        return sent[0], sent[1], error, control.paused_s
+        return sent[0], sent[1], error, control.paused_s, control.caches_kept
 
     def _group_name(self, stage: int, stages: int) -> str:
         return (

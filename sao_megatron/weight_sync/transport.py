@@ -21,7 +21,7 @@ from torch.distributed import Store  # pyright: ignore[reportPrivateImportUsage]
 
 from sao_megatron.faults import kill_point
 from sao_megatron.parallel import open_store
-from sao_megatron.rollout.client import EngineClient
+from sao_megatron.rollout.client import EngineClient, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ class SyncReport:
     seconds: float
     paused_s: float = 0.0
     """How long the engines stopped generating: from the pause request to the resume's answer."""
+    caches_kept: int = 0
+    """Engines whose prefix cache the sync did not flush (``in_place`` with requests running)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -129,14 +131,29 @@ def prefetched[T](items: Iterator[T], depth: int = 1) -> Iterator[T]:
     thread.join()
 
 
-class EngineControl:
-    """The control plane of one update, held by the coordinator: pause and begin on entry, every
-    bucket's request to every engine (:meth:`load`), end and resume on exit (resume also after an
-    error). ``paused_s``: from the pause request to the resume's answer."""
+UPDATE_POLICIES = ("retract", "in_place", "abort")
+"""``rollout.update_policy``: the ``/pause_generation`` mode of a sync (docs/rollout.md)."""
 
-    def __init__(self, engine_urls: Sequence[str]):
+
+class EngineControl:
+    """The control plane of one update, held by the coordinator: pause (in ``policy``'s mode) and
+    begin on entry, every bucket's request to every engine (:meth:`load`, which never flushes the
+    cache), then on exit end, flush each engine's cache once and resume (end and resume also after
+    an error). ``paused_s``: from the pause request to the resume's answer.
+
+    ``policy`` (``rollout.update_policy``): ``retract`` (running requests go back to the engine's
+    queue and are prefilled again after the flush), ``in_place`` (they stay in the batch with their
+    KV and continue under the new weights; the engine refuses the flush while its batch holds
+    requests: :attr:`caches_kept` counts those engines) or ``abort`` (the engine returns them with
+    their partial output; the pause answers once none is left, and the agent loop resubmits them)."""
+
+    def __init__(self, engine_urls: Sequence[str], policy: str = "retract"):
+        if policy not in UPDATE_POLICIES:
+            raise ValueError(f"update policy {policy!r}: use one of {', '.join(UPDATE_POLICIES)}")
         self.clients = [EngineClient(u) for u in engine_urls]
+        self.policy = policy
         self.paused_s = 0.0
+        self.caches_kept = 0
         self._t0 = 0.0
 
     async def __aenter__(self) -> EngineControl:
@@ -144,7 +161,7 @@ class EngineControl:
             await c.__aenter__()
         self._t0 = time.perf_counter()
         try:
-            await asyncio.gather(*(c.pause("retract") for c in self.clients))
+            await asyncio.gather(*(c.pause(self.policy) for c in self.clients))
             begun = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
             refused = [r for r in begun if isinstance(r, BaseException)]
             if refused:  # the engines that began end again: each would refuse the next begin
@@ -161,7 +178,7 @@ class EngineControl:
         await asyncio.gather(
             *(
                 c.update_weights_from_distributed(
-                    spec.names, spec.dtypes, spec.shapes, group_name, str(version), flat=spec.flat
+                    spec.names, spec.dtypes, spec.shapes, group_name, str(version), flush_cache=False, flat=spec.flat
                 )
                 for c in self.clients
             )
@@ -169,18 +186,40 @@ class EngineControl:
         kill_point("weight_sync:bucket")  # engines hold a partly updated model
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        """End the update session and resume. After an error the session is still ended, best
-        effort (an engine refuses the next ``/begin_weight_update`` while one is open), and the
-        engines resume with a partly updated model until the next update (which the driver retries)."""
+        """End the update session, flush the caches and resume. After an error the session is still
+        ended and the caches flushed, best effort (an engine refuses the next ``/begin_weight_update``
+        while one is open), and the engines resume with a partly updated model until the next update
+        (which the driver retries)."""
+        failed = exc_type is not None
         try:
-            ended = await asyncio.gather(
-                *(c.end_weight_update() for c in self.clients), return_exceptions=exc_type is not None
-            )
+            ended = await asyncio.gather(*(c.end_weight_update() for c in self.clients), return_exceptions=failed)
             for url, result in zip((c.url for c in self.clients), ended, strict=True):
                 if isinstance(result, BaseException):
                     log.info("engine %s: ending a failed weight update: %s", url, result)
+            flushed = await asyncio.gather(*(self._flush(c) for c in self.clients), return_exceptions=failed)
+            for url, result in zip((c.url for c in self.clients), flushed, strict=True):
+                if isinstance(result, BaseException):
+                    log.info("engine %s: flushing the cache after a failed weight update: %s", url, result)
         finally:
             await self._resume()
+
+    async def _flush(self, client: EngineClient) -> None:
+        """One flush of ``client``'s cache. In place, a refusal (requests in the batch) keeps the cache
+        (counted); otherwise a refusal is retried for up to ``EngineClient.FLUSH_RETRY_S`` (a request
+        the engine has answered may still sit in its batch for a moment)."""
+        deadline = time.perf_counter() + EngineClient.FLUSH_RETRY_S
+        while True:
+            try:
+                return await client.flush_cache()
+            except EngineError as err:
+                if err.status != 400:
+                    raise
+                if self.policy == "in_place":
+                    self.caches_kept += 1
+                    return
+                if time.perf_counter() >= deadline:
+                    raise
+            await asyncio.sleep(0.2)
 
     async def _resume(self) -> None:
         await asyncio.gather(*(c.resume() for c in self.clients), return_exceptions=True)
@@ -202,11 +241,14 @@ class WeightSync:
         master_port: int = 0,
         group_name: str = "sao_weight_sync",
         flat: bool = False,
+        policy: str = "retract",
     ):
         """``master_port`` 0 (the default): any free port on ``master_address``, bound at connect().
-        ``flat``: send a bucket of one dtype as one byte buffer (:class:`BucketSpec`)."""
+        ``flat``: send a bucket of one dtype as one byte buffer (:class:`BucketSpec`); ``policy``:
+        what :meth:`update` does to the engines' running requests (:class:`EngineControl`)."""
         self.engine_urls = engine_urls
         self.flat = flat
+        self.policy = policy
         self.engine_tp = engine_tp
         self.backend = backend
         self.master_address = master_address
@@ -262,7 +304,7 @@ class WeightSync:
         t0 = time.perf_counter()
         tensors = nbytes = 0
         loop = asyncio.get_running_loop()
-        async with EngineControl(self.engine_urls) as control:
+        async with EngineControl(self.engine_urls, self.policy) as control:
             for bucket in buckets:
                 posted = asyncio.create_task(control.load(self.group_name, BucketSpec.of(bucket, self.flat), version))
                 try:
@@ -272,7 +314,7 @@ class WeightSync:
                     raise
                 await posted
                 tensors += len(bucket)
-        return SyncReport(version, tensors, nbytes, time.perf_counter() - t0, control.paused_s)
+        return SyncReport(version, tensors, nbytes, time.perf_counter() - t0, control.paused_s, control.caches_kept)
 
     async def close(self, engine_urls: Iterable[str] | None = None) -> None:
         """Destroy the group: on ``engine_urls`` (default: all of this group's engines; a dead one's

@@ -50,6 +50,7 @@ class ActorWorker:
             inflight_mb=cfg.export_inflight_mb,
             timeout_s=cfg.export_timeout_s,
             gb_per_s=cfg.export_gb_per_s,
+            policy=cfg.update_policy,
         )
         """This rank's part of the broadcast weight sync (:meth:`sync_weights`)."""
 

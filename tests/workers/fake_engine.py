@@ -92,6 +92,10 @@ class FakeEngine:
     async def resume(self, request: web.Request) -> web.Response:
         return self._answer(self._record("/continue_generation"), True)
 
+    async def flush(self, request: web.Request) -> web.Response:
+        self._record("/flush_cache")["success"] = True
+        return web.Response(text="Cache flushed.\n")  # SGLang answers plain text
+
     async def begin(self, request: web.Request) -> web.Response:
         entry = self._record("/begin_weight_update")
         self.begin_calls += 1
@@ -209,6 +213,7 @@ async def _serve(conn: Connection, faults: dict[str, Any]) -> None:
         [
             web.post("/pause_generation", engine.pause),
             web.post("/continue_generation", engine.resume),
+            web.post("/flush_cache", engine.flush),
             web.post("/begin_weight_update", engine.begin),
             web.post("/end_weight_update", engine.end),
             web.post("/init_weights_update_group", engine.init_group),

@@ -1,8 +1,8 @@
 """``ActorWorker.sync_weights`` end to end on a 2-rank gloo trainer world with two pipeline stages
 (one sender each, ragged: 3 and 2 buckets) and two fake engines (``tests/workers/fake_engine.py``).
 
-Covered: the control plane rank 0 runs (pause, begin, every bucket's request in ``sync_order``
-over each stage's own group, end, continue), the data plane (every tensor reaches every engine
+Covered: the control plane rank 0 runs (pause in retract mode, begin, every bucket's request in
+``sync_order`` over each stage's own group without a cache flush, end, one flush, continue), the data plane (every tensor reaches every engine
 with its values; a sender broadcasts only the buckets released to it), the groups' reuse and
 re-formation, and the error paths (an engine failing a bucket, an engine refusing the session):
 rank 0 raises with the engine's message, the other rank returns ``{}``, the engines end the
@@ -39,10 +39,11 @@ ORDER = sync_order([len(stage) for stage in SHAPES])
 TENSORS = sum(len(bucket) for stage in SHAPES for bucket in stage)
 BUCKET_MB = 1
 WORLD_TIMEOUT_S = 60.0  # a world takes ~8 s (~25 s on a busy host); a hang fails before 300 s
-PAUSE, BEGIN, END, RESUME = (
+PAUSE, BEGIN, END, FLUSH, RESUME = (
     ("/pause_generation",),
     ("/begin_weight_update",),
     ("/end_weight_update",),
+    ("/flush_cache",),
     ("/continue_generation",),
 )
 
@@ -101,6 +102,7 @@ def _worker() -> Any:
         export_inflight_mb=1024,
         export_timeout_s=300.0,  # the gather group's (no model here to size it from)
         export_gb_per_s=0.5,
+        update_policy="retract",
     )
     return actor.ActorWorker(cfg)  # type: ignore[arg-type]
 
@@ -183,7 +185,7 @@ def _update(prefix: str, stage: int, bucket: int, version: int) -> tuple:
 
 
 def _session(prefix: str, version: int, order: list[tuple[int, int]] = ORDER) -> list[tuple]:
-    return [PAUSE, BEGIN, *(_update(prefix, s, k, version) for s, k in order), END, RESUME]
+    return [PAUSE, BEGIN, *(_update(prefix, s, k, version) for s, k in order), END, FLUSH, RESUME]
 
 
 def _groups(endpoint: str, prefix: str) -> list[tuple]:
@@ -199,7 +201,9 @@ def _assert_clean_updates(log: list[dict[str, Any]]) -> None:
     for e in log:
         if e["endpoint"] == "/update_weights_from_distributed":
             assert e["bad"] == [] and not e["overlapped"], e
-            assert e["flush_cache"] is True and e["load_format"] is None, e
+            assert e["flush_cache"] is False and e["load_format"] is None, e  # one flush, after the last
+        if e["endpoint"] == "/pause_generation":
+            assert e["mode"] == "retract", e  # rollout.update_policy's default
 
 
 def _assert_synced(outcome: list[dict[str, Any]], prefix: str) -> None:
@@ -259,10 +263,10 @@ def test_a_failed_bucket_ends_the_session_fast_and_the_next_sync_reforms(
         brief = [_brief(x) for x in log]
         first = [*_groups("/init_weights_update_group", "sao_weight_sync"), *_session("sao_weight_sync", 1, released)]
         assert brief[: len(first)] == first  # end and continue right after the failed update
-        failed = log[len(first) - 3]
+        failed = log[len(first) - 4]  # then end, flush, continue
         assert _brief(failed) == _update("sao_weight_sync", 1, 0, 1)
         assert failed["success"] is (e == 0) and failed["bad"] == []
-        assert all(x["success"] for x in log[len(first) - 2 : len(first)]), log  # the session was open
+        assert all(x["success"] for x in log[len(first) - 3 : len(first)]), log  # the session was open
         # The old groups destroyed (by each sender, before it forms its new one), the new ones formed:
         reform = brief[len(first) : len(first) + 4]
         old = _groups("/destroy_weights_update_group", "sao_weight_sync")
