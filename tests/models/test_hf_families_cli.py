@@ -1,11 +1,13 @@
-"""``sao convert`` and ``sao export`` for Mixtral and GLM-4.5 (issue 31), one tiny model each, one chain:
+"""``sao convert`` and ``sao export`` for Mixtral, GLM-4.5 and DeepSeek-V3 (issue 31), one tiny model each, one chain:
 
 ``sao convert hf-to-mcore`` (one rank; the 2-rank layouts are test_hf_families') writes the tiny HF
 checkpoint as Megatron torch_dist; an actor starts from it (``actor.init_from``: its logits must be
 transformers' on the original) and takes one optimizer step (``actor.router_bias_update=train``: GLM's
-expert biases move); ``sao export`` writes the run's actor as HF with a config.json generated from the
+expert biases move; so do DeepSeek-V3's); ``sao export`` writes the run's actor as HF with a config.json generated from the
 model shape, and transformers reproduces the trained actor's logits. The bit-exact convert round trip
-of a Qwen3-MoE checkpoint is test_hf_convert's.
+of a Qwen3-MoE checkpoint is test_hf_convert's. The DeepSeek-V3 checkpoint also carries the tensors of
+a multi-token-prediction layer (``model.layers.{num_hidden_layers}.*``, as the published checkpoints
+do): the conversion skips them, and the export has none.
 """
 
 from __future__ import annotations
@@ -23,14 +25,35 @@ from sao_megatron.config.hf import model_config_from_hf, read_hf_config
 from tests.models import hf_cases
 from tests.models.test_hf_models import TOL
 
-FAMILIES = {"mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+FAMILIES = {"mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("families_cli")
     hf_cases.make_checkpoints(root, {k: hf_cases.FAMILY_SHAPES[k] for k in FAMILIES})
+    _add_mtp_layer(root / "hf" / "deepseek_v3")
     return root
+
+
+def _add_mtp_layer(hf: Path) -> None:
+    """A shard of MTP-layer tensors (DeepSeek's names) beside the model's, listed in the index."""
+    from safetensors.torch import save_file
+
+    config = json.loads((hf / "config.json").read_text())
+    layer, h = config["num_hidden_layers"], config["hidden_size"]
+    assert config["num_nextn_predict_layers"] == 1  # transformers 5.19's DeepseekV3Config default
+    mtp = {
+        f"model.layers.{layer}.enorm.weight": torch.ones(h),
+        f"model.layers.{layer}.hnorm.weight": torch.ones(h),
+        f"model.layers.{layer}.eh_proj.weight": torch.randn(h, 2 * h),
+        f"model.layers.{layer}.self_attn.q_a_proj.weight": torch.randn(config["q_lora_rank"], h),
+        f"model.layers.{layer}.shared_head.norm.weight": torch.ones(h),
+    }
+    save_file(mtp, str(hf / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def _make_run_rank(rank, world, run_dir: str) -> None:
@@ -82,12 +105,23 @@ def test_convert_train_export_matches_transformers(checkpoints, tmp_path, shape)
     actor_out = torch.load(run_dir / "actor.pt")
     reference = torch.load(checkpoints / "reference.pt")[shape]
     assert (actor_out["loaded"] - reference).abs().max().item() <= TOL  # the converted checkpoint
-    assert (actor_out["moved"] > 0) == (shape == "glm4_moe")  # the trained expert biases moved
+    assert (actor_out["moved"] > 0) == (shape != "mixtral")  # the trained expert biases moved
     out = tmp_path / "export"
     assert main(["export", str(run_dir), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [FAMILIES[shape]]
+    assert not [n for n in _names(out) if n.startswith("model.layers.4.")]  # no MTP layer written
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(input_ids=hf_cases.tokens()).logits
     assert (logits - actor_out["logits"]).abs().max().item() <= TOL
+
+
+def _names(hf: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names = []
+    for file in hf.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names += list(f.keys())
+    return names
