@@ -1,11 +1,12 @@
 """FP8 block-scaled checkpoints (DeepSeek-V3 / Kimi-K2's official layout) load dequantised (issue 31).
 
-A tiny Qwen3-MoE is saved three ways: bf16 (the reference), FP8 in DeepSeek's layout (every linear
+A tiny Qwen3-MoE and a tiny DeepSeek-V3 (multi-latent attention: q/kv down- and up-projections) are
+each saved three ways: bf16 (the reference), FP8 in DeepSeek's layout (every linear
 weight ``float8_e4m3fn`` in 128 x 128 blocks beside a float32 ``<name>_scale_inv``, and the
 ``quantization_config`` that says so), and float32 holding exactly ``fp8 x scale_inv`` computed here
 with plain torch (the dequantisation the reader must reproduce). The shapes are not multiples of
 the block, and at TP 2 a rank's rows start inside a block, so the reader must cut the scales with
-the slice. One spawned 2-rank world loads each into Megatron at TP 2.
+the slice. One spawned 2-rank world loads all six into Megatron at TP 2.
 """
 
 from __future__ import annotations
@@ -40,6 +41,27 @@ SHAPE = dict(
     tie_word_embeddings=False,
     max_position_embeddings=256,
 )
+DEEPSEEK_SHAPE = dict(
+    vocab_size=128,
+    hidden_size=160,
+    num_attention_heads=4,
+    num_key_value_heads=4,  # DeepseekV3Config's default is 128 whatever the heads
+    q_lora_rank=96,  # 48 rows per TP rank: inside the first block
+    kv_lora_rank=60,  # + 4 RoPE dims: 64 rows of kv_a_proj_with_mqa
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=4,
+    v_head_dim=24,
+    intermediate_size=96,
+    moe_intermediate_size=144,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    num_hidden_layers=2,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+)
 
 
 def _quantised(name: str, t: torch.Tensor) -> bool:
@@ -64,15 +86,27 @@ def _dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * expanded
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def _model(family: str):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    rope = {"rope_theta": 10000.0, "rope_type": "default"}
+    if family == "deepseek_v3":
+        return DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_SHAPE, rope_parameters=rope))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SHAPE, rope_parameters=rope))
+
+
+FAMILIES = ("qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, dict[str, Path]]:
     root = tmp_path_factory.mktemp("fp8")
+    return {family: _save_three_ways(root / family, family) for family in FAMILIES}
+
+
+def _save_three_ways(root: Path, family: str) -> dict[str, Path]:
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(**SHAPE, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
-    )
+    model = _model(family)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight") else 0.08 * torch.randn_like(p))
@@ -99,7 +133,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-def _load(rank: int, world: int, dirs: dict[str, str]) -> dict:
+def _load(rank: int, world: int, families: dict[str, dict[str, str]]) -> dict:
+    return {family: _load_family(world, dirs) for family, dirs in families.items()}
+
+
+def _load_family(world: int, dirs: dict[str, str]) -> dict:
+    from megatron.core import parallel_state as ps
+
     from sao_megatron.config import ParallelConfig
     from sao_megatron.config import hf as hf_config
     from sao_megatron.models.builder import build_gpt
@@ -107,7 +147,8 @@ def _load(rank: int, world: int, dirs: dict[str, str]) -> dict:
     from sao_megatron.parallel import initialize_model_parallel
 
     p = ParallelConfig(world_size=world, tensor_parallel=2, use_distributed_optimizer=False)
-    initialize_model_parallel(p)
+    if not ps.model_parallel_is_initialized():
+        initialize_model_parallel(p)
     m = hf_config.model_config_from_hf(hf_config.read_hf_config(dirs["bf16"]))
     params = {}
     for key, path in dirs.items():
@@ -132,22 +173,26 @@ def _load(rank: int, world: int, dirs: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def loaded(checkpoints):
-    return run_distributed(_load, 2, {k: str(v) for k, v in checkpoints.items()}, timeout_s=600)
+    families = {f: {k: str(v) for k, v in dirs.items()} for f, dirs in checkpoints.items()}
+    return run_distributed(_load, 2, families, timeout_s=600)
 
 
-def test_fp8_weights_load_as_their_dequantised_values_at_tp2(loaded):
-    for r in loaded:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_weights_load_as_their_dequantised_values_at_tp2(loaded, family):
+    for r in (ranks[family] for ranks in loaded):
         assert r["params"] > 0 and r["differ_from_dequantised"] == [], r
         # every linear layer was quantised (so the FP8 path ran), and only those
         assert r["quantised"] and all("linear" in n or "experts" in n for n in r["quantised"]), r["quantised"]
 
 
-def test_fp8_weights_are_within_fp8_rounding_of_the_bf16_checkpoint(loaded):
-    for r in loaded:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_weights_are_within_fp8_rounding_of_the_bf16_checkpoint(loaded, family):
+    for r in (ranks[family] for ranks in loaded):
         assert r["beyond_fp8_rounding"] == [], r
 
 
 def test_the_reader_hides_scales_and_cuts_them_with_the_slice(checkpoints):
+    checkpoints = checkpoints["qwen3_moe"]
     with hf_io.HFCheckpoint(checkpoints["fp8"]) as ckpt:
         assert ckpt.fp8_block == (BLOCK, BLOCK)
         assert not [n for n in ckpt.names() if n.endswith("_scale_inv")]
@@ -161,6 +206,7 @@ def test_the_reader_hides_scales_and_cuts_them_with_the_slice(checkpoints):
 
 
 def test_unreadable_quantisation_is_refused_naming_it(checkpoints, tmp_path):
+    checkpoints = checkpoints["qwen3_moe"]
     bad = tmp_path / "int4"
     bad.mkdir()
     (bad / "model.safetensors").write_bytes((checkpoints["fp8"] / "model.safetensors").read_bytes())
@@ -175,10 +221,12 @@ def test_unreadable_quantisation_is_refused_naming_it(checkpoints, tmp_path):
         ckpt.check("model.layers.0.self_attn.q_proj.weight", (160, 160), "BF16")
 
 
-def test_config_json_of_an_fp8_checkpoint_maps_to_the_same_model(checkpoints):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_json_of_an_fp8_checkpoint_maps_to_the_same_model(checkpoints, family):
     """DeepSeek's FP8 block config is accepted (the reader dequantises); the model is the bf16 one's."""
     from sao_megatron.config import hf as hf_config
 
+    checkpoints = checkpoints[family]
     fp8 = hf_config.read_hf_config(checkpoints["fp8"])
     assert hf_config.fp8_block(fp8) == (BLOCK, BLOCK)
     assert hf_config.model_config_from_hf(fp8) == hf_config.model_config_from_hf(
