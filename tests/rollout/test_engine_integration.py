@@ -454,3 +454,112 @@ def test_router_proxies_generate(engine, tmp_path):
         routed.weight_versions == own.weight_versions and routed.finish_reason == "length" and routed.prompt_tokens == 5
     )
     assert refused.status == 404
+
+
+class _TwoTurns(Env):
+    """Two actions with the observation ``ok`` between them (the model's text is ignored)."""
+
+    task_class = CountingTask
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self, sample: Sample) -> str:
+        return sample.question
+
+    def step(self, action: str) -> StepResult:
+        self.turns += 1
+        return StepResult(None if self.turns == 2 else "ok", self.turns == 2)
+
+    def reward(self) -> RewardResult:
+        return RewardResult(0.0, None)
+
+
+def _flushes(engine) -> int:
+    """Cache flushes the engine has logged so far."""
+    with open(engine.spec.log_path, errors="replace") as f:
+        return f.read().count("Cache flushed successfully")
+
+
+def _synced_mid_flight(trajs, policy: str) -> bool:
+    """The sync met a generation in flight: resubmitted (abort) or an action with both versions."""
+    if policy == "abort":
+        return any(t.stats.resubmitted for t in trajs)
+    return any(len(set(t.policy_versions[turn.start : turn.end])) == 2 for t in trajs for turn in t.turns)
+
+
+@pytest.mark.parametrize("policy", ["retract", "in_place", "abort"])
+def test_a_sync_with_episodes_in_flight_under_each_update_policy(engine, checkpoints, policy):
+    """Eight two-turn episodes run while a four-bucket sync replaces checkpoint 0 (version ``old``)
+    by checkpoint 1 (``new``) under ``rollout.update_policy``. Every episode comes back once,
+    finished, with both actions (none lost or run twice); the engine logged one cache flush for the
+    sync under retract and abort, none in place (the batch held requests: the cache was kept).
+    Every action token not recorded as stale-KV has the behavior logprob the engine gives it when it
+    scores the whole sequence afresh under the weights of its version (abort: the continuation's
+    tokens are new, the aborted ones keep their old logprobs and version); in place some stale
+    token's logprob differs from the fresh one (the record marks real staleness). Timing-dependent
+    (the sync must meet a generation in flight): up to three attempts."""
+    from safetensors.torch import load_file
+
+    from sao_megatron.weight_sync import WeightSync
+
+    new_weights = load_file(str(checkpoints[1] / "model.safetensors"))
+    names = sorted(new_weights)
+    size = -(-len(names) // 4)
+    buckets = [[(n, new_weights[n]) for n in names[i : i + size]] for i in range(0, len(names), size)]
+    cfg = AgentLoopConfig(max_turns=2, max_new_tokens=160, max_response_tokens=512, max_context_tokens=1024)
+    tokenizer = load_tokenizer()
+
+    async def attempt(client, sync, k: int):
+        old, new = 30 + 2 * k, 31 + 2 * k
+        await client.update_weights_from_disk(str(checkpoints[0]), str(old))  # flushes: the cache holds `old` only
+        client.cache_version = old
+        loop = AgentLoop(client, tokenizer, cfg, update_policy=policy)
+        samples = [Sample(f"p{i}", f"question {i}", "") for i in range(8)]
+        episodes = [asyncio.create_task(loop.run(_TwoTurns(), s)) for s in samples]
+        await asyncio.sleep(0.5)
+        before = _flushes(engine)
+        report = await sync.update(buckets, version=new)
+        flushed = _flushes(engine) - before
+        trajs = await asyncio.gather(*episodes)
+        return trajs, report, flushed, old, new
+
+    async def go():
+        sync = WeightSync([engine.url], backend="gloo", group_name=f"policy_{policy}", policy=policy)
+        await sync.connect()
+        try:
+            async with EngineClient(engine.url) as client:
+                trajs, report, flushed, old, new = await attempt(client, sync, 0)
+                for k in (1, 2):
+                    if _synced_mid_flight(trajs, policy):
+                        break
+                    trajs, report, flushed, old, new = await attempt(client, sync, k)
+                await client.flush_cache()  # idle: the scores below are computed afresh
+                scored = {new: [await client.score(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in trajs]}
+                await client.update_weights_from_disk(str(checkpoints[0]), "restored")
+                scored[old] = [await client.score(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in trajs]
+        finally:
+            await sync.close()
+        return trajs, report, flushed, old, new, scored
+
+    trajs, report, flushed, old, new, scored = asyncio.run(go())
+    assert _synced_mid_flight(trajs, policy), "no generation was in flight at the sync in three attempts"
+    assert sorted(t.prompt_id for t in trajs) == [f"p{i}" for i in range(8)]
+    assert all(t.status == "finished" and t.num_turns == 2 for t in trajs), [t.status_reason for t in trajs]
+    assert (flushed, report.caches_kept) == ((0, 1) if policy == "in_place" else (1, 0))
+    stale_differs = False
+    for i, t in enumerate(trajs):
+        stale = {j for span in t.stale_kv for j in range(span.start, span.end)}
+        assert set(t.action_versions) <= {old, new}
+        assert not stale or policy == "in_place"
+        for j, (m, v) in enumerate(zip(t.action_mask, t.policy_versions, strict=True)):
+            if not m:
+                continue
+            gap = abs(t.behavior_logprobs[j] - scored[v][i][j])
+            if j in stale:
+                stale_differs |= gap > ENGINE_TOL
+            else:
+                assert gap <= ENGINE_TOL, (policy, t.prompt_id, j, v, gap)
+    assert stale_differs or policy != "in_place"
+    recomputed = sum(t.stats.prefill_recomputed for t in trajs)
+    assert (recomputed == 0) if policy == "in_place" else (recomputed > 0)
