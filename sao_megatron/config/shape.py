@@ -189,8 +189,15 @@ def _validate_family(m: ModelConfig) -> None:
             )
 
 
+_NOT_SHAPE = ("name", "mtp_layers")
+"""Fields that do not change the built model: its name, and the MTP layers a checkpoint may carry
+besides (an export has none, its source may have one)."""
+
+
 def same_shape(a: ModelConfig, b: ModelConfig) -> list[str]:
-    """Fields (other than the name) on which two model configs disagree."""
+    """Fields (other than :data:`_NOT_SHAPE`) on which two model configs disagree."""
     return [
-        f.name for f in dataclasses.fields(ModelConfig) if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)
+        f.name
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in _NOT_SHAPE and getattr(a, f.name) != getattr(b, f.name)
     ]

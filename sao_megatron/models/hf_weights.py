@@ -106,10 +106,10 @@ def load_hf_weights(
     dtype = hf_io.config_dtype(json.loads(config_file.read_text())) if config_file.exists() else None
     fused = any(n.endswith(bridge.FUSED_GATE_UP) for n in ckpt.names())
     mtp = [n for n in ckpt.names() if bridge.is_mtp(n, m)]
-    if mtp and (not dist.is_initialized() or dist.get_rank() == 0):
-        _log.info(
+    if mtp and (not dist.is_initialized() or dist.get_rank() == 0):  # a warning: shown without logging set up
+        _log.warning(
             "%s: skipping %d tensors of multi-token-prediction layers (model.layers.%d and after): "
-            "not part of the trained model, not loaded",
+            "not part of the trained model, not loaded, not exported",
             hf_dir,
             len(mtp),
             m.num_layers,
@@ -409,6 +409,8 @@ def _publish(reports: list, staging: Path, out_dir: Path, m: ModelConfig, s: _Ex
             config.pop("torch_dtype", None)
             # an FP8 template (DeepSeek's layout) was read dequantised: what is written is plain dtype_name
             config.pop("quantization_config", None)
+            if config.get("num_nextn_predict_layers"):  # GLM, DeepSeek: the export holds no MTP layer
+                config["num_nextn_predict_layers"] = 0
         else:
             config = hf_config.hf_config_from_model(m, dtype_name)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
