@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,12 +16,60 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _longest_units_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def unit_of(nodeid: str) -> str:
+    """The work unit of a test for ``pytest -n 2 --dist loadscope`` (how ``make test`` runs): its
+    module, or its whole package when the package has a ``conftest.py``, whose package-scoped
+    fixtures (one spawned Megatron world for ``tests/models``, one for ``tests/workers``) must
+    start once, on one worker. ``nodeid`` is relative to the repository root."""
+    module = nodeid.split("::", 1)[0]
+    parts = module.split("/")
+    for depth in range(2, len(parts)):  # tests/<package>/..., shallowest first
+        package = "/".join(parts[:depth])
+        if (TESTS.parent / package / "conftest.py").exists():
+            return package
+    return module
+
+
+def _longest_units_first(items) -> None:
+    """Packages, then modules with end-to-end tests (marked ``slow``), then the rest, each in
+    collection order, the order inside a unit unchanged: two workers take units in this order,
+    so no long unit starts last."""
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(unit_of(item.nodeid), []).append(item)
+
+    def rank(unit: str) -> int:
+        package = not unit.endswith(".py")
+        return 0 if package else 1 if any("slow" in i.keywords for i in units[unit]) else 2
+
+    items[:] = [item for unit in sorted(units, key=rank) for item in units[unit]]  # sort is stable
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with :func:`unit_of`'s units (xdist's own scopes are modules, and its
+    ``xdist_group`` marks do not reach the node ids under pytest 9)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return UnitScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
