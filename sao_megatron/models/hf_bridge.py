@@ -1,4 +1,5 @@
-"""HF <-> Megatron-Core parameter mapping, in the full layout: Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5.
+"""HF <-> Megatron-Core parameter mapping, in the full layout: Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5,
+DeepSeek-V3 (multi-latent attention).
 
 Pure functions over names, shapes and tensors: no process groups, no files. Megatron names are
 those of the full (single-rank) layout (:mod:`sao_megatron.models.layout`): global layer and
@@ -23,6 +24,11 @@ self_attention.linear_qkv.weight                            per query group g: q
 self_attention.linear_qkv.bias (``add_qkv_bias``)           the same rows of q/k/v_proj.bias
 self_attention.q_layernorm / k_layernorm                    L self_attn.q_norm / k_norm
 self_attention.linear_proj.weight                           L self_attn.o_proj.weight
+self_attention.linear_q_down_proj / q_layernorm /           L self_attn.q_a_proj / q_a_layernorm /
+  linear_q_up_proj (DeepSeek-V3; TE: the norm is              q_b_proj, each whole
+  linear_q_up_proj.layer_norm_weight)
+self_attention.linear_kv_down_proj / kv_layernorm /         L self_attn.kv_a_proj_with_mqa /
+  linear_kv_up_proj (TE: linear_kv_up_proj.layer_norm_)       kv_a_layernorm / kv_b_proj, whole
 pre_mlp_layernorm.weight | mlp.linear_fc1.layer_norm_weight L post_attention_layernorm.weight
 mlp.linear_fc1.weight (dense) ``[gate; up]``                L mlp.gate_proj ; L mlp.up_proj
 mlp.linear_fc2.weight (dense)                               L mlp.down_proj.weight
