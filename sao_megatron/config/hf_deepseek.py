@@ -135,7 +135,8 @@ def with_mla(hf: dict[str, Any], m: ModelConfig) -> ModelConfig:
 
 def config_keys(m: ModelConfig, glm_keys: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's keys over GLM's MoE keys ``glm_keys``; no MTP layer (``num_nextn_predict_layers:
-    0``): exports do not carry one."""
+    0``): exports do not carry one. ``moe_layer_freq``, ``topk_method`` and ``scoring_func`` are the
+    published values transformers' config class lacks and SGLang's ``deepseek_v2`` class reads."""
     rope: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": m.rope_type}
     if m.rope_type == "yarn":
         rope |= dict(
@@ -156,4 +157,7 @@ def config_keys(m: ModelConfig, glm_keys: dict[str, Any]) -> dict[str, Any]:
         qk_rope_head_dim=m.qk_rope_head_dim,
         v_head_dim=m.v_head_dim,
         rope_interleave=True,
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
     )

@@ -133,6 +133,8 @@ def test_the_generated_config_json_maps_back_without_mtp_layers():
     hf = hf_config_from_model(m, "bfloat16")
     assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["num_nextn_predict_layers"] == 0
     assert hf["rope_parameters"]["rope_type"] == "yarn" and "head_dim" not in hf
+    published = ("moe_layer_freq", "topk_method", "scoring_func")  # SGLang's deepseek_v2 reads them
+    assert {k: hf[k] for k in published} == {k: DEEPSEEK_V3[k] for k in published}
     assert model_config_from_hf(hf).mtp_layers == 0 and same_shape(model_config_from_hf(hf), m) == []
     plain = model_config_from_hf({k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"})
     assert (
