@@ -271,6 +271,10 @@ CASES: list[tuple[str, Build, str]] = [
     ("bad-update-policy", _overrides("rollout.update_policy=keep"),
      r"^override 'rollout\.update_policy=keep': rollout\.update_policy: 'keep' is not one of 'retract', 'in_place', "
      r"'abort'$"),
+    ("update-policy-with-disk-sync", _overrides("rollout.weight_sync=disk", "rollout.update_policy=in_place"),
+     r"^rollout\.update_policy=in_place has no effect with rollout\.weight_sync=disk \(the disk sync does not pause: "
+     r"each engine finishes its requests, then loads\); use rollout\.weight_sync=distributed or leave update_policy "
+     r"at retract$"),
     # A cluster config has no ray_address until its launcher adds it: checked where the local Ray starts.
     ("one-node-gpus-overflow", lambda tmp: lambda: one_node_gpus(load_config(None, ["cluster.gpus_per_node=2"])),
      r"^cluster\.gpus_per_node=2 < 3 GPUs this run needs on one node \(no cluster\.ray_address\): "

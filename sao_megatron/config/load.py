@@ -391,6 +391,12 @@ def validate_rollout(r: RolloutConfig) -> None:
     for name in ("num_engines", "max_concurrent"):
         if getattr(r, name) < 1:
             raise ConfigError(f"rollout.{name} must be >= 1 (got {getattr(r, name)})")
+    if r.weight_sync == "disk" and r.update_policy != "retract":
+        raise ConfigError(
+            f"rollout.update_policy={r.update_policy} has no effect with rollout.weight_sync=disk (the disk sync does "
+            "not pause: each engine finishes its requests, then loads); use rollout.weight_sync=distributed or "
+            "leave update_policy at retract"
+        )
     for name in ("max_turns", "max_new_tokens"):
         if getattr(r.loop, name) < 1:
             raise ConfigError(f"rollout.loop.{name} must be >= 1 (got {getattr(r.loop, name)})")
