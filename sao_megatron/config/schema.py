@@ -419,7 +419,8 @@ class RolloutConfig:
     output; the agent loop resubmits each as a continuation, prompt + tokens so far, and the tokens
     already generated keep their behavior logprobs and versions). Measured side by side in
     docs/PERFORMANCE.md (``benchmarks/bench_update_policy.py``). The disk sync
-    (``weight_sync: disk``) does not pause: the engine finishes its requests before it loads."""
+    (``weight_sync: disk``) does not pause: the engine finishes its requests before it loads (with it,
+    only ``retract`` is accepted)."""
     weight_sync_every: int = 1
     """Push the actor's weights to the engines every n policy versions (1: every step). n > 1 is a
     staleness knob for experiments: episodes then run on weights up to n - 1 versions old (and
