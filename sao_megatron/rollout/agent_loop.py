@@ -354,8 +354,8 @@ class AgentLoop:
             except EngineError as err:
                 if reroute is None:
                     raise
-                gen, failure = None, f"engine: {err}"
-            if gen is not None:
+                failure = f"engine: {err}"
+            else:
                 if gen.finish_reason != "abort" or self.update_policy == "abort":  # else: its tokens are dropped
                     versions = [_version(v) for v in gen.weight_versions]
                     self._count_recomputed(ep, len(context) + len(action.ids), versions)
