@@ -47,7 +47,7 @@ from sao_megatron.parallel import join_store, open_store  # noqa: E402
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec  # noqa: E402
 from sao_megatron.spawn import free_port  # noqa: E402
 from sao_megatron.tokenizer import load_tokenizer  # noqa: E402
-from sao_megatron.weight_sync import EngineControl, WeightSync, new_group  # noqa: E402
+from sao_megatron.weight_sync import EngineControl, WeightSync, new_group, resolve_flat  # noqa: E402
 
 
 def _receiver(port: int, shapes: list[list[tuple[list[int], torch.dtype]]], sizes: list[int], rounds: int) -> None:
@@ -103,7 +103,7 @@ def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, r
     gather_group = cast(dist.ProcessGroup, dist.new_group())  # every rank is a member
     stream = HFWeightStream(worker.role.module, cfg.model, per_stage=True, group=gather_group)
     plan = stream.bucket_plan(bucket_bytes)
-    flat = cfg.rollout.weight_sync_flat
+    flat = resolve_flat(cfg.rollout.weight_sync_flat, "gloo")  # as the actor resolves it on CPU
     mine = [[_flat(b)] if flat else [t.contiguous() for _, t in b] for b in stream.buckets(bucket_bytes) if b]
     store = join_store("127.0.0.1", store_port, 1 + len(plan))
     raw = None

@@ -268,6 +268,8 @@ CASES: list[tuple[str, Build, str]] = [
      r"rollout\.engine_args: expected a list, got '--chunked-prefill-size 8192'; write it as \[a, b, \.\.\.\]$"),
     ("engine-args-number", _overrides("rollout.engine_args=[--chunked-prefill-size, 8192]"),
      r"rollout\.engine_args\[1\]: expected a string, got 8192; quote it$"),
+    ("zero-sync-bucket", _overrides("rollout.weight_sync_bucket_mb=0"),
+     r"^rollout\.weight_sync_bucket_mb=0 must be >= 1 \(MiB\), e\.g\. 1024$"),
     ("bad-update-policy", _overrides("rollout.update_policy=keep"),
      r"^override 'rollout\.update_policy=keep': rollout\.update_policy: 'keep' is not one of 'retract', 'in_place', "
      r"'abort'$"),

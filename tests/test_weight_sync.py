@@ -2,6 +2,9 @@
 bucket specs, the flat wire format (read back with SGLang's own reader), the store gate, and the
 disk strategy against fake engine clients.
 
+The gather streams (``weight_sync/streams.py``) run here on the host, through the same object and
+calls as on a GPU; their GPU tests (marked ``gpu``) are skipped without a CUDA device.
+
 The whole protocol against a real engine: ``tests/rollout/test_engine_integration.py`` (one
 sender) and ``tests/test_from_hf.py`` (a PP=2 actor: two senders).
 """
@@ -12,8 +15,11 @@ import time
 import pytest
 import torch
 
+from sao_megatron.config import load_config
+from sao_megatron.config.rank import ActorRankConfig
 from sao_megatron.models.hf_io import TensorSpec
-from sao_megatron.weight_sync import BucketSpec, prefetched, sync_order
+from sao_megatron.weight_sync import BroadcastSync, BucketSpec, GatherStreams, prefetched, resolve_flat, sync_order
+from sao_megatron.weight_sync.streams import Bucket
 from tests.distributed import run_distributed
 
 
@@ -52,6 +58,96 @@ def test_prefetched_raises_the_producers_error_after_the_items_before_it():
             seen.append(i)
     assert seen == [1, 2]
     assert not [t for t in threading.enumerate() if t.name == "weight-sync-gather"]
+
+
+def _gather_and_send(
+    streams: GatherStreams, buckets: int, log: list[str], events: list, gather=None, send=None
+) -> list[Bucket]:
+    """A sender's loop as ``BroadcastSync._data_plane`` runs it: ``gather`` (default: nothing) then
+    a bucket of one tensor of value k, on the gather side; ``send`` (default: nothing) per bucket.
+    Each bucket's event goes to ``events``."""
+    device = streams.device
+
+    def gathers():
+        for k in range(buckets):
+            assert streams.on_gather_stream(), f"bucket {k} gathered off the gather stream"
+            if gather is not None:
+                gather()
+            bucket = [(f"w{k}", torch.full((256,), float(k), device=device))]
+            log.append(f"gathered {k}")
+            yield bucket
+
+    sent = []
+    for k, g in enumerate(prefetched(streams.gathered(gathers()))):
+        assert not streams.on_gather_stream(), "the sending thread runs on its own stream"
+        bucket = streams.ready(g)
+        assert f"gathered {k}" in log, f"bucket {k} handed over before its gather"
+        events.append(g.event)
+        log.append(f"sent {k}")
+        if send is not None:
+            send()
+        sent.append([(n, t.clone()) for n, t in bucket])
+    return sent
+
+
+def test_gather_streams_on_the_host_hand_each_bucket_over_after_its_gather_in_order():
+    """The same calls as on a GPU: gathers run with the gather stream current (in the prefetch
+    thread), each bucket goes to the sender after its gather, with its event complete, unchanged
+    and in order."""
+    streams = GatherStreams(torch.device("cpu"))
+    log: list[str] = []
+    events: list = []
+    sent = _gather_and_send(streams, 4, log, events)
+    assert len(events) == 4 and all(e.query() for e in events)  # host work is done when recorded
+    assert [n for b in sent for n, _ in b] == ["w0", "w1", "w2", "w3"]
+    for k, bucket in enumerate(sent):
+        torch.testing.assert_close(bucket[0][1], torch.full((256,), float(k)), rtol=0, atol=0)
+    for k in range(4):
+        assert log.index(f"gathered {k}") < log.index(f"sent {k}")
+    assert not streams.on_gather_stream()
+
+
+@pytest.mark.gpu
+def test_gather_streams_on_a_gpu_overlap_the_next_gather_with_this_send_and_send_gathered_values():
+    """On a CUDA device: each bucket's values are written after a long kernel on the gather stream,
+    so a send that did not wait for the bucket's event would read them unwritten; and gathers of
+    bucket k+1 run during the send of bucket k (4 gathers and 4 sends of one kernel each take about
+    5 kernels' time, not 8)."""
+    device = torch.device("cuda")
+    cycles = 100_000_000
+    sleep = torch.cuda._sleep  # pyright: ignore[reportAttributeAccessIssue]  # a kernel that spins
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    timed(lambda: sleep(cycles))  # CUDA's start-up out of the measurement
+    one = timed(lambda: sleep(cycles))
+    log: list[str] = []
+    sent: list[Bucket] = []
+    streams = GatherStreams(device)
+    took = timed(
+        lambda: sent.extend(_gather_and_send(streams, 4, log, [], lambda: sleep(cycles), lambda: sleep(cycles)))
+    )
+    for k, bucket in enumerate(sent):
+        torch.testing.assert_close(bucket[0][1].cpu(), torch.full((256,), float(k)), rtol=0, atol=0)
+    assert took < 6.5 * one, f"4 gathers and 4 sends took {took / one:.1f} kernels' time: no overlap"
+
+
+def test_flat_buckets_default_to_nccl_only_and_an_explicit_choice_wins():
+    assert resolve_flat(None, "nccl") is True
+    assert resolve_flat(None, "gloo") is False
+    for backend in ("nccl", "gloo"):
+        assert resolve_flat(True, backend) is True
+        assert resolve_flat(False, backend) is False
+    sync = BroadcastSync(torch.nn.Linear(2, 2), None, engine_tp=1, flat=None, bucket_mb=1)  # type: ignore[arg-type]
+    assert (sync.backend, sync.flat) == (("nccl", True) if torch.cuda.is_available() else ("gloo", False))
+    assert BroadcastSync(torch.nn.Linear(2, 2), None, engine_tp=1, flat=True, bucket_mb=1).flat  # type: ignore[arg-type]
+    cfg = load_config(None, [])
+    assert cfg.rollout.weight_sync_flat is None and ActorRankConfig.of(cfg).sync_flat is None  # resolved at start
 
 
 def test_bucket_spec_is_flat_when_asked_and_of_one_dtype():

@@ -31,8 +31,8 @@ class ActorRankConfig:
     """``rollout.loop.temperature``: logprobs are taken at the engines' sampling temperature."""
     engine_tp: int
     """``rollout.tensor_parallel``: ranks per engine in the weight-sync group."""
-    sync_flat: bool
-    """``rollout.weight_sync_flat``."""
+    sync_flat: bool | None
+    """``rollout.weight_sync_flat`` (None: resolved by the sync's backend)."""
     sync_bucket_mb: int
     """``rollout.weight_sync_bucket_mb``."""
     seed: int

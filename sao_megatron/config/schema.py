@@ -425,15 +425,25 @@ class RolloutConfig:
     """Push the actor's weights to the engines every n policy versions (1: every step). n > 1 is a
     staleness knob for experiments: episodes then run on weights up to n - 1 versions old (and
     older while they wait); ``algo.max_policy_lag`` must be at least n - 1. Evaluations sync first."""
-    weight_sync_bucket_mb: int = 512
-    """Size of the weight sync's buckets (per pipeline stage): each is one engine request. A sender
-    holds about four at once (the one it sends, the next one gathered, the one being gathered and
-    its shards), five with ``weight_sync_flat`` (the flat copy): budget that much device memory on
-    each stage's first rank."""
-    weight_sync_flat: bool = False
+    weight_sync_bucket_mb: int = 1024
+    """Size of the weight sync's buckets in MiB (per pipeline stage): each is one engine request. A
+    sender holds about four at once (the one it sends, the next one gathered, the one being gathered
+    and its shards), five with ``weight_sync_flat`` (the flat copy): budget that much device memory on
+    each stage's first rank. The default is sized for large models. In bf16 a Qwen3-30B-A3B sync moves
+    ~57 GiB (57 buckets at 1024 MiB, 114 at 512) and a 750B model's ~1,397 GiB (1,397 buckets at
+    1024, 2,794 at 512), split over the pipeline stages. Each bucket adds one request round trip and
+    load on every engine; measured on CPU at 14 ms per bucket beyond the raw broadcast
+    (docs/PERFORMANCE.md; not measured on a GPU). At 750B that is ~20 s of pause at 1024 against ~39 s
+    at 512, and the sender holds ~4 GiB (5 GiB flat) against 2 GiB (2.5 GiB). 2048 would halve the
+    requests again for 8-10 GiB per sender and a 2 GiB receive buffer on every engine GPU, beside
+    its KV cache. Must be >= 1."""
+    weight_sync_flat: bool | None = None
     """Broadcast each bucket as one byte buffer (SGLang's ``flattened_bucket``) instead of tensor by
-    tensor: one collective per bucket instead of one per tensor, for an extra copy on each side.
-    Per tensor measured faster with gloo on CPU (``docs/PERFORMANCE.md``); not measured with NCCL."""
+    tensor: one collective per bucket instead of one per tensor (a Qwen3-30B-A3B sync is ~18.9k
+    tensors), for an extra copy on each side. ``null`` (the default) is resolved when the actor
+    starts from the sync's backend: true under NCCL (a GPU run), false under gloo (CPU), where per
+    tensor was measured faster (``docs/PERFORMANCE.md``); the flat format's gain under NCCL is not
+    measured. An explicit true or false wins."""
     weight_sync_gb_per_s: float = 10.0
     """Trainer -> engines bandwidth ``sao plan`` assumes for its predicted sync time per step;
     measure yours with ``benchmarks/bench_weight_sync.py`` (the protocol's GB/s on your fabric)."""

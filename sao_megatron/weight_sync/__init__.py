@@ -11,7 +11,9 @@ stage's tensors whole (``HFWeightStream(per_stage=True)``: the stage's lowest gl
 gathers them from its TP / EP / DP peers); with one stage, global rank 0. In each group the sender
 is rank 0 and engine ``e`` with TP size t holds ranks ``1 + e*t .. (e+1)*t``; every engine joins
 every sender's group. A bucket travels tensor by tensor, or with ``flat`` (when its tensors share
-one dtype) as one byte buffer: one broadcast, SGLang's ``flattened_bucket``.
+one dtype) as one byte buffer: one broadcast, SGLang's ``flattened_bucket`` (the default under NCCL:
+:func:`resolve_flat`). A sender gathers the next bucket in a thread and, on a GPU, on a CUDA stream
+of its own while it broadcasts this one (:class:`GatherStreams`, ``streams.py``).
 
 Control plane (:class:`EngineControl`, held by one coordinator, trainer rank 0):
 
@@ -49,6 +51,7 @@ broadcast group can be formed.
 from sao_megatron.weight_sync.broadcast import BroadcastSync
 from sao_megatron.weight_sync.disk import sync_from_disk
 from sao_megatron.weight_sync.gate import SyncGate
+from sao_megatron.weight_sync.streams import GatherStreams
 from sao_megatron.weight_sync.transport import (
     BucketSpec,
     EngineControl,
@@ -56,6 +59,7 @@ from sao_megatron.weight_sync.transport import (
     WeightSync,
     new_group,
     prefetched,
+    resolve_flat,
     sync_order,
 )
 
@@ -63,11 +67,13 @@ __all__ = [
     "BroadcastSync",
     "BucketSpec",
     "EngineControl",
+    "GatherStreams",
     "SyncGate",
     "SyncReport",
     "WeightSync",
     "new_group",
     "prefetched",
+    "resolve_flat",
     "sync_from_disk",
     "sync_order",
 ]

@@ -13,7 +13,15 @@ import torch.distributed as dist
 
 from sao_megatron.config import ModelConfig
 from sao_megatron.weight_sync.gate import SyncGate
-from sao_megatron.weight_sync.transport import BucketSpec, EngineControl, WeightSync, prefetched, sync_order
+from sao_megatron.weight_sync.streams import GatherStreams
+from sao_megatron.weight_sync.transport import (
+    BucketSpec,
+    EngineControl,
+    WeightSync,
+    prefetched,
+    resolve_flat,
+    sync_order,
+)
 
 if TYPE_CHECKING:  # imported by sync() when it runs: Megatron stays out of the package's import
     from sao_megatron.models.hf_weights import HFWeightStream
@@ -26,7 +34,8 @@ class BroadcastSync:
     and the store keys, the store gate, the gather group).
 
     ``engine_tp``: every engine's tensor-parallel size (``rollout.tensor_parallel``); ``flat``:
-    send a bucket of one dtype as one byte buffer (``rollout.weight_sync_flat``); ``bucket_mb``:
+    send a bucket of one dtype as one byte buffer (``rollout.weight_sync_flat``; None: on NCCL only,
+    :func:`~sao_megatron.weight_sync.transport.resolve_flat`); ``bucket_mb``:
     the bucket size (``rollout.weight_sync_bucket_mb``); ``inflight_mb``: what a TP / EP / DP peer
     may have sent its stage's sender unacknowledged (``run.export_inflight_mb``); ``timeout_s``:
     the gather group's timeout (``run.export_timeout_s``; 0: sized from the model's HF bytes at
@@ -39,7 +48,7 @@ class BroadcastSync:
         model_cfg: ModelConfig,
         *,
         engine_tp: int,
-        flat: bool,
+        flat: bool | None,
         bucket_mb: int,
         inflight_mb: int = 1024,
         timeout_s: float = 0.0,
@@ -47,7 +56,8 @@ class BroadcastSync:
         policy: str = "retract",
     ):
         self.module, self.model_cfg, self.policy = module, model_cfg, policy
-        self.engine_tp, self.flat, self.bucket_bytes = engine_tp, flat, bucket_mb << 20
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.engine_tp, self.flat, self.bucket_bytes = engine_tp, resolve_flat(flat, self.backend), bucket_mb << 20
         self.inflight_bytes, self.timeout_s, self.gb_per_s = inflight_mb << 20, timeout_s, gb_per_s
         self.sender: WeightSync | None = None  # this rank's group, on a pipeline stage's sender
         self._urls: list[str] | None = None  # the engines the groups were formed with
@@ -146,18 +156,17 @@ class BroadcastSync:
             old, self.sender = self.sender, None
             asyncio.run(old.close([u for u in old.engine_urls if u in engine_urls]))
         self._groups += 1
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         error = None
         for stage, sender in enumerate(senders):
             if rank == sender:
                 name = self._group_name(stage, len(senders))
                 address = addresses if isinstance(addresses, str) else addresses[rank]
                 port = master_port + stage if master_port else 0  # two stages' senders may share a node
-                where = f"{backend} group {name} at {address}:%s (trainer rank {rank}, stage {stage})"
+                where = f"{self.backend} group {name} at {address}:%s (trainer rank {rank}, stage {stage})"
                 sync = WeightSync(
                     list(engine_urls),
                     engine_tp=self.engine_tp,
-                    backend=backend,
+                    backend=self.backend,
                     master_address=address,
                     master_port=port,
                     group_name=name,
@@ -230,8 +239,9 @@ class BroadcastSync:
     def _data_plane(self, stream: HFWeightStream, gate: SyncGate) -> tuple[int, int, str | None]:
         """This rank's part of an update: gather its stage's buckets and, on the stage's sender, say
         it holds each and broadcast it once the coordinator releases it, while the next is
-        gathered. Ranks other than 0 first wait for the coordinator's start (and skip the update
-        if it reports an error). Never raises; a sender's error reaches the coordinator at once
+        gathered (:class:`~sao_megatron.weight_sync.streams.GatherStreams`: on a GPU the gathers
+        queue on a side stream, and each bucket's broadcast waits for its event). Ranks other than
+        0 first wait for the coordinator's start (and skip the update if it reports an error). Never raises; a sender's error reaches the coordinator at once
         (its next bucket "failed"), then the stream is drained (the stage's other ranks are inside
         the gathers)."""
         rank = dist.get_rank()
@@ -259,7 +269,10 @@ class BroadcastSync:
             fail("no weight-sync group")
         try:
             buckets = stream.buckets(self.bucket_bytes)
-            for k, bucket in enumerate(prefetched(buckets) if sender else buckets):
+            if sender:  # gathered a bucket ahead, in a thread and on a stream of their own
+                streams = GatherStreams(stream.device)
+                buckets = (streams.ready(g) for g in prefetched(streams.gathered(buckets)))
+            for k, bucket in enumerate(buckets):
                 if stopped or error is not None:
                     continue  # drained: the stage's other ranks are inside the gathers
                 try:

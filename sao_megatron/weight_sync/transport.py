@@ -103,6 +103,14 @@ def sync_order(buckets_per_sender: Sequence[int]) -> list[tuple[int, int]]:
     return [(s, k) for k in range(rounds) for s, n in enumerate(buckets_per_sender) if k < n]
 
 
+def resolve_flat(flat: bool | None, backend: str) -> bool:
+    """``rollout.weight_sync_flat`` for ``backend``: an explicit value wins; None (the default) sends
+    a bucket as one byte buffer under NCCL (one collective per bucket instead of one per tensor: a
+    Qwen3-30B-A3B sync is ~18.9k tensors) and tensor by tensor under gloo, where the flat copy was
+    measured slower (docs/PERFORMANCE.md)."""
+    return backend == "nccl" if flat is None else flat
+
+
 def prefetched[T](items: Iterator[T], depth: int = 1) -> Iterator[T]:
     """``items`` produced by a thread of their own, up to ``depth`` ahead of the consumer (the next
     bucket is gathered and converted while this one is sent). The producer's error is raised here;

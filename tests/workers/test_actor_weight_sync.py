@@ -62,6 +62,7 @@ class FakeStream:
         assert per_stage and group is not None, "sync_weights streams per stage, on its gather group"
         assert inflight_bytes == 1024 << 20, "the peers' unacknowledged bytes: run.export_inflight_mb"
         self.senders = [0, 1]
+        self.device = torch.device("cpu")  # where the gathered tensors are (the gather streams')
         self.stage = dist.get_rank()
         self.sender = self.senders[self.stage]
 
