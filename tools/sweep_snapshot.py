@@ -1,5 +1,6 @@
 """Copy a sweep's results into the repository: each run's ``metrics.jsonl`` reduced to the metrics
-docs/RESULTS.md reads (evaluations, reward, lengths, lag, DIS kept fractions, critic fit, timing)
+docs/RESULTS.md reads (evaluations, reward, lengths, lag, DIS kept fractions, critic fit, timing,
+the buffer and what the lag bound selected)
 and its ``done.json``, under ``DEST/<arm>/seed<s>/``. ``sao compare`` runs on the copy as on the
 original, so every table in docs/RESULTS.md can be recomputed from the repository.
 
@@ -28,7 +29,10 @@ KEEP = (
     "critic/explained_var",
     "critic/loss",
     "time/",
-    "buffer/dropped_",
+    "buffer/",
+    "select/",
+    "actor/stale_masked",
+    "rollout/stale_kv_tokens",
     "policy_version",
     "sft/",
 )
