@@ -31,17 +31,15 @@ from typing import Any
 import pytest
 import torch
 
-from sao_megatron.batch import build_batch
 from sao_megatron.config import load_config
 from sao_megatron.driver import stages
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
 from sao_megatron.observe import RunLog
 from sao_megatron.pipeline import run_stage
-from sao_megatron.records import Trajectory, Turn
-from sao_megatron.rollout.client import Generation, SamplingParams
+from sao_megatron.rollout.client import SamplingParams
 from sao_megatron.tokenizer import load_tokenizer
-from tests.test_pipeline import engine_vs_actor
+from tests.test_pipeline import actor_logprobs, engine_vs_actor
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -161,24 +159,6 @@ def _hf_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int])
     return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
-async def _actor_logprobs(session: Session, prompt: list[int], gen: Generation) -> torch.Tensor:
-    """The actor's logprobs of an engine generation's tokens, in order."""
-    n = len(gen.output_ids)
-    traj = Trajectory(
-        prompt_id="probe",
-        prompt_ids=prompt,
-        response_ids=gen.output_ids,
-        action_mask=[1] * n,
-        behavior_logprobs=gen.behavior_logprobs,
-        policy_versions=[0] * n,
-        turns=[Turn(0, n)],
-        reward=0.0,
-        status="finished",
-    )
-    batch = build_batch([traj])
-    return (await session.actor.logprobs(batch))[batch.action_mask > 0]
-
-
 def test_glm45_trains_two_steps_and_the_engine_serves_the_actor(tmp_path):
     hf = tmp_path / "glm_tiny"
     model = make_tiny("glm4_moe", hf)
@@ -210,7 +190,7 @@ def test_glm45_trains_two_steps_and_the_engine_serves_the_actor(tmp_path):
             gen = await session.clients[0].generate(probe, SamplingParams(max_new_tokens=12, seed=3))
             await run_stage(session, state, log, stages.rl(cfg, True))
             after = await engine_vs_actor(session, probe)
-            trained = await _actor_logprobs(session, probe, gen)
+            trained, _ = await actor_logprobs(session, probe, gen)
             return state, before, after, gen, trained
         finally:
             await session.shutdown()

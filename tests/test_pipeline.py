@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from sao_megatron.batch import build_batch
 from sao_megatron.config import SAOConfig, load_config
@@ -66,9 +67,8 @@ SEED = 42
 """Of the injected faults (``faulty``): each kind occurs among the first 10 prompts."""
 
 
-async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, int, set[str]]:
-    """Sample from the engine, then score the same tokens with the actor: max |diff| of logprobs."""
-    gen = await session.clients[0].generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
+async def actor_logprobs(session: Session, prompt: list[int], gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """The actor's logprobs of an engine generation's tokens, in order, and the engine's own."""
     n = len(gen.output_ids)
     traj = Trajectory(
         prompt_id="probe",
@@ -82,9 +82,15 @@ async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, i
         status="finished",
     )
     batch = build_batch([traj])
-    actor = await session.actor.logprobs(batch)
     mask = batch.action_mask > 0
-    return (actor[mask] - batch.behavior_logprobs[mask]).abs().max().item(), n, set(gen.weight_versions)
+    return (await session.actor.logprobs(batch))[mask], batch.behavior_logprobs[mask]
+
+
+async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, int, set[str]]:
+    """Sample from the engine, then score the same tokens with the actor: max |diff| of logprobs."""
+    gen = await session.clients[0].generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
+    actor, engine = await actor_logprobs(session, prompt, gen)
+    return (actor - engine).abs().max().item(), len(gen.output_ids), set(gen.weight_versions)
 
 
 class MarkedLog(RunLog):
