@@ -5,8 +5,9 @@ importable by name (spawn pickles it); it receives ``(rank, world_size, *args)``
 ``torch.distributed`` initialised and returns a JSON-serialisable value. A failure in any
 rank raises :class:`WorldFailed` with that rank's traceback; a hang past ``timeout_s`` kills
 the processes this call started (by PID) and raises ``TimeoutError`` (naming ``timeout_key``,
-the setting that chose the limit, when given). ``timeout_s`` is also the world's collective
-timeout.
+the setting that chose the limit, when given) with every live rank's Python stacks at that
+moment (``faulthandler`` on ``SIGUSR1``), so a hang says where it hung. ``timeout_s`` is also
+the world's collective timeout.
 
 Each rank calls :func:`sao_megatron.logs.quiet_third_party` before it unpickles ``fn`` and its
 arguments (which imports Megatron), so import-time notices are filtered too. With ``log_to``
@@ -16,9 +17,11 @@ stdout and stderr go to its own file instead of the console.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -48,8 +51,14 @@ def free_port() -> int:
             return port
 
 
+def _stacks_path(out_dir: str, rank: int) -> Path:
+    return Path(out_dir, f"rank{rank}.stacks")
+
+
 def _entry(rank, payload, world_size, port, backend, out_dir, log_to, timeout_s):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    stacks = _stacks_path(out_dir, rank).open("w")  # open for the process's life: run_world reads it on a hang
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     from sao_megatron.logs import quiet_third_party, redirect_process_output
 
     if log_to is not None:
@@ -59,11 +68,8 @@ def _entry(rank, payload, world_size, port, backend, out_dir, log_to, timeout_s)
 
     try:
         fn, args = pickle.loads(payload)  # only now: unpickling imports fn's module (and Megatron)
-        # Rank 0's store listens on loopback only (a tcp:// init_method would listen on every interface).
-        if rank == 0:
-            store = parallel.open_store("127.0.0.1", world_size, port, timeout_s=300)
-        else:
-            store = parallel.join_store("127.0.0.1", port, world_size, timeout_s=300)
+        # run_world's own store (it holds the port; loopback only): every rank is its client.
+        store = parallel.join_store("127.0.0.1", port, world_size, timeout_s=300)
         parallel.init_distributed(
             rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=timeout_s, store=store
         )
@@ -96,11 +102,17 @@ def run_world(
     log = None if log_to is None else str(log_to)
     if log is not None and "{rank}" not in log:
         raise ValueError(f"log_to={log!r} must contain '{{rank}}' (one file per rank)")
+    from sao_megatron.parallel import open_store
+
     payload = pickle.dumps((fn, args))
+    # The rendezvous store lives here, on a port the OS picks while the store holds it: a port
+    # chosen for rank 0 to bind later could be taken first by another process's world, whose
+    # store the other ranks would then join (a hang until the timeout, seen under pytest-xdist).
+    store = open_store("127.0.0.1", world_size, 0, timeout_s=300)
     with tempfile.TemporaryDirectory(prefix="sao-world-") as out_dir:
         ctx = start_processes(
             _entry,
-            args=(payload, world_size, free_port(), backend, out_dir, log, timeout_s),
+            args=(payload, world_size, store.port, backend, out_dir, log, timeout_s),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -111,7 +123,8 @@ def run_world(
             while not ctx.join(timeout=0.5):
                 if time.monotonic() > deadline:
                     fix = f" ({timeout_key}={timeout_s:g}); raise {timeout_key}" if timeout_key else ""
-                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout_s:.0f} s{fix}")
+                    stacks = _live_stacks(ctx.processes, out_dir)
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout_s:.0f} s{fix}{stacks}")
         except ProcessException as err:
             raise WorldFailed(str(err)) from None
         finally:
@@ -129,3 +142,20 @@ def run_world(
                 raise WorldFailed(f"rank {rank} of {fn.__name__} failed{where}:\n{data['error']}")
             results.append(data["value"])
         return results
+
+
+def _live_stacks(processes: list, out_dir: str, wait_s: float = 2.0) -> str:
+    """Every live rank's Python stacks, each dumped by the rank itself on ``SIGUSR1``."""
+    live = [(rank, p) for rank, p in enumerate(processes) if p is not None and p.is_alive()]
+    for _, proc in live:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(wait_s)  # the dumps are written by the ranks' signal handlers
+    parts = []
+    for rank, _ in live:
+        path = _stacks_path(out_dir, rank)
+        text = path.read_text(errors="replace").strip() if path.exists() else ""
+        parts.append(f"\n--- rank {rank} stacks ---\n{text or '(none written: the rank had not started Python yet)'}")
+    return "".join(parts)

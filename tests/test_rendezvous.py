@@ -5,6 +5,7 @@ or fails within its timeout with an error naming the endpoint.
   store holds it (no probe-and-release), so a collision cannot happen; forcing a taken port, or
   joining a store nobody opened, fails at once / within the timeout, naming host:port;
 * the weight-sync group fails before any engine is asked to join when its store cannot open;
+* spawned worlds (``spawn.run_world``): the parent holds the store, ranks join it: ``tests/test_spawn.py``;
 * SGLang engines (HTTP ports picked by probe-and-release) restart on a fresh port when theirs was
   taken: ``tests/rollout/test_engine_integration.py::test_an_engine_whose_port_was_taken_restarts_on_a_fresh_one``.
 """

@@ -1,0 +1,57 @@
+"""``spawn.run_world``: the world's rendezvous cannot be taken by another process, and a hang
+fails at its timeout with every rank's Python stacks (where it hung)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sao_megatron import spawn
+from sao_megatron.spawn import run_world
+
+
+def _sum_of_ranks(rank: int, world_size: int) -> int:
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x)
+    return int(x.item())
+
+
+def _rank_0_waits_for_an_event() -> None:
+    threading.Event().wait()
+
+
+def _rank_1_sleeps() -> None:
+    time.sleep(3600)
+
+
+def _hang(rank: int, world_size: int) -> None:
+    """Each rank stuck in a function of its own (outside any collective, whose timeout would end it)."""
+    (_rank_1_sleeps if rank else _rank_0_waits_for_an_event)()
+
+
+def test_a_world_never_uses_a_probed_port_another_process_may_take(monkeypatch) -> None:
+    """Every port ``free_port`` would hand out is taken by another process first: the world still
+    meets, because its store binds a port of its own choosing while it holds it."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        monkeypatch.setattr(spawn, "free_port", lambda: squatter.getsockname()[1])
+        assert run_world(_sum_of_ranks, 2, backend="gloo", timeout_s=120) == [1, 1]
+
+
+def test_a_hung_world_fails_at_its_timeout_naming_where_each_rank_waits() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        run_world(_hang, 2, backend="gloo", timeout_s=20)
+    assert time.monotonic() - t0 < 60  # the timeout, the stacks' dump, the kill
+    message = str(err.value)
+    assert message.startswith("_hang on 2 ranks exceeded 20 s"), message[:200]
+    rank0, rank1 = message.split("--- rank 1 stacks ---")
+    assert "--- rank 0 stacks ---" in rank0
+    assert "in _rank_0_waits_for_an_event" in rank0 and "_rank_1_sleeps" not in rank0, rank0
+    assert "in _rank_1_sleeps" in rank1 and "_rank_0_waits" not in rank1, rank1
