@@ -130,6 +130,8 @@ def _print_summary(summary, command: str = "sao convert") -> None:
             for peak, shard in zip(summary.peak_rss, summary.shard_bytes, strict=True)
         ]
         print(f"peak RSS per rank, MiB (its shard): {' / '.join(mib)}")
+    if summary.mtp:
+        print(summary.mtp)
 
 
 def cmd_convert(args) -> int:

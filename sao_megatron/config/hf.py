@@ -66,8 +66,9 @@ layers) and multi-latent attention (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope
 ``head_dim``, ``qk_rope_head_dim``, ``v_head_dim``; q/kv latent norms -> ``qk_layernorm``), plain
 RoPE or YaRN (``factor``, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
 ``mscale``, ``mscale_all_dim``). Multi-token-prediction layers (``num_nextn_predict_layers``;
-DeepSeek-V3's count is kept in ``mtp_layers``) are not part of the model: not loaded, not exported
-(as ``transformers`` 5.19, which ignores them).
+DeepSeek-V3's count is kept in ``mtp_layers``) are not part of the model: not loaded (as
+``transformers`` 5.19, which ignores them), carried through unchanged by ``sao convert`` and ``sao
+export`` (``models/hf_mtp.py``).
 
 Keys that name a shape (layers, widths, heads, vocabulary, experts) must be present; the rest
 default as in ``transformers`` 5.19 (``head_dim``: ``hidden_size / num_attention_heads`` except

@@ -158,8 +158,9 @@ class ModelConfig:
     """Share input embedding and LM head (Qwen3-MoE: untied)."""
     mtp_layers: int = 0
     """Multi-token-prediction layers the HF checkpoint carries after the decoder (DeepSeek-V3
-    ``num_nextn_predict_layers``, ``model.layers.{num_layers}...``): not built, loaded, trained or
-    exported; ``models/counting.py`` counts them apart from the model's total."""
+    ``num_nextn_predict_layers``, ``model.layers.{num_layers}...``): not built, loaded or trained;
+    ``sao convert`` / ``sao export`` carry their tensors through unchanged (``models/hf_mtp.py``);
+    ``models/counting.py`` counts them apart from the model's total."""
 
 
 # --------------------------------------------------------------------------------------------

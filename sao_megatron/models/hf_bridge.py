@@ -221,8 +221,8 @@ def is_ignored(hf_name: str, m: ModelConfig) -> bool:
 
 def is_mtp(hf_name: str, m: ModelConfig) -> bool:
     """A multi-token-prediction layer's tensor (GLM, DeepSeek-V3: ``model.layers.{i}`` past
-    ``num_layers``, HF ``num_nextn_predict_layers``): not loaded, not exported (transformers 5.19
-    ignores them too)."""
+    ``num_layers``, HF ``num_nextn_predict_layers``): not loaded (transformers 5.19 ignores them
+    too); conversions and exports carry them through unchanged (:mod:`hf_mtp`)."""
     layer = _HF_LAYER_RE.match(hf_name)
     return m.family in ("glm4_moe", "deepseek_v3") and layer is not None and int(layer.group(1)) >= m.num_layers
 

@@ -2,12 +2,14 @@
 
     HF_DIR --(each rank reads its slices: load_hf_weights)--> Megatron model at TP/PP/EP
            --(dist_checkpoint.save_model, torch_dist)--> MCORE_DIR + model.yaml + hf/ + convert.json
+    HF_DIR's multi-token-prediction tensors --(tensor by tensor: hf_mtp)--> MCORE_DIR/hf/mtp/
     MCORE_DIR --(dist_checkpoint.load_model: reshards to any layout)--> Megatron model
               --(save_hf_checkpoint: every rank writes the shards of what it holds)--> HF_DIR
 
 A Megatron checkpoint directory holds the ``torch_dist`` files, ``model.yaml`` (our model
 shape, loadable by ``load_config``), ``convert.json`` (dtype, source) and ``hf/`` (the source's
-config, generation config and tokenizer files, used as the template of the way back).
+config, generation config and tokenizer files, used as the template of the way back; ``hf/mtp/``
+its multi-token-prediction tensors, written back by the export).
 Conversions that need N ranks run as a spawned gloo world (:func:`sao_megatron.spawn.run_world`);
 outputs are staged next to the target and renamed at the end. Every rank builds its part of the
 model on the CPU without random initialisation (``build_gpt(..., for_loading=True)``), so its
@@ -29,7 +31,7 @@ from sao_megatron.config import ModelConfig, ParallelConfig, validate_parallel
 from sao_megatron.config import hf as hf_config
 from sao_megatron.config.shape import same_shape
 from sao_megatron.models import hf_bridge as bridge
-from sao_megatron.models import hf_io
+from sao_megatron.models import hf_io, hf_mtp
 from sao_megatron.models.hf_io import CheckpointError
 
 TEMPLATE_DIR = "hf"
@@ -37,6 +39,8 @@ MODEL_YAML = "model.yaml"
 CONVERT_JSON = "convert.json"
 CONVERT_GB_PER_S = 0.5
 """Stated bandwidth of a conversion (read + write, the whole world) that sizes its default timeout."""
+DEFAULT_MTP_SHARD_BYTES = 5 << 30
+"""The largest shard of the multi-token-prediction tensors kept in ``hf/mtp``."""
 CONVERT_FLOOR_S = 900.0
 """The shortest default conversion timeout (process start-up, imports and model construction included)."""
 
@@ -77,6 +81,8 @@ class ConvertSummary:
     """Per rank: peak resident bytes of its process over the whole conversion (``VmHWM``)."""
     shard_bytes: list[int] = dataclasses.field(default_factory=list)
     """Per rank: bytes of its part of the model (its parameters)."""
+    mtp: str = ""
+    """What became of the checkpoint's multi-token-prediction layers, one line (empty: the model has none)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -230,12 +236,14 @@ def hf_to_mcore(
         (stage / MODEL_YAML).write_text(hf_config.model_yaml(m, source=str(hf_dir)))
         (stage / TEMPLATE_DIR).mkdir()
         hf_io.copy_non_weight_files(hf_dir, stage / TEMPLATE_DIR)
+        mtp_tensors = hf_mtp.copy_to_template(hf_dir, m, stage / TEMPLATE_DIR, DEFAULT_MTP_SHARD_BYTES)
         meta = {
             "bf16": bf16,
             "source": str(hf_dir.resolve()),
             "saved_layout": dataclasses.asdict(p),
             "hf_tensors": tensors,
             "hf_bytes": nbytes,
+            "mtp_tensors": mtp_tensors,
         }
         (stage / CONVERT_JSON).write_text(json.dumps(meta, indent=2) + "\n")
     phases = {
@@ -243,7 +251,19 @@ def hf_to_mcore(
         "save_torch_dist": max(r["save_s"] for r in results),
     }
     copy_s = max(r["copy_s"] for r in results)
-    return ConvertSummary("hf-to-mcore", tensors, nbytes, time.perf_counter() - t0, copy_s, phases, *_memory(results))
+    mtp = (
+        f"kept {mtp_tensors} multi-token-prediction tensors in {Path(out_dir) / TEMPLATE_DIR / hf_mtp.TEMPLATE_SUBDIR}"
+    )
+    return ConvertSummary(
+        "hf-to-mcore",
+        tensors,
+        nbytes,
+        time.perf_counter() - t0,
+        copy_s,
+        phases,
+        *_memory(results),
+        mtp=mtp if mtp_tensors else "",
+    )
 
 
 def _memory(results: list[dict]) -> tuple[list[int], list[int]]:
@@ -282,6 +302,7 @@ def _mcore_to_hf_rank(
     progress,
     timeout_s,
     timeout_key,
+    mtp_from,
 ):
     import torch.distributed as dist
 
@@ -310,6 +331,7 @@ def _mcore_to_hf_rank(
             progress_total=bar.total if bar else None,
             timeout_s=timeout_s,
             timeout_key=timeout_key,
+            mtp_from=mtp_from,
         )
     return {
         **stats.as_dict(),
@@ -345,6 +367,8 @@ def mcore_to_hf(
     ``template``: an HF directory whose config and tokenizer files are copied (default: the
     ``hf/`` copy stored at conversion time; without either, ``config.json`` is generated).
     ``dtype`` (``float32`` / ``bfloat16``) defaults to the template's. ``p`` defaults to one rank.
+    The template's multi-token-prediction tensors (``hf/mtp``, or an HF checkpoint's own) are written
+    too (:mod:`hf_mtp`).
     ``timeout_s`` 0: :func:`convert_timeout_s` of the HF checkpoint's bytes.
     """
     from sao_megatron.spawn import run_world
@@ -383,14 +407,26 @@ def mcore_to_hf(
         progress,
         timeout,
         "--timeout-s",
+        str(template) if template else None,
         backend="gloo",
         timeout_s=timeout,
         timeout_key="--timeout-s",
     )
-    return _export_summary("mcore-to-hf", results, t0)
+    return _export_summary("mcore-to-hf", results, t0, _mtp_note(m, template, results))
 
 
-def _export_summary(direction: str, results: list[dict], t0: float) -> ConvertSummary:
+def _mtp_note(m: ModelConfig, source: str | Path | None, results: list[dict], missing: str = "") -> str:
+    """The summary's line on multi-token-prediction layers (``missing``: why none could be carried)."""
+    carried = results[0].get("mtp_tensors", 0)
+    if carried:
+        return f"carried {carried} multi-token-prediction tensors from {source} (num_nextn_predict_layers set to match)"
+    if m.mtp_layers:
+        why = missing or f"{source or 'no HF template'} holds none"
+        return f"no multi-token-prediction layer written ({why}); config.json says num_nextn_predict_layers: 0"
+    return ""
+
+
+def _export_summary(direction: str, results: list[dict], t0: float, mtp: str = "") -> ConvertSummary:
     r0 = results[0]  # every rank reports the export's totals
     phases = {
         "load_torch_dist": max(r["load_s"] for r in results),
@@ -398,7 +434,7 @@ def _export_summary(direction: str, results: list[dict], t0: float) -> ConvertSu
     }
     copy_s = max(r["copy_s"] for r in results)
     return ConvertSummary(
-        direction, r0["tensors"], r0["bytes"], time.perf_counter() - t0, copy_s, phases, *_memory(results)
+        direction, r0["tensors"], r0["bytes"], time.perf_counter() - t0, copy_s, phases, *_memory(results), mtp=mtp
     )
 
 
@@ -443,8 +479,10 @@ def export_run(
     Config, generation config, tokenizer files and chat template come from the run's last policy
     export ``RUN_DIR/hf/policy`` when present, else config.json is generated and the tokenizer
     files of ``actor.init_from`` (an HF directory) or of the bundled ``sao_megatron/tokenizer``
-    are copied. Runs keep only their latest checkpoint, so ``step`` must equal its step
-    (``checkpoint/state.json``)."""
+    are copied. Multi-token-prediction layers (GLM, DeepSeek-V3; not trained) come from
+    ``actor.init_from`` as it is at export time: a converted checkpoint's ``hf/mtp`` or the HF
+    directory's own tensors (the summary says when it holds none). Runs keep only their latest
+    checkpoint, so ``step`` must equal its step (``checkpoint/state.json``)."""
     from sao_megatron.config import load_config
     from sao_megatron.spawn import run_world
 
@@ -486,6 +524,7 @@ def export_run(
     p = parallel_config(world, tp, pp, ep)
     validate_parallel(p, m, "export")
     timeout = timeout_s or convert_timeout_s(_hf_bytes(m, template, dtype, cfg.actor.bf16))
+    mtp_from = cfg.actor.init_from or None
     results = run_world(
         _mcore_to_hf_rank,
         p.world_size,
@@ -501,6 +540,7 @@ def export_run(
         progress,
         timeout,
         "--timeout-s",
+        mtp_from,
         backend="gloo",
         timeout_s=timeout,
         timeout_key="--timeout-s",
@@ -509,4 +549,5 @@ def export_run(
         from sao_megatron.tokenizer import copy_tokenizer_files
 
         copy_tokenizer_files(cfg.actor.init_from, out_dir)
-    return _export_summary("run actor -> HF", results, t0)
+    missing = "" if mtp_from else "actor.init_from is empty: the run started from random weights"
+    return _export_summary("run actor -> HF", results, t0, _mtp_note(m, mtp_from, results, missing))

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from sao_megatron.config import ModelConfig
 from sao_megatron.models import hf_bridge as bridge
-from sao_megatron.models import hf_io, layout
+from sao_megatron.models import hf_io, hf_mtp, layout
 from sao_megatron.models.hf_io import CheckpointError, TensorSpec
 from sao_megatron.models.hf_stream import (
     DEFAULT_BUCKET_BYTES,
@@ -109,7 +109,7 @@ def load_hf_weights(
     if mtp and (not dist.is_initialized() or dist.get_rank() == 0):  # a warning: shown without logging set up
         _log.warning(
             "%s: skipping %d tensors of multi-token-prediction layers (model.layers.%d and after): "
-            "not part of the trained model, not loaded, not exported",
+            "not part of the trained model, not loaded (sao convert and sao export carry them through unchanged)",
             hf_dir,
             len(mtp),
             m.num_layers,
@@ -194,6 +194,7 @@ def save_hf_checkpoint(
     timeout_s: float = 0.0,
     gb_per_s: float = EXPORT_GB_PER_S,
     timeout_key: str = "run.export_timeout_s",
+    mtp_from: str | Path | None = None,
 ) -> TransferStats:
     """Collective: write ``model`` as an HF checkpoint into ``out_dir``; every rank writes shards.
 
@@ -211,6 +212,10 @@ def save_hf_checkpoint(
     ``template`` (an HF directory) when given, else ``config.json`` is generated from ``m``.
     ``dtype`` defaults to the template's ``dtype`` / ``torch_dtype``, else the parameters'.
     ``progress(nbytes)`` follows this rank's writes, ``progress_total`` gets their total first.
+    ``mtp_from``: a directory whose multi-token-prediction tensors (:func:`hf_mtp.find`) rank ``dst``
+    copies into the export, one at a time in ``dtype``, as ``model-mtp-*.safetensors`` listed in the
+    index; ``config.json``'s ``num_nextn_predict_layers`` says how many layers were written (0: none).
+    ``stats.extra["mtp_tensors"]`` counts them.
 
     Transfers and collectives run on a process group of their own whose timeout is
     ``timeout_s``, or when 0 ``hf_io.transfer_timeout_s(bytes, gb_per_s, EXPORT_FLOOR_S)``; a
@@ -228,7 +233,16 @@ def save_hf_checkpoint(
     timeout = timeout_s or hf_io.transfer_timeout_s(hf_bytes(m, out_dtype), gb_per_s, EXPORT_FLOOR_S)
     group = cast(dist.ProcessGroup, dist.new_group(timeout=timedelta(seconds=timeout)))  # every rank is a member
     settings = _ExportSettings(
-        template, template_cfg, dtype, out_dtype, max_shard_bytes, bucket_bytes, inflight_bytes, overwrite, dst
+        template,
+        template_cfg,
+        dtype,
+        out_dtype,
+        max_shard_bytes,
+        bucket_bytes,
+        inflight_bytes,
+        overwrite,
+        dst,
+        str(mtp_from) if mtp_from is not None else None,
     )
     try:
         with _timeout_named(f"HF export to {out_dir}", timeout_key, timeout, t0):
@@ -260,6 +274,7 @@ class _ExportSettings:
     inflight_bytes: int
     overwrite: bool
     dst: int
+    mtp_from: str | None
 
 
 @contextlib.contextmanager
@@ -317,16 +332,19 @@ def _save(
         report = _write_shards(stream, s, staging, mine, files.get(rank, []), progress)
         reports: list = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report, group=group)
-        outcome = [_publish(reports, staging, out_dir, m, s) if rank == s.dst else None]
+        outcome: list = [_publish(reports, staging, out_dir, m, s) if rank == s.dst else None]
         dist.broadcast_object_list(outcome, src=s.dst, group=group)
     except BaseException:
         if rank == s.dst:
             hf_io.discard_staging(staging)
         raise
-    if outcome[0]:
-        raise _Agreed(RuntimeError(f"HF export to {out_dir} failed, nothing was written: {outcome[0]}"))
+    error, mtp_tensors = outcome[0]
+    if error:
+        raise _Agreed(RuntimeError(f"HF export to {out_dir} failed, nothing was written: {error}"))
     stats = TransferStats(sum(r[3] for r in reports), sum(r[2] for r in reports))
-    stats.extra.update(shards=sum(shards.values()), writers=len(stream.writers), written_bytes=report[2])
+    stats.extra.update(
+        shards=sum(shards.values()), writers=len(stream.writers), written_bytes=report[2], mtp_tensors=mtp_tensors
+    )
     return stats
 
 
@@ -383,23 +401,30 @@ def _write_shards(
     return error, writer.weight_map if writer is not None else {}, nbytes, tensors
 
 
-def _publish(reports: list, staging: Path, out_dir: Path, m: ModelConfig, s: _ExportSettings) -> str | None:
-    """On rank ``dst`` once every writer reported: the merged index, the configs, the rename; or
-    the staging directory removed. Why it failed, or None."""
+def _publish(reports: list, staging: Path, out_dir: Path, m: ModelConfig, s: _ExportSettings) -> tuple[str | None, int]:
+    """On rank ``dst`` once every writer reported: the MTP tensors, the merged index, the configs,
+    the rename; or the staging directory removed. Why it failed (or None) and the MTP tensors written."""
     from sao_megatron.config import hf as hf_config
 
     try:
         errors = [error for error, _, _, _ in reports if error]
         if errors:
-            return "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more ranks)" if len(errors) > 3 else "")
+            return "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more ranks)" if len(errors) > 3 else ""), 0
         weight_map: dict[str, str] = {}
         for _, written, _, _ in reports:
             weight_map.update(written)
         expected = set(bridge.expected_hf_names(m))
         if set(weight_map) != expected or sum(len(w) for _, w, _, _ in reports) != len(expected):
-            return f"the writers wrote {len(weight_map)} distinct HF tensors, the model has {len(expected)}"
+            return f"the writers wrote {len(weight_map)} distinct HF tensors, the model has {len(expected)}", 0
+        total_size = sum(nbytes for _, _, nbytes, _ in reports)
+        mtp = hf_mtp.find(s.mtp_from, m) if s.mtp_from is not None else None
+        if mtp is not None:
+            specs = mtp.specs(s.out_dtype)
+            files = hf_mtp.export_files(len(hf_io.plan_shards(specs, s.max_shard_bytes)))
+            weight_map.update(mtp.write_shards(staging, specs, s.max_shard_bytes, files))
+            total_size += sum(spec.nbytes for spec in specs)
         if len(set(weight_map.values())) > 1:
-            hf_io.write_index(staging, weight_map, sum(nbytes for _, _, nbytes, _ in reports))
+            hf_io.write_index(staging, weight_map, total_size)
         dtype_name = str(s.out_dtype).removeprefix("torch.")
         if s.template is not None:
             assert s.template_cfg is not None  # read from the same template
@@ -409,15 +434,15 @@ def _publish(reports: list, staging: Path, out_dir: Path, m: ModelConfig, s: _Ex
             config.pop("torch_dtype", None)
             # an FP8 template (DeepSeek's layout) was read dequantised: what is written is plain dtype_name
             config.pop("quantization_config", None)
-            if config.get("num_nextn_predict_layers"):  # GLM, DeepSeek: the export holds no MTP layer
-                config["num_nextn_predict_layers"] = 0
         else:
             config = hf_config.hf_config_from_model(m, dtype_name)
+        if "num_nextn_predict_layers" in config or mtp is not None:  # GLM, DeepSeek: the MTP layers written
+            config["num_nextn_predict_layers"] = mtp.layers if mtp is not None else 0
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         hf_io.publish_staging(staging, out_dir)
-        return None
+        return None, len(mtp.names) if mtp is not None else 0
     except Exception as err:
-        return f"rank {dist.get_rank()} publishing {out_dir}: {type(err).__name__}: {err}"
+        return f"rank {dist.get_rank()} publishing {out_dir}: {type(err).__name__}: {err}", 0
     finally:
         if staging.exists():
             hf_io.discard_staging(staging)
