@@ -86,9 +86,9 @@ async def actor_logprobs(session: Session, prompt: list[int], gen) -> tuple[torc
     return (await session.actor.logprobs(batch))[mask], batch.behavior_logprobs[mask]
 
 
-async def engine_vs_actor(session: Session, prompt: list[int]) -> tuple[float, int, set[str]]:
-    """Sample from the engine, then score the same tokens with the actor: max |diff| of logprobs."""
-    gen = await session.clients[0].generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
+async def engine_vs_actor(session: Session, prompt: list[int], index: int = 0) -> tuple[float, int, set[str]]:
+    """Sample from engine ``index``, then score the same tokens with the actor: max |diff| of logprobs."""
+    gen = await session.clients[index].generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
     actor, engine = await actor_logprobs(session, prompt, gen)
     return (actor - engine).abs().max().item(), len(gen.output_ids), set(gen.weight_versions)
 
