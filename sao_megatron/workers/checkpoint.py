@@ -88,6 +88,7 @@ def load_role(role, directory: str | Path) -> None:
     with torch.no_grad():  # the optimizer copies into views of leaf parameters
         if stepped:
             role.optimizer.load_state_dict(state["optimizer"])
+            _restore_adam_steps(role)
         else:  # the fresh optimizer's main (e.g. fp32) copies must start from the loaded weights
             role.optimizer.reload_model_params()
     extra_path = directory / f"extra_rank{dist.get_rank()}.pt"
@@ -97,3 +98,25 @@ def load_role(role, directory: str | Path) -> None:
         role.scheduler.load_state_dict(extra["scheduler"])
         role.steps = extra["steps"]
         torch.set_rng_state(extra["rng"])
+
+
+def _restore_adam_steps(role) -> None:
+    """Give torch's Adam its step count back after a load (its bias correction depends on it).
+
+    Megatron-Core 0.19.2's distributed optimizer saves the count in the param groups (where TE's and
+    Apex's fused Adam keep it) and, without them, writes it into torch's per-parameter state on load,
+    then overwrites it from the loading template's state, whose count is 1 (the zero-gradient step
+    that allocates it): every resumed run restarted Adam's bias correction, a smaller effective
+    learning rate for hundreds of steps. The loaded param groups still hold the saved count."""
+    for opt in _optimizers(role):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        steps = {g["step"] for g in inner.param_groups if g["params"] and "step" in g}
+        if len(steps) != 1:  # no count in the groups (the plain optimizer restores its own)
+            continue
+        count = float(steps.pop())
+        for param_state in inner.state.values():
+            old = param_state.get("step")
+            if isinstance(old, torch.Tensor):  # one tensor each: Adam increments them in place
+                param_state["step"] = torch.full_like(old, count)

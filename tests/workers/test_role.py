@@ -53,3 +53,15 @@ def test_a_role_saved_before_its_first_step_loads_and_steps_the_same(results):
         c = r["never_stepped"]
         assert c["differ_before"] and c["equal_loaded"], c
         assert c["moved"] and c["step_diff"] == 0.0, c
+
+
+@pytest.mark.parametrize("case", ["resume_distopt", "resume_plain"])
+def test_a_resumed_role_continues_its_optimizer_exactly(results, case):
+    """Adam's step count survives the checkpoint: Megatron 0.19's distributed optimizer restored it
+    from the param groups, then overwrote it with the loading template's (1, from the zero-gradient
+    step that allocates the state), so every resumed run trained with a restarted bias correction:
+    a smaller effective learning rate for the next few hundred steps (issue 32's resumed arms)."""
+    for r in results:
+        c = r[case]
+        assert c["saved"] == [3.0] and c["loaded"] == [3.0], c
+        assert c["step_diff"] == 0.0, c

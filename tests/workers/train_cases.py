@@ -154,6 +154,41 @@ def case_never_stepped_role(rank, world, directory: str):
     }
 
 
+def _adam_steps(role) -> list[float]:
+    """Every parameter's Adam step count (torch's Adam keeps one per parameter)."""
+    inner = [o.optimizer for o in getattr(role.optimizer, "chained_optimizers", [role.optimizer])]
+    return sorted({float(s["step"]) for o in inner for s in o.state.values() if "step" in s})
+
+
+def case_resume_continues_the_optimizer(rank, world, directory: str, distributed_optimizer: bool):
+    """A critic stepped 3 times, saved, loaded into a fresh role (other weights): the loaded Adam
+    keeps the step count (its bias correction), so the next step of both gives the same weights."""
+    m = tiny_model_config()
+    p = ParallelConfig(world_size=world, use_distributed_optimizer=distributed_optimizer)
+    _setup(p)
+    critic_cfg = CriticConfig(parallel=p, optim=OptimizerConfig(lr=2e-3))
+    original = build_critic_role(m, critic_cfg, layout.gather_full(build_gpt(m, p)))
+    micro = _micro_batches(seed=rank)
+    target = torch.linspace(-1, 1, SEQ).expand(2, SEQ)
+
+    def value_loss(values, mb):
+        return 0.5 * ((values.squeeze(-1) - target.to(values.device)) ** 2).mean() / len(micro), {}
+
+    for _ in range(3):
+        original.forward_backward(micro, value_loss)
+        original.step()
+    checkpoint.save_role(original, directory)
+    seed_everything(999)
+    loaded = build_critic_role(m, critic_cfg, layout.gather_full(build_gpt(m, p)))
+    checkpoint.load_role(loaded, directory)
+    steps = {"saved": _adam_steps(original), "loaded": _adam_steps(loaded)}
+    for role in (original, loaded):
+        role.forward_backward(micro, value_loss)
+        role.step()
+    pairs = zip(original.module.parameters(), loaded.module.parameters(), strict=True)
+    return steps | {"step_diff": max((a - b).abs().max().item() for a, b in pairs)}
+
+
 def case_all(rank, world, directory):
     return {
         "ddp_distopt": case_ddp(rank, world, True),
@@ -161,6 +196,8 @@ def case_all(rank, world, directory):
         "critic": case_frozen_critic(rank, world),
         "ckpt": case_checkpoint_reshard(rank, world, directory),
         "never_stepped": case_never_stepped_role(rank, world, directory + "_never_stepped"),
+        "resume_distopt": case_resume_continues_the_optimizer(rank, world, directory + "_resume_distopt", True),
+        "resume_plain": case_resume_continues_the_optimizer(rank, world, directory + "_resume_plain", False),
     }
 
 
