@@ -268,6 +268,13 @@ CASES: list[tuple[str, Build, str]] = [
      r"rollout\.engine_args: expected a list, got '--chunked-prefill-size 8192'; write it as \[a, b, \.\.\.\]$"),
     ("engine-args-number", _overrides("rollout.engine_args=[--chunked-prefill-size, 8192]"),
      r"rollout\.engine_args\[1\]: expected a string, got 8192; quote it$"),
+    ("expert-parallel-cpu-engine", _overrides("rollout.tensor_parallel=2", "rollout.expert_parallel=2"),
+     r"^rollout\.expert_parallel=2 on CPU engines \(cluster\.gpus_per_node=0\): SGLang's CPU MoE "
+     r"\(moe_forward_native\) .*'index -1 is out of bounds'\); use rollout\.expert_parallel=1 on CPU$"),
+    ("dp-attention-cpu-engine", _overrides("rollout.tensor_parallel=2", "cluster.engine_dp_attention=2"),
+     r"^cluster\.engine_dp_attention=2 on CPU engines \(cluster\.gpus_per_node=0\): SGLang's CPU engine dies on "
+     r"its first batch with attention DP \('TorchNativeAttnBackend' object has no attribute "
+     r"'get_cpu_graph_seq_len_fill_value'\); use cluster\.engine_dp_attention=1 on CPU$"),
     ("zero-sync-bucket", _overrides("rollout.weight_sync_bucket_mb=0"),
      r"^rollout\.weight_sync_bucket_mb=0 must be >= 1 \(MiB\), e\.g\. 1024$"),
     ("bad-update-policy", _overrides("rollout.update_policy=keep"),

@@ -27,6 +27,24 @@ def check_env(key: str, env: dict) -> None:
             raise ConfigError(f"{key}.{name}={value!r}: values must be strings or numbers; quote it")
 
 
+def _check_cpu_engines(cfg: SAOConfig) -> None:
+    """Engine layouts SGLang's CPU engine (0.5.23, the version the CPU launcher accepts) dies on,
+    measured by hand (issue 30): refused here, before any process starts, with SGLang's error."""
+    c, r = cfg.cluster, cfg.rollout
+    if r.expert_parallel > 1:
+        raise ConfigError(
+            f"rollout.expert_parallel={r.expert_parallel} on CPU engines (cluster.gpus_per_node=0): SGLang's CPU "
+            "MoE (moe_forward_native) cannot route to experts held by another rank and its scheduler dies on the "
+            "first batch ('index -1 is out of bounds'); use rollout.expert_parallel=1 on CPU"
+        )
+    if c.engine_dp_attention > 1:
+        raise ConfigError(
+            f"cluster.engine_dp_attention={c.engine_dp_attention} on CPU engines (cluster.gpus_per_node=0): SGLang's "
+            "CPU engine dies on its first batch with attention DP ('TorchNativeAttnBackend' object has no attribute "
+            "'get_cpu_graph_seq_len_fill_value'); use cluster.engine_dp_attention=1 on CPU"
+        )
+
+
 def validate_cluster(cfg: SAOConfig) -> None:
     """Node groups must hold their role's GPUs; SGLang engines must tile whole nodes; a container
     runtime needs an image; ``cluster.env`` names are shell identifiers with scalar values."""
@@ -77,6 +95,8 @@ def validate_cluster(cfg: SAOConfig) -> None:
             f"cluster.engine_dp_attention={c.engine_dp_attention} must divide "
             f"rollout.tensor_parallel={r.tensor_parallel}; use 1 (off) or a divisor"
         )
+    if not c.gpus_per_node:
+        _check_cpu_engines(cfg)
     g = c.gpus_per_node
     groups = {"actor_nodes": c.actor_nodes, "critic_nodes": c.critic_nodes, "rollout_nodes": c.rollout_nodes}
     if not g and any(groups.values()):
