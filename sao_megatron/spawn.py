@@ -5,9 +5,10 @@ importable by name (spawn pickles it); it receives ``(rank, world_size, *args)``
 ``torch.distributed`` initialised and returns a JSON-serialisable value. A failure in any
 rank raises :class:`WorldFailed` with that rank's traceback; a hang past ``timeout_s`` kills
 the processes this call started (by PID) and raises ``TimeoutError`` (naming ``timeout_key``,
-the setting that chose the limit, when given) with every live rank's Python stacks at that
-moment (``faulthandler`` on ``SIGUSR1``), so a hang says where it hung. ``timeout_s`` is also
-the world's collective timeout.
+the setting that chose the limit, when given): a :class:`WorldTimeout`, whose one-line message
+names a file holding every live rank's Python stacks at that moment (``faulthandler`` on
+``SIGUSR1``; also in its ``stacks``), so a hang says where it hung. ``timeout_s`` is also the
+world's collective timeout.
 
 Each rank calls :func:`sao_megatron.logs.quiet_third_party` before it unpickles ``fn`` and its
 arguments (which imports Megatron), so import-time notices are filtered too. With ``log_to``
@@ -31,6 +32,14 @@ from pathlib import Path
 
 class WorldFailed(RuntimeError):
     """A rank of a spawned world raised."""
+
+
+class WorldTimeout(TimeoutError):
+    """A spawned world ran past its timeout; ``stacks``: its live ranks' Python stacks then."""
+
+    def __init__(self, message: str, stacks: str):
+        super().__init__(message)
+        self.stacks = stacks
 
 
 _HANDED_OUT: set[int] = set()
@@ -124,7 +133,16 @@ def run_world(
                 if time.monotonic() > deadline:
                     fix = f" ({timeout_key}={timeout_s:g}); raise {timeout_key}" if timeout_key else ""
                     stacks = _live_stacks(ctx.processes, out_dir)
-                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout_s:.0f} s{fix}{stacks}")
+                    where = ""
+                    if stacks:  # kept past the world's temporary directory, named in the one-line error
+                        with tempfile.NamedTemporaryFile(
+                            "w", prefix="sao-world-stacks-", suffix=".txt", delete=False
+                        ) as f:
+                            f.write(stacks)
+                        where = f"; the ranks' Python stacks then: {f.name}"
+                    raise WorldTimeout(
+                        f"{fn.__name__} on {world_size} ranks exceeded {timeout_s:.0f} s{fix}{where}", stacks
+                    )
         except ProcessException as err:
             raise WorldFailed(str(err)) from None
         finally:
@@ -157,5 +175,5 @@ def _live_stacks(processes: list, out_dir: str, wait_s: float = 2.0) -> str:
     for rank, _ in live:
         path = _stacks_path(out_dir, rank)
         text = path.read_text(errors="replace").strip() if path.exists() else ""
-        parts.append(f"\n--- rank {rank} stacks ---\n{text or '(none written: the rank had not started Python yet)'}")
+        parts.append(f"--- rank {rank} stacks ---\n{text or '(none written: the rank had not started Python yet)'}\n")
     return "".join(parts)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from sao_megatron import spawn
-from sao_megatron.spawn import run_world
+from sao_megatron.spawn import WorldTimeout, run_world
 
 
 def _sum_of_ranks(rank: int, world_size: int) -> int:
@@ -45,13 +46,20 @@ def test_a_world_never_uses_a_probed_port_another_process_may_take(monkeypatch) 
 
 
 def test_a_hung_world_fails_at_its_timeout_naming_where_each_rank_waits() -> None:
+    """One line (a CLI prints it as is) naming a file with every rank's stacks (also on the error)."""
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError) as err:
+    with pytest.raises(WorldTimeout) as err:
         run_world(_hang, 2, backend="gloo", timeout_s=20)
     assert time.monotonic() - t0 < 60  # the timeout, the stacks' dump, the kill
     message = str(err.value)
-    assert message.startswith("_hang on 2 ranks exceeded 20 s"), message[:200]
-    rank0, rank1 = message.split("--- rank 1 stacks ---")
-    assert "--- rank 0 stacks ---" in rank0
+    assert message.startswith("_hang on 2 ranks exceeded 20 s; the ranks' Python stacks then: "), message
+    assert "\n" not in message
+    path = Path(message.rsplit(": ", 1)[1])
+    try:
+        assert path.read_text() == err.value.stacks
+    finally:
+        path.unlink()
+    rank0, rank1 = err.value.stacks.split("--- rank 1 stacks ---")
+    assert rank0.startswith("--- rank 0 stacks ---")
     assert "in _rank_0_waits_for_an_event" in rank0 and "_rank_1_sleeps" not in rank0, rank0
     assert "in _rank_1_sleeps" in rank1 and "_rank_0_waits" not in rank1, rank1
