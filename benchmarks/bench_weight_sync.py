@@ -19,6 +19,11 @@ requests in the global order; at PP=1 (DP=2) rank 0 is the one sender. The raw s
 senders broadcasting the same gathered buckets (in the sync's wire format) over same-size groups
 to one plain receiver that takes them in the same global order, so the ratio is what the
 protocol, the gathers and the engine's load keep of those groups' bandwidth.
+
+``--engine-tp 1 2``: one sender (``WeightSync.update``, per tensor) to an engine of each of these
+tensor-parallel sizes, all started at once and measured round by round side by side; each against a
+raw broadcast of the same buckets over a group of the same size (1 + TP) to plain receivers, so
+``sync / raw`` compares the protocol with TP=1 and TP=2 engines on the same transport.
 """
 
 from __future__ import annotations
@@ -82,6 +87,103 @@ def _buckets(model_dir: Path, bucket_bytes: int) -> list[list[tuple[str, torch.T
         bucket.append((name, t))
         size += t.numel() * t.element_size()
     return out + ([bucket] if bucket else [])
+
+
+def _tp_receiver(port: int, world: int, rank: int, shapes: list[list[tuple[list[int], torch.dtype]]], rounds: int):
+    """Rank ``rank`` of a raw group of ``world``: per round, the buckets tensor by tensor."""
+    store = join_store("127.0.0.1", port, world)
+    group = new_group("gloo", store, world, rank, f"raw_tp{world - 1}")
+    for _ in range(rounds):
+        for bucket in shapes:
+            for shape, dtype in bucket:
+                dist.broadcast(torch.empty(shape, dtype=dtype), src=0, group=group)
+
+
+def engine_tp_main(args, model: Path, buckets: list[list[tuple[str, torch.Tensor]]], rounds: int, logs: Path) -> dict:
+    """Per tensor sync to an engine of each ``--engine-tp`` size against raw groups of 1 + TP, interleaved."""
+    from contextlib import ExitStack
+
+    total = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+    shapes = [[(list(t.shape), t.dtype) for _, t in b] for b in buckets]
+    tensors = [t.contiguous() for b in buckets for _, t in b]
+    rows: dict[int, list[dict]] = {tp: [] for tp in args.engine_tp}
+    with ExitStack() as stack:
+        engines = {
+            tp: EngineProcess(
+                EngineSpec(
+                    model_path=str(model),
+                    port=free_port(),
+                    tensor_parallel=tp,
+                    dtype="float32",
+                    max_total_tokens=4096,
+                    log_path=str(logs / f"engine_tp{tp}.log"),
+                    env={"OMP_NUM_THREADS": "1"},
+                )
+            ).start()
+            for tp in args.engine_tp
+        }
+        for engine in engines.values():
+            stack.callback(engine.stop)
+        for engine in engines.values():
+            engine.wait_healthy()
+        raw, syncs, receivers = {}, {}, []
+        for tp, engine in engines.items():
+            store = open_store("127.0.0.1", 1 + tp)
+            for rank in range(1, 1 + tp):
+                receivers.append(
+                    mp.get_context("spawn").Process(
+                        target=_tp_receiver, args=(store.port, 1 + tp, rank, shapes, rounds)
+                    )
+                )
+                receivers[-1].start()
+            raw[tp] = new_group("gloo", store, 1 + tp, 0, f"raw_tp{tp}")
+            syncs[tp] = WeightSync([engine.url], engine_tp=tp, backend="gloo", group_name=f"bench_tp{tp}")
+            asyncio.run(syncs[tp].connect())
+        for r in range(rounds):
+            for tp, sync in syncs.items():
+                t0 = time.perf_counter()
+                for t in tensors:
+                    dist.broadcast(t, src=0, group=raw[tp])
+                raw_s = time.perf_counter() - t0
+                report = asyncio.run(sync.update(buckets, version=r + 1))
+                control = asyncio.run(_control_only(engines[tp].url))
+                rows[tp].append(
+                    {
+                        "raw": total / raw_s / 1e9,
+                        "sync": report.gb_per_s,
+                        "pause": report.paused_s,
+                        "control": control,
+                        "extra": (report.seconds - raw_s - control) / len(buckets),
+                    }
+                )
+                x = rows[tp][-1]
+                print(
+                    f"round {r} engine TP={tp}: raw {x['raw']:.3f} GB/s (1 + {tp} ranks), sync {x['sync']:.3f} GB/s, "
+                    f"pause {x['pause']:.3f} s; pause+begin+end+resume alone {control:.3f} s",
+                    flush=True,
+                )
+        for p in receivers:
+            p.join(timeout=60)
+    summary = {}
+    for tp, xs in rows.items():
+        ratio = statistics.median(x["sync"] / x["raw"] for x in xs)
+        summary[f"tp{tp}"] = {
+            "raw_gb_per_s": statistics.median(x["raw"] for x in xs),
+            "sync_gb_per_s": statistics.median(x["sync"] for x in xs),
+            "sync_over_raw": ratio,
+            "pause_s": statistics.median(x["pause"] for x in xs),
+            "control_only_s": statistics.median(x["control"] for x in xs),
+            "per_bucket_extra_s": statistics.median(x["extra"] for x in xs),
+        }
+        x = summary[f"tp{tp}"]
+        print(
+            f"engine TP={tp}: median sync / raw = {ratio:.2f} ({x['sync_gb_per_s']:.3f} / {x['raw_gb_per_s']:.3f} "
+            f"GB/s), engine pause {x['pause_s']:.3f} s per sync of {total / 1e6:.1f} MB; of the sync's time beyond "
+            f"the raw broadcast, {x['control_only_s']:.3f} s is pause+begin+end+resume and "
+            f"{x['per_bucket_extra_s']:.3f} s per bucket the engine's request and load",
+            flush=True,
+        )
+    return summary
 
 
 async def _control_only(url: str) -> float:
@@ -212,7 +314,7 @@ def actor_main(args, model: Path, engine_url: str, rounds: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a ~40 MB model, 2 rounds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=64)
@@ -223,6 +325,13 @@ def main() -> None:
         nargs="*",
         default=[],
         help="measure through the real actor (2 ranks) at these pipeline sizes (1 and/or 2)",
+    )
+    ap.add_argument(
+        "--engine-tp",
+        type=int,
+        nargs="*",
+        default=[],
+        help="one sender, per tensor, to an engine of each of these tensor-parallel sizes, side by side",
     )
     args = ap.parse_args()
     shape = (2, 256, 8, 512) if args.quick else (4, 512, 16, 640)
@@ -238,6 +347,9 @@ def main() -> None:
             f"model: layers, hidden, experts, expert width = {shape}; {nbytes / 1e6:.1f} MB float32, "
             f"{len(buckets)} buckets of <= {args.bucket_mb} MB"
         )
+        if args.engine_tp:
+            print(json.dumps(engine_tp_main(args, model, buckets, rounds, Path(tmp))))
+            return
         spec = EngineSpec(
             model_path=str(model),
             port=free_port(),
