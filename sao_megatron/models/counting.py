@@ -10,14 +10,16 @@ def attention_parameters(m: ModelConfig) -> int:
     """One layer's attention with its input norm. Multi-latent attention (``deepseek_v3``): the
     query down-projection, its norm and up-projection, the key/value down-projection (latent plus
     the shared RoPE key), its norm and up-projection (keys' unrotated part and values per head),
-    the output projection."""
+    the output projection. Otherwise q/k/v/o projections, q/k/v biases (``add_qkv_bias``: GLM-4.5,
+    Qwen2-MoE) and q/k norms."""
     h, hd, n = m.hidden_size, m.head_dim, m.num_attention_heads
     if m.family == "deepseek_v3":
         q, kv, rope, v = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim
         query = h * q + q + q * n * (hd + rope)
         key_value = h * (kv + rope) + kv + kv * n * (hd + v)
         return query + key_value + n * v * h + h
-    attention = h * hd * (n + 2 * m.num_query_groups) + n * hd * h
+    qkv = hd * (n + 2 * m.num_query_groups)
+    attention = h * qkv + n * hd * h + (qkv if m.add_qkv_bias else 0)
     return attention + h + (2 * hd if m.qk_layernorm else 0)  # input norm, q/k norms
 
 

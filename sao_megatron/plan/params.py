@@ -35,6 +35,8 @@ def stage_parameters(m: ModelConfig, p: ParallelConfig, stage: int, critic: Crit
         else:
             out[pre + "self_attention.linear_proj.weight"] = h * (a * d // tp)
             out[pre + "self_attention.linear_qkv.weight"] = (a + 2 * g) * d // tp * h
+            if m.add_qkv_bias:
+                out[pre + "self_attention.linear_qkv.bias"] = (a + 2 * g) * d // tp
             if m.qk_layernorm:
                 out[pre + "self_attention.q_layernorm.weight"] = d
                 out[pre + "self_attention.k_layernorm.weight"] = d
