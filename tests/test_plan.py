@@ -67,6 +67,11 @@ LAYOUTS = [
         dataclasses.replace(TINY, num_experts=0, tie_word_embeddings=True),
         ParallelConfig(world_size=2, tensor_parallel=2),
     ),
+    (  # GLM-4.5 / Qwen2-MoE: q/k/v biases, split with the projection over TP
+        "qkv-bias",
+        dataclasses.replace(TINY, add_qkv_bias=True),
+        ParallelConfig(world_size=4, tensor_parallel=2, pipeline_parallel=2),
+    ),
     (  # DeepSeek-V3: multi-latent attention (column-parallel down-projections), GLM-style MoE layers
         "mla",
         dataclasses.replace(
@@ -97,7 +102,10 @@ def test_analytic_counts_match_a_meta_device_build_name_by_name():
 
 def test_stage_counts_add_up_to_the_closed_form_model_count():
     mla = next(m for name, m, _ in LAYOUTS if name == "mla")
-    for m in (dataclasses.replace(TINY, moe_shared_expert_intermediate_size=48, dense_layers=[1]), mla):
+    for m in (
+        dataclasses.replace(TINY, moe_shared_expert_intermediate_size=48, dense_layers=[1], add_qkv_bias=True),
+        mla,
+    ):
         stages = plan.analytic_parameters(m, ParallelConfig(world_size=2, pipeline_parallel=2))
         assert sum(n for stage in stages for n, _ in stage.values()) == parameter_counts(m)["total"]
 
@@ -113,6 +121,9 @@ def _plan(path: str, *overrides: str) -> plan.Plan:
         ("configs/qwen3_30b_a3b_math.yaml", 30.532e9, 3.353e9),
         ("configs/qwen3_30b_a3b_swe.yaml", 30.532e9, 3.353e9),
         ("configs/moe_750b_a40b.yaml", 739.82e9, 40.82e9),
+        ("configs/deepseek_v3_671b_math.yaml", 671.03e9, 37.55e9),
+        ("configs/kimi_k2_1t_math.yaml", 1026.41e9, 32.86e9),
+        ("configs/glm4_5_355b_math.yaml", 352.80e9, 33.63e9),
     ],
 )
 def test_large_configs_print_their_documented_counts(path, total, active):
@@ -262,10 +273,19 @@ def test_cluster_section_errors_name_the_key(override, key):
         load_config("configs/moe_750b_a40b.yaml", [override])
 
 
+LARGE_RUN_CONFIGS = [
+    "configs/qwen3_30b_a3b_math.yaml",
+    "configs/moe_750b_a40b.yaml",
+    "configs/deepseek_v3_671b_math.yaml",
+    "configs/kimi_k2_1t_math.yaml",
+    "configs/glm4_5_355b_math.yaml",
+]
+
+
 @pytest.mark.slow
-def test_plan_cli_meta_build_of_the_large_configs_matches_the_closed_form(capsys):
-    for path in ("configs/qwen3_30b_a3b_math.yaml", "configs/moe_750b_a40b.yaml"):
-        assert cli.main(["plan", path]) == 0
-        captured = capsys.readouterr()
-        assert "per-rank counts by meta-device build" in captured.out
-        assert "disagrees" not in captured.err
+@pytest.mark.parametrize("path", LARGE_RUN_CONFIGS)
+def test_plan_cli_meta_build_of_the_large_configs_matches_the_closed_form(capsys, path):
+    assert cli.main(["plan", path]) == 0
+    captured = capsys.readouterr()
+    assert "per-rank counts by meta-device build" in captured.out
+    assert "disagrees" not in captured.err

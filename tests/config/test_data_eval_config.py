@@ -22,7 +22,7 @@ def test_defaults_keep_the_bundled_prompts_and_greedy_pass1_only():
 
 
 def test_paper_configs_report_mean_accuracy_over_16_samples():
-    for name in ("qwen3_30b_a3b_math", "moe_750b_a40b"):
+    for name in ("qwen3_30b_a3b_math", "moe_750b_a40b", "deepseek_v3_671b_math", "kimi_k2_1t_math", "glm4_5_355b_math"):
         t = load_config(f"configs/{name}.yaml").train
         assert (t.eval_samples, t.eval_sample_temperature) == (16, 1.0)
 
