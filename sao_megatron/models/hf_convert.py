@@ -550,4 +550,6 @@ def export_run(
 
         copy_tokenizer_files(cfg.actor.init_from, out_dir)
     missing = "" if mtp_from else "actor.init_from is empty: the run started from random weights"
+    if mtp_from and not Path(mtp_from).is_dir():
+        missing = f"actor.init_from={mtp_from} no longer exists; the run's directories keep no copy of them"
     return _export_summary("run actor -> HF", results, t0, _mtp_note(m, mtp_from, results, missing))

@@ -8,8 +8,9 @@ model shape, and transformers reproduces the trained actor's logits. The bit-exa
 of a Qwen3-MoE checkpoint is test_hf_convert's. The DeepSeek-V3 and GLM-4.5 checkpoints also carry the
 tensors of a multi-token-prediction layer (``model.layers.{num_hidden_layers}.*``, as the published
 checkpoints do): the model does not load them, the conversion keeps them in ``hf/mtp`` and the export
-writes them back with their values (``num_nextn_predict_layers: 1``); transformers loads that export
-(it ignores MTP tensors).
+writes them back with their values (``num_nextn_predict_layers: 1``), from the conversion's ``hf/mtp``
+(DeepSeek-V3's run starts from the conversion) or from the HF directory (GLM's run starts from it);
+transformers loads that export (it ignores MTP tensors).
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ def test_convert_train_export_matches_transformers(checkpoints, tmp_path, shape)
     source_mtp = _tensors(hf, mtp_prefix)
     assert (shape in MTP_FAMILIES) == bool(source_mtp) == (mcore / "hf" / "mtp").is_dir()
     cfg = load_config(None, ["actor.optim.lr=1e-2", "actor.parallel.micro_batch_size=2"])
-    actor = dataclasses.replace(cfg.actor, init_from=str(mcore), router_bias_update="train")
+    # GLM's run starts from the HF directory itself (its export reads the MTP tensors there), the others
+    # from the conversion (its hf/mtp)
+    init_from = hf if shape == "glm4_moe" else mcore
+    actor = dataclasses.replace(cfg.actor, init_from=str(init_from), router_bias_update="train")
     cfg = dataclasses.replace(cfg, model=model_config_from_hf(read_hf_config(hf), name=shape), actor=actor)
     run_dir = tmp_path / "run"
     save_config(cfg, run_dir)

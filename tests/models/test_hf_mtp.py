@@ -11,6 +11,7 @@ test_hf_families_cli's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -111,3 +112,17 @@ def test_export_writes_mtp_tensors_in_its_dtype_across_shards(fp8_checkpoint, tm
     written = _read_all(out)
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[n], expected[n].float()) for n in expected)  # float32 holds each exactly
+
+
+def test_the_summary_says_what_became_of_the_mtp_layers(fp8_checkpoint, tmp_path):
+    from sao_megatron.models.hf_convert import _mtp_note
+
+    m = hf_config.model_config_from_hf(hf_config.read_hf_config(fp8_checkpoint[0]))
+    assert m.mtp_layers == 1
+    assert _mtp_note(m, "SRC", [{"mtp_tensors": 3}]).startswith("carried 3 multi-token-prediction tensors from SRC")
+    gone = _mtp_note(m, tmp_path / "moved", [{"mtp_tensors": 0}])
+    assert (
+        gone
+        == f"no multi-token-prediction layer written ({tmp_path / 'moved'} holds none); config.json says num_nextn_predict_layers: 0"
+    )
+    assert _mtp_note(dataclasses.replace(m, mtp_layers=0), None, [{"mtp_tensors": 0}]) == ""  # nothing to say
