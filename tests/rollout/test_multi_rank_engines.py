@@ -1,10 +1,13 @@
-"""Two tensor-parallel CPU SGLang engines in one weight-sync group (issue 30 item 2).
+"""Two tensor-parallel CPU SGLang engines in one weight-sync group (issue 30 item 2), serving a
+Mixtral (issue 31's Mixtral sync test: SGLang's own ``mixtral`` class, sharded over two ranks).
 
-A real session (Ray, a Megatron actor worker, GRPO: no critic) on the tiny MoE (2 layers) with
-``rollout.num_engines=2`` and ``rollout.tensor_parallel=2``: four SGLang scheduler processes, which
-start with random weights (``load_format=dummy``) and get the actor's through one broadcast group
-of world 1 + 2 x 2 = 5, the actor's sender at rank 0, engine 0's ranks at 1 and 2 (offset 1),
-engine 1's at 3 and 4 (offset 3). Checked, for EACH engine:
+A real session (Ray, a Megatron actor worker, GRPO: no critic) from a tiny random Mixtral HF
+checkpoint (``actor.init_from``; ``tests/test_from_hf_families.make_tiny``: softmax top-2 of 4
+experts, GQA 4 heads / 2 KV heads, no q/k norm) with ``rollout.num_engines=2`` and
+``rollout.tensor_parallel=2``: four SGLang scheduler processes, which start with random weights
+(``load_format=dummy``) and get the actor's through one broadcast group of world 1 + 2 x 2 = 5,
+the actor's sender at rank 0, engine 0's ranks at 1 and 2 (offset 1), engine 1's at 3 and 4
+(offset 3). Checked, for EACH engine:
 
 * after the first sync (version 0) and after a second one (version 1, following one supervised
   actor step, which moves the policy well beyond the tolerance): the engine's logprobs of its own
@@ -26,7 +29,6 @@ import psutil
 import pytest
 import torch
 
-from sao_megatron.config import load_config
 from sao_megatron.driver import stages
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
@@ -34,6 +36,8 @@ from sao_megatron.observe import RunLog
 from sao_megatron.rollout.client import SamplingParams
 from sao_megatron.rollout.engine import EngineProcess
 from sao_megatron.tokenizer import load_tokenizer
+from tests.test_from_hf_families import config as hf_config
+from tests.test_from_hf_families import make_tiny
 from tests.test_pipeline import actor_logprobs, engine_vs_actor
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -43,7 +47,6 @@ TOL = 1e-4
 the same as the single-engine tests (tests/test_from_hf_families.py)."""
 ENGINES, TP = 2, 2
 RUN = [
-    "model.num_layers=2",
     f"rollout.num_engines={ENGINES}",
     f"rollout.tensor_parallel={TP}",
     "rollout.max_total_tokens=4096",
@@ -65,7 +68,10 @@ def _engine_rss_mb(engine: EngineProcess) -> float:
 
 
 def test_two_tp2_engines_in_one_group_serve_the_actor_at_two_versions(tmp_path):
-    cfg = load_config(None, RUN)
+    hf = tmp_path / "mixtral_tiny"
+    make_tiny("mixtral", hf)
+    cfg = hf_config(tmp_path, hf, RUN)
+    assert cfg.model.num_experts == 4 and not cfg.model.qk_layernorm and cfg.model.num_query_groups == 2
     run_dir = tmp_path / "run"
     probe = [int(i) for i in load_tokenizer().encode("12 + 30 =")]
 
