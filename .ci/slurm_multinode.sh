@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI: a five-node Slurm cluster on this one machine, then the multi-node launch tests.
 #
-#   .ci/slurm_multinode.sh [pytest args]     (called from .ci/run beside the suite and .ci/slurm.sh; needs root)
+#   .ci/slurm_multinode.sh [pytest args]     (called from .ci/run after the suite, beside .ci/slurm.sh; needs root)
 #
 # Each node is a network namespace sao-nN with address 10.200.0.N on a private bridge sao-br0
 # (the host side holds 10.200.0.254, where slurmctld listens, named sao-ctl), plus its own UTS
