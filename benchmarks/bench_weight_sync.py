@@ -145,18 +145,9 @@ def engine_tp_main(args, model: Path, buckets: list[list[tuple[str, torch.Tensor
                 for t in tensors:
                     dist.broadcast(t, src=0, group=raw[tp])
                 raw_s = time.perf_counter() - t0
-                report = asyncio.run(sync.update(buckets, version=r + 1))
-                control = asyncio.run(_control_only(engines[tp].url))
-                rows[tp].append(
-                    {
-                        "raw": total / raw_s / 1e9,
-                        "sync": report.gb_per_s,
-                        "pause": report.paused_s,
-                        "control": control,
-                        "extra": (report.seconds - raw_s - control) / len(buckets),
-                    }
-                )
-                x = rows[tp][-1]
+                x = _round(sync, buckets, r + 1, engines[tp].url, total, raw_s)
+                rows[tp].append(x)
+                control = x["control"]
                 print(
                     f"round {r} engine TP={tp}: raw {x['raw']:.3f} GB/s (1 + {tp} ranks), sync {x['sync']:.3f} GB/s, "
                     f"pause {x['pause']:.3f} s; pause+begin+end+resume alone {control:.3f} s",
@@ -184,6 +175,20 @@ def engine_tp_main(args, model: Path, buckets: list[list[tuple[str, torch.Tensor
             flush=True,
         )
     return summary
+
+
+def _round(sync, buckets: list, version: int, url: str, total: int, raw_s: float) -> dict[str, float]:
+    """One round's sync of ``buckets`` beside its raw broadcast (``total`` bytes in ``raw_s``): GB/s
+    of both, the engine's pause, the control calls alone and the per-bucket rest."""
+    report = asyncio.run(sync.update(buckets, version=version))
+    control = asyncio.run(_control_only(url))
+    return {
+        "raw": total / raw_s / 1e9,
+        "sync": report.gb_per_s,
+        "pause": report.paused_s,
+        "control": control,
+        "extra": (report.seconds - raw_s - control) / len(buckets),
+    }
 
 
 async def _control_only(url: str) -> float:
@@ -384,18 +389,9 @@ def main() -> None:
                     for buf in flat if sync.flat else [t.contiguous() for b in buckets for _, t in b]:
                         dist.broadcast(buf, src=0, group=raw_group)
                     raw_s = time.perf_counter() - t0
-                    report = asyncio.run(sync.update(buckets, version=r + 1))
-                    control = asyncio.run(_control_only(engine.url))
-                    rows[mode].append(
-                        {
-                            "raw": total / raw_s / 1e9,
-                            "sync": report.gb_per_s,
-                            "pause": report.paused_s,
-                            "control": control,
-                            "extra": (report.seconds - raw_s - control) / len(buckets),
-                        }
-                    )
-                    x = rows[mode][-1]
+                    x = _round(sync, buckets, r + 1, engine.url, total, raw_s)
+                    rows[mode].append(x)
+                    control = x["control"]
                     print(
                         f"round {r} {mode}: raw {x['raw']:.3f} GB/s, sync {x['sync']:.3f} GB/s, pause "
                         f"{x['pause']:.3f} s; pause+begin+end+resume alone {control:.3f} s",
