@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -254,7 +255,10 @@ def battery() -> dict:
     cases = dict(CASES)
     port = listener.getsockname()[1]
     cases["socket_connect_localhost"] = replace(cases["socket_connect_localhost"], code=CONNECT.format(port=port))
-    tmp_before = set(Path(tempfile.gettempdir()).glob("sao_sandbox_*"))
+    # The sandboxes' host directories go to a private temp dir: other pytest workers' sandboxes
+    # (the SWE tests) come and go in /tmp meanwhile. Mode 1777, as /tmp, for the per-sandbox uids.
+    tmp = Path(tempfile.mkdtemp(prefix="sao_battery_"))
+    tmp.chmod(0o1777)
 
     async def run_all() -> tuple[dict[str, SandboxResult], SandboxResult, float]:
         benign = asyncio.create_task(arun_python(BENIGN_CODE, replace(LIMITS, wall_s=30.0, cpu_s=30)))
@@ -264,6 +268,7 @@ def battery() -> dict:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SAO_TEST_SECRET", SECRET)
+        mp.setattr(tempfile, "tempdir", str(tmp))
         start = time.monotonic()
         results, benign, end = asyncio.run(run_all())
     try:
@@ -274,6 +279,8 @@ def battery() -> dict:
         connections = 0
     listener.close()
     uids = {r.uid for r in results.values() if r.uid is not None}
+    leftovers = set(tmp.glob("sao_sandbox_*"))
+    shutil.rmtree(tmp, ignore_errors=True)
     return {
         "cases": cases,
         "results": results,
@@ -281,7 +288,7 @@ def battery() -> dict:
         "elapsed": end - start,
         "connections": connections,
         "survivors": _eventually_empty(lambda p: p.info["uids"].real in uids) if uids else [],
-        "tmp_leftovers": set(Path(tempfile.gettempdir()).glob("sao_sandbox_*")) - tmp_before,
+        "tmp_leftovers": leftovers,
     }
 
 
