@@ -9,7 +9,7 @@
 # scratch at $work/tmp, both bind-mounted there only, as on a real node). One `slurmd -N nN` runs
 # per node; a private munged's unix socket is on the shared filesystem, so it serves every node.
 # Each node has one CPU as Slurm (and so Ray) sees it: with one Ray CPU per trainer rank the
-# 2-rank actor world must span n1+n2 and the 2-rank critic world n3+n4; the engine runs on n5.
+# 2-rank actor world must span n1+n2, the critic runs on n3, and one TP=2 engine spans n4+n5.
 # Then runs tests/launch/test_slurm_multinode.py with SAO_SLURM_MULTINODE_TEST=1.
 # Install and daemon handling follow .ci/slurm.sh. Everything started here is stopped by its PID
 # on exit; namespaces, veths and the bridge are deleted by the names created here.
@@ -155,11 +155,15 @@ for node in "${NODES[@]}"; do
   # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then finds no cgroup fs.
   # nsenter, unshare and sh each exec the next, so $! is slurmd's own PID. $work/tmp is node-local
   # scratch, as /tmp is on a real node (Ray's --temp-dir: raylets sharing one directory race for
-  # the same socket names and fail with "bind: Address already in use").
+  # the same socket names and fail with "bind: Address already in use"). Each node has its own
+  # /dev/shm, as real nodes do: SGLang tells a peer rank on the same node by a shared-memory segment
+  # it can open, and an engine over two nodes that shared one took its peer for a local rank and
+  # waited for it on its own loopback forever.
   mkdir -p "$work/spool-$node" "$work/tmp-$node"
   # shellcheck disable=SC2016 # $1..$5 expand in the inner sh
   nsenter --net="/run/netns/sao-$node" unshare --uts --mount sh -c \
-    'hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind "$4" "$5" && exec slurmd -D -N "$1" -f "$3"' \
+    'hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind "$4" "$5" &&
+     mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec slurmd -D -N "$1" -f "$3"' \
     sh "$node" "$hosts" "$SLURM_CONF" "$work/tmp-$node" "$work/tmp" >"$work/slurmd-$node.out.log" 2>&1 &
   pids+=($!)
 done

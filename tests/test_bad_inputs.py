@@ -275,6 +275,18 @@ CASES: list[tuple[str, Build, str]] = [
      r"^cluster\.engine_dp_attention=2 on CPU engines \(cluster\.gpus_per_node=0\): SGLang's CPU engine dies on "
      r"its first batch with attention DP \('TorchNativeAttnBackend' object has no attribute "
      r"'get_cpu_graph_seq_len_fill_value'\); use cluster\.engine_dp_attention=1 on CPU$"),
+    ("engine-nodes-not-dividing-tp", _overrides("rollout.tensor_parallel=2", "rollout.nodes_per_engine=3"),
+     r"^rollout\.nodes_per_engine=3 must be 0 \(derived\) or divide rollout\.tensor_parallel=2: an engine's "
+     r"ranks split evenly over its nodes$"),
+    ("engine-nodes-without-rollout-nodes",
+     _overrides("rollout.tensor_parallel=2", "rollout.nodes_per_engine=2", "cluster.actor_nodes=1",
+                "cluster.critic_nodes=1", "cluster.rollout_nodes=1"),
+     r"^rollout\.nodes_per_engine=2 needs cluster\.rollout_nodes >= 2 \(an engine's nodes are distinct nodes "
+     r"of the rollout group; got 1\); set it, or rollout\.nodes_per_engine=0$"),
+    ("engine-nodes-over-a-gpu-node",
+     _overrides("cluster.gpus_per_node=8", "rollout.tensor_parallel=16", "rollout.nodes_per_engine=1"),
+     r"^rollout\.nodes_per_engine=1: 16 ranks per node \(rollout\.tensor_parallel=16\) exceed "
+     r"cluster\.gpus_per_node=8; use 2 or more nodes, or 0 \(derived\)$"),
     ("zero-sync-bucket", _overrides("rollout.weight_sync_bucket_mb=0"),
      r"^rollout\.weight_sync_bucket_mb=0 must be >= 1 \(MiB\), e\.g\. 1024$"),
     ("bad-update-policy", _overrides("rollout.update_policy=keep"),

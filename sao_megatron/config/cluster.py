@@ -45,6 +45,40 @@ def _check_cpu_engines(cfg: SAOConfig) -> None:
         )
 
 
+def engine_nodes(tensor_parallel: int, gpus_per_node: int, nodes_per_engine: int = 0) -> tuple[int, int]:
+    """(nodes, ranks per node) of one engine: ``nodes_per_engine`` when set, else the fewest whole
+    nodes holding its GPUs (one on a CPU-only run, ``gpus_per_node`` = 0)."""
+    if nodes_per_engine:
+        return nodes_per_engine, tensor_parallel // nodes_per_engine
+    if not gpus_per_node or tensor_parallel <= gpus_per_node:
+        return 1, tensor_parallel
+    return tensor_parallel // gpus_per_node, gpus_per_node
+
+
+def _check_engine_nodes(cfg: SAOConfig) -> None:
+    c, r = cfg.cluster, cfg.rollout
+    n = r.nodes_per_engine
+    if n < 0 or (n and r.tensor_parallel % n):
+        raise ConfigError(
+            f"rollout.nodes_per_engine={n} must be 0 (derived) or divide rollout.tensor_parallel="
+            f"{r.tensor_parallel}: an engine's ranks split evenly over its nodes"
+        )
+    if not n:
+        return
+    if c.gpus_per_node and r.tensor_parallel // n > c.gpus_per_node:
+        raise ConfigError(
+            f"rollout.nodes_per_engine={n}: {r.tensor_parallel // n} ranks per node (rollout.tensor_parallel="
+            f"{r.tensor_parallel}) exceed cluster.gpus_per_node={c.gpus_per_node}; use "
+            f"{-(-r.tensor_parallel // c.gpus_per_node)} or more nodes, or 0 (derived)"
+        )
+    need = n * (r.num_engines if c.gpus_per_node else 1)  # CPU engines may share a node; GPU ones cannot
+    if n > 1 and c.rollout_nodes < need:
+        raise ConfigError(
+            f"rollout.nodes_per_engine={n} needs cluster.rollout_nodes >= {need} (an engine's nodes are "
+            f"distinct nodes of the rollout group; got {c.rollout_nodes}); set it, or rollout.nodes_per_engine=0"
+        )
+
+
 def validate_cluster(cfg: SAOConfig) -> None:
     """Node groups must hold their role's GPUs; SGLang engines must tile whole nodes; a container
     runtime needs an image; ``cluster.env`` names are shell identifiers with scalar values."""
@@ -97,6 +131,7 @@ def validate_cluster(cfg: SAOConfig) -> None:
         )
     if not c.gpus_per_node:
         _check_cpu_engines(cfg)
+    _check_engine_nodes(cfg)
     g = c.gpus_per_node
     groups = {"actor_nodes": c.actor_nodes, "critic_nodes": c.critic_nodes, "rollout_nodes": c.rollout_nodes}
     if not g and any(groups.values()):

@@ -355,6 +355,10 @@ class RolloutConfig:
     num_engines: int = 1
     tensor_parallel: int = 1
     expert_parallel: int = 1
+    nodes_per_engine: int = 0
+    """Nodes one engine spans, its ``tensor_parallel`` ranks split evenly over them (SGLang
+    ``--nnodes``; node 0 serves HTTP); needs a Ray cluster. 0: the fewest whole nodes holding
+    ``tensor_parallel`` GPUs (``cluster.gpus_per_node``), one on a CPU-only run."""
     dtype: EngineDtype = "auto"
     """SGLang ``--dtype``: ``float32`` on CPU (engine logprobs then match the trainer's); ``auto`` on GPU."""
     max_total_tokens: int = 32768

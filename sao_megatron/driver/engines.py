@@ -10,8 +10,8 @@ from typing import Any, Protocol
 import ray
 from ray.exceptions import GetTimeoutError
 
-from sao_megatron.config import SAOConfig
-from sao_megatron.config.cluster import one_node_gpus
+from sao_megatron.config import ConfigError, SAOConfig
+from sao_megatron.config.cluster import engine_nodes, one_node_gpus
 from sao_megatron.rollout.client import run_api_key
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec, check_engine_args
 from sao_megatron.spawn import free_port
@@ -64,14 +64,6 @@ class EngineHost:
             self.proc.stop()
 
 
-def engine_nodes(gpus_per_engine: int, gpus_per_node: int) -> tuple[int, int]:
-    """(nodes, GPUs per node) of one engine: whole nodes when it needs more than one (the config
-    check makes the engine's GPUs a multiple of the node's), else one node."""
-    if not gpus_per_node or gpus_per_engine <= gpus_per_node:
-        return 1, gpus_per_engine
-    return gpus_per_engine // gpus_per_node, gpus_per_node
-
-
 class RemoteEngine:
     """The driver's handle on an engine started by :class:`EngineHost` s (same API as EngineProcess).
 
@@ -79,13 +71,12 @@ class RemoteEngine:
     each), on the rollout node group (the ``sao_rollout`` resource); the engine's nodes meet at
     node 0's address (``--nnodes``, ``--node-rank``, ``--dist-init-addr``)."""
 
-    def __init__(
-        self, spec: EngineSpec, gpus_per_engine: int, gpus_per_node: int = 0, placement_timeout_s: float = 600.0
-    ):
+    def __init__(self, spec: EngineSpec, nodes: int = 1, gpus_per_node: int = 0, placement_timeout_s: float = 600.0):
+        """``nodes``: nodes the engine spans; ``gpus_per_node``: GPUs it takes on each (0: a CPU engine)."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        nodes, per_node = engine_nodes(gpus_per_engine, gpus_per_node)
+        per_node = gpus_per_node
         bundle = {"CPU": 0.1, "sao_rollout": per_node or 0.01, **({"GPU": per_node} if per_node else {})}
         self.group = placement_group([bundle] * nodes, strategy="STRICT_SPREAD" if nodes > 1 else "PACK")
         try:
@@ -192,6 +183,12 @@ def launch_engines(
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if r.engine_args:  # before any process starts
         check_engine_args(r.engine_args)
+    nodes, ranks_per_node = engine_nodes(r.tensor_parallel, c.gpus_per_node, r.nodes_per_engine)
+    if nodes > 1 and not remote:
+        raise ConfigError(
+            f"rollout.nodes_per_engine={r.nodes_per_engine}: an engine over {nodes} nodes needs a Ray cluster "
+            "(cluster.ray_address, which launch/local.sh and the Slurm launcher set); use 0 on one machine"
+        )
     specs = [
         EngineSpec(
             model_path=str(model_path),
@@ -217,8 +214,8 @@ def launch_engines(
     try:
         for spec in specs:
             if remote:
-                gpus = r.tensor_parallel if c.gpus_per_node else 0
-                engines.append(RemoteEngine(spec, gpus, c.gpus_per_node, c.placement_timeout_s))
+                gpus = ranks_per_node if c.gpus_per_node else 0
+                engines.append(RemoteEngine(spec, nodes, gpus, c.placement_timeout_s))
             else:
                 engines.append(EngineProcess(spec).start())
     except BaseException:

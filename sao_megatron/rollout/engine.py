@@ -164,7 +164,7 @@ MANAGED_FLAGS = {
     "--attn-dp-size": "cluster.engine_dp_attention",
     "--dp-size": "cluster.engine_dp_attention (rollout.num_engines for data parallel engines)",
     "--enable-dp-attention": "cluster.engine_dp_attention",
-    "--nnodes": "the placement (rollout.tensor_parallel over cluster.gpus_per_node)",
+    "--nnodes": "the placement (rollout.nodes_per_engine; derived: rollout.tensor_parallel over cluster.gpus_per_node)",
     "--node-rank": "the placement",
     "--dist-init-addr": "the placement",
     "--device": "cluster.gpus_per_node",
@@ -408,9 +408,16 @@ class EngineProcess(_ServerProcess):
 
     def _environment(self) -> dict[str, str]:
         env = _environment(self.cpu)
+        if self.spec.nnodes > 1 and not {"SGLANG_HOST_IP", "HOST_IP"} & (os.environ.keys() | self.spec.env.keys()):
+            # The address this node's ranks advertise to the engine's other nodes (the tensor-parallel
+            # groups' message queues): SGLang otherwise takes the interface of a route to 8.8.8.8, and
+            # "0.0.0.0" without one, where the other nodes' ranks wait forever (measured on the
+            # five-node CI cluster, whose nodes have no default route).
+            env["SGLANG_HOST_IP"] = self.spec.host
         if self.cpu:  # a multi-rank CPU engine's needs, unless the user set them (issue 30)
             ranks_here = self.spec.tensor_parallel // max(1, self.spec.nnodes)
-            env.update({k: v for k, v in multi_rank_env(ranks_here).items() if k not in os.environ})
+            needs = multi_rank_env(ranks_here, world=self.spec.tensor_parallel)
+            env.update({k: v for k, v in needs.items() if k not in os.environ})
         return {**env, **self.spec.env}
 
     def start(self) -> EngineProcess:

@@ -5,7 +5,7 @@ span nodes (their SGLang arguments)."""
 import pytest
 import torch.distributed as dist
 
-from sao_megatron.driver.engines import engine_nodes
+from sao_megatron.config.cluster import engine_nodes
 from sao_megatron.driver.roles import rank_order
 from sao_megatron.parallel import join_store, open_store
 from sao_megatron.rollout.engine import EngineSpec, _command
@@ -35,6 +35,8 @@ def test_engine_nodes():
     assert engine_nodes(4, 8) == (1, 4)
     assert engine_nodes(8, 8) == (1, 8)
     assert engine_nodes(32, 8) == (4, 8)  # the 750B config's TP32 engine: four whole nodes
+    assert engine_nodes(2, 0, 2) == (2, 1)  # rollout.nodes_per_engine: a CPU TP=2 engine over two nodes
+    assert engine_nodes(16, 8, 4) == (4, 4)  # half of each node's GPUs
 
 
 def test_engine_command_spans_nodes_with_dp_attention():

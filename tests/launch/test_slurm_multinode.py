@@ -3,11 +3,13 @@
 Runs only with ``SAO_SLURM_MULTINODE_TEST=1`` on the five-node cluster that
 ``.ci/slurm_multinode.sh`` builds on one machine: nodes n1..n5 are network namespaces with
 addresses 10.200.0.1..5 on a private bridge, one CPU each as Ray sees them. With one Ray CPU per
-trainer rank the tiny run's 2-rank actor world must form across n1+n2, the 2-rank critic world
-across n3+n4, and the SGLang engine runs on n5. Evidence comes from each node's own logs: every
+trainer rank the tiny run's 2-rank actor world must form across n1+n2, the critic runs on n3, and
+the SGLang engine is one TP=2 engine spanning n4+n5 (``rollout.nodes_per_engine=2``: one SGLang
+process per node, node 0 serving HTTP, the two meeting at n4's address). Evidence comes from each node's own logs: every
 trainer rank prints ``[sao-rank] ... on host nN addresses <its node's IPs>``
 (``workers.rank.init_rank``), actor rank 0 prints the weight-sync group address and the engine
-URLs it broadcasts to (``workers.actor``), SGLang logs the address it serves on, and Ray's per-node
+URLs it broadcasts to (``workers.actor``), each SGLang process logs the address it serves on or
+the weight-sync groups its rank joined, and Ray's per-node
 logs name each node's IP.
 
 One job runs the tiny run over the five nodes, the way a preempted run does: ``sao submit``
@@ -44,11 +46,13 @@ NODE_IP = {f"n{i}": f"{NET}{i}" for i in range(1, 6)}
 # The actor in two pipeline stages, one per node: each stage's rank sends its own weights.
 GROUPS = [
     "cluster.actor_nodes=2",
-    "cluster.critic_nodes=2",
-    "cluster.rollout_nodes=1",
+    "cluster.critic_nodes=1",
+    "cluster.rollout_nodes=2",
     "actor.parallel.world_size=2",
     "actor.parallel.pipeline_parallel=2",
-    "critic.parallel.world_size=2",
+    "critic.parallel.world_size=1",
+    "rollout.tensor_parallel=2",
+    "rollout.nodes_per_engine=2",
     "cluster.cpus_per_rank=1",
 ]
 # Synchronous and lag 0: the prompt sequence per step is deterministic (the requeued run is compared with it).
@@ -83,12 +87,12 @@ def _last_attempt(path: Path) -> str:
     return text[text.rfind("---- pid ") :]
 
 
-def _ranks(run_dir: Path, role: str) -> dict[int, tuple[str, set[str]]]:
+def _ranks(run_dir: Path, role: str, world_size: int) -> dict[int, tuple[str, set[str]]]:
     """rank -> (hostname, its node's addresses), from each rank's own log (the last attempt)."""
     out = {}
     for path in sorted((run_dir / "logs").glob(f"{role}_rank*.log")):
         for rank, world, host, addresses in RANK_LINE.findall(_last_attempt(path)):
-            assert int(world) == 2, path
+            assert int(world) == world_size, path
             out[int(rank)] = (host, set(addresses.split(",")))
     return out
 
@@ -202,8 +206,8 @@ def test_tiny_run_over_five_nodes_completes_and_reports(requeued_run):
     for line in (
         "SAO_NUM_NODES=5",
         "SAO_ACTOR_NODELIST=n1,n2",
-        "SAO_CRITIC_NODELIST=n3,n4",
-        "SAO_ROLLOUT_NODELIST=n5",
+        "SAO_CRITIC_NODELIST=n3",
+        "SAO_ROLLOUT_NODELIST=n4,n5",
     ):
         assert line in topology, topology
 
@@ -215,7 +219,7 @@ def test_every_node_ran_its_own_ray_daemon(requeued_run):
         "ray-head-n1.log": "n1",
         "ray-actor-n2.log": "n2",
         "ray-critic-n3.log": "n3",
-        "ray-critic-n4.log": "n4",
+        "ray-rollout-n4.log": "n4",
         "ray-rollout-n5.log": "n5",
     }
     for name, node in expected.items():
@@ -224,34 +228,49 @@ def test_every_node_ran_its_own_ray_daemon(requeued_run):
 
 
 def test_role_worlds_formed_across_their_own_nodes(requeued_run):
-    """One rank per node: each 2-rank world met across two nodes of its own group (the world's
-    collectives then trained it, so the gloo rendezvous crossed nodes)."""
+    """One rank per node: the 2-rank actor world met across the two nodes of its group (its
+    collectives then trained it, so the gloo rendezvous crossed nodes); the critic on its node."""
     run = requeued_run
-    for role, nodes in (("actor", {"n1", "n2"}), ("critic", {"n3", "n4"})):
-        ranks = _ranks(run.run_dir, role)
-        assert sorted(ranks) == [0, 1], (role, ranks, run.logs)
+    for role, nodes in (("actor", {"n1", "n2"}), ("critic", {"n3"})):
+        ranks = _ranks(run.run_dir, role, len(nodes))
+        assert sorted(ranks) == list(range(len(nodes))), (role, ranks, run.logs)
         assert {host for host, _ in ranks.values()} == nodes, (role, ranks)
         for host, addresses in ranks.values():
             assert addresses == {NODE_IP[host]}, (role, ranks)
 
 
-def test_engine_on_the_rollout_node_and_weights_synced_across_nodes(requeued_run):
-    """Each pipeline stage's actor rank (one on n1, one on n2) forms its own broadcast group on its
-    node; the engine on n5 joins both and receives every update over them, the requests posted
-    by rank 0 (the engine's own log names the peers' addresses)."""
+def test_engine_spans_the_rollout_nodes_and_weights_sync_across_nodes(requeued_run):
+    """The TP=2 engine runs one SGLang process per rollout node: node 0's (n4 or n5, as Ray placed
+    it) serves HTTP, the other node's holds tensor-parallel rank 1. Each pipeline stage's actor rank (one on n1, one on n2) forms its
+    own broadcast group on its node; both engine ranks join both groups (ranks 1 and 2 of 3), on
+    their own nodes, and receive every update over them, the requests posted by actor rank 0."""
     run = requeued_run
     actor_logs = "".join(_last_attempt(p) for p in (run.run_dir / "logs").glob("actor_rank*.log"))
     syncs = SYNC_LINE.findall(actor_logs)
     assert len(syncs) == 2, (syncs, run.logs)  # one group per stage, formed once, reused by every later sync
-    ranks = _ranks(run.run_dir, "actor")
+    ranks = _ranks(run.run_dir, "actor", 2)
     assert sorted((int(rank), int(stage)) for _, rank, stage, _ in syncs) == [(0, 0), (1, 1)], syncs
-    engine_log = (run.run_dir / "logs" / "engine0.log").read_text(errors="replace")  # the last attempt's
-    assert f"Uvicorn running on http://{NODE_IP['n5']}:" in engine_log, engine_log[-2000:]
-    for master, rank, _, engines in syncs:
+    # Ray places the engine's two bundles on n4 and n5 in either order: node 0 serves HTTP.
+    urls = {engines.strip() for *_, engines in syncs}
+    url = re.fullmatch(r"http://([\d.]+):\d+", urls.pop())
+    assert not urls and url and url.group(1) in (NODE_IP["n4"], NODE_IP["n5"]), syncs  # one engine, on n4 or n5
+    http_ip = url.group(1)
+    other_ip = NODE_IP["n5"] if http_ip == NODE_IP["n4"] else NODE_IP["n4"]
+    # The restarted attempt's processes (an engine process writes its log afresh).
+    logs = run.run_dir / "logs"
+    node0, node1 = ((logs / name).read_text(errors="replace") for name in ("engine0.log", "engine0.node1.log"))
+    assert f"Uvicorn running on http://{http_ip}:" in node0, node0[-2000:]
+    assert "Uvicorn running" not in node1, node1[-2000:]  # node 1 serves no HTTP
+    assert f"'host': '{other_ip}'" in node1 and "'node_rank': 1" in node1, node1[-2000:]  # SGLang's server_args
+    for master, rank, _, _ in syncs:
         assert master == NODE_IP[ranks[int(rank)][0]], (syncs, ranks)  # the group meets on its sender's node
-        assert re.fullmatch(rf"http://{re.escape(NODE_IP['n5'])}:\d+", engines.strip()), syncs  # ... engine on n5
-        assert f"init custom process group: master_address={master}," in engine_log, engine_log[-2000:]
+        for log, engine_rank in ((node0, 1), (node1, 2)):  # each engine rank joins from its own node
+            joined = (
+                rf"init custom process group: master_address={re.escape(master)}, .*rank={engine_rank}, world_size=3,"
+            )
+            assert re.search(joined, log), log[-2000:]
     assert {m for m, *_ in syncs} == {NODE_IP["n1"], NODE_IP["n2"]}, syncs  # two nodes sent
+    engine_log = node0
     coordinator = NODE_IP[ranks[0][0]]
     updates = re.findall(
         rf'{re.escape(coordinator)}:\d+ - "POST /update_weights_from_distributed HTTP/1.1" 200', engine_log

@@ -10,6 +10,7 @@ import pytest
 from sao_megatron.config import load_config
 from sao_megatron.driver import engines as engines_mod
 from sao_megatron.rollout import engine as engine_mod
+from sao_megatron.rollout.engine import EngineProcess, EngineSpec
 from sao_megatron.rollout.sglang_cpu import NO_NCCL, multi_rank_env
 
 
@@ -99,6 +100,15 @@ def test_multi_rank_cpu_engines_bind_each_rank_and_turn_pynccl_off(ranks, cores,
     assert multi_rank_env(1, cores) == {}
 
 
+def test_a_node_of_a_multi_node_cpu_engine_binds_its_one_rank():
+    """SGLang checks the engine's whole world (tp_size) against this node's NUMA nodes, so a node's
+    one rank of a TP=2 engine over two nodes needs the binding too; its rank indexes the list by its
+    node-local id."""
+    assert multi_rank_env(1, [0, 1], world=2) == {"SGLANG_CPU_OMP_THREADS_BIND": "0-1", "SGLANG_NCCL_SO_PATH": NO_NCCL}
+    assert multi_rank_env(1, [1, 3], world=2)["SGLANG_CPU_OMP_THREADS_BIND"] == "1,3"
+    assert multi_rank_env(1, [0, 1], world=1) == {}
+
+
 def test_a_tp2_cpu_engine_gets_them_unless_the_user_set_them(tmp_path, started, monkeypatch):
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("SGLANG_NCCL_SO_PATH", raising=False)
@@ -160,3 +170,22 @@ def test_engines_get_the_runs_api_key_and_clients_send_it(tmp_path, started, mon
 
     asyncio.run(scenario())
     assert seen == [f"Bearer {key}", "Bearer other", None]
+
+
+def test_each_node_of_a_multi_node_engine_advertises_its_own_address(monkeypatch):
+    """SGLang's tensor-parallel message queues across nodes connect to the address each node
+    advertises; without ``SGLANG_HOST_IP`` it is the interface routing to 8.8.8.8, or ``0.0.0.0``
+    (a hang) on nodes without a default route. The engine's node address, unless the user set one."""
+    for name in ("SGLANG_HOST_IP", "HOST_IP"):
+        monkeypatch.delenv(name, raising=False)
+
+    def env(**kw) -> dict[str, str]:
+        spec = EngineSpec(model_path="/m", port=30000, host="10.200.0.5", tensor_parallel=2, **kw)
+        return EngineProcess(spec, cpu=True)._environment()
+
+    assert env(nnodes=2, node_rank=1, dist_init_addr="10.200.0.4:5000")["SGLANG_HOST_IP"] == "10.200.0.5"
+    assert "SGLANG_HOST_IP" not in env()  # one node: SGLang's local queues only
+    given = env(nnodes=2, node_rank=1, dist_init_addr="10.200.0.4:5000", env={"SGLANG_HOST_IP": "192.168.1.5"})
+    assert given["SGLANG_HOST_IP"] == "192.168.1.5"
+    monkeypatch.setenv("HOST_IP", "192.168.1.6")
+    assert "SGLANG_HOST_IP" not in env(nnodes=2, node_rank=1, dist_init_addr="10.200.0.4:5000")

@@ -31,11 +31,13 @@ def _ranges(cores: list[int]) -> str:
     return ",".join(map(str, cores))
 
 
-def multi_rank_env(ranks: int, cores: list[int] | None = None) -> dict[str, str]:
-    """Environment a CPU engine of ``ranks`` ranks needs (empty for one rank): each rank bound to its
+def multi_rank_env(ranks: int, cores: list[int] | None = None, world: int | None = None) -> dict[str, str]:
+    """Environment a CPU engine's process of ``ranks`` ranks (of ``world``, all of the engine's ranks
+    over its nodes; default ``ranks``) needs, empty for a one-rank engine: each rank bound to its
     share of ``cores`` (this process's allowed cores by default; with fewer cores than ranks, ranks
-    share them round-robin), PyNccl off."""
-    if ranks <= 1:
+    share them round-robin), PyNccl off. A node's one rank of a multi-node engine needs them too
+    (SGLang checks the engine's whole world against the NUMA nodes)."""
+    if (ranks if world is None else world) <= 1:
         return {}
     cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
     if len(cores) >= ranks:
