@@ -49,10 +49,11 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_convert import build_checkpoint  # noqa: E402
 from sao_megatron.config.rank import ActorRankConfig  # noqa: E402
 from sao_megatron.parallel import join_store, open_store  # noqa: E402
+from sao_megatron.rollout.client import EngineClient  # noqa: E402
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec  # noqa: E402
 from sao_megatron.spawn import free_port  # noqa: E402
 from sao_megatron.tokenizer import load_tokenizer  # noqa: E402
-from sao_megatron.weight_sync import EngineControl, WeightSync, new_group, resolve_flat  # noqa: E402
+from sao_megatron.weight_sync import WeightSync, new_group, resolve_flat  # noqa: E402
 
 
 def _receiver(port: int, shapes: list[list[tuple[list[int], torch.dtype]]], sizes: list[int], rounds: int) -> None:
@@ -165,7 +166,10 @@ def engine_tp_main(args, model: Path, buckets: list[list[tuple[str, torch.Tensor
             "pause_s": statistics.median(x["pause"] for x in xs),
             "control_only_s": statistics.median(x["control"] for x in xs),
             "per_bucket_extra_s": statistics.median(x["extra"] for x in xs),
+            "control_calls_median_s": {n: statistics.median(x[f"call_{n}"] for x in xs) for n in CONTROL_CALLS},
+            "control_calls_max_s": {n: max(x[f"call_{n}"] for x in xs) for n in CONTROL_CALLS},
         }
+        print(f"engine TP={tp}: control calls, median/max over rounds (s): {_calls_line(xs)}", flush=True)
         x = summary[f"tp{tp}"]
         print(
             f"engine TP={tp}: median sync / raw = {ratio:.2f} ({x['sync_gb_per_s']:.3f} / {x['raw_gb_per_s']:.3f} "
@@ -181,22 +185,43 @@ def _round(sync, buckets: list, version: int, url: str, total: int, raw_s: float
     """One round's sync of ``buckets`` beside its raw broadcast (``total`` bytes in ``raw_s``): GB/s
     of both, the engine's pause, the control calls alone and the per-bucket rest."""
     report = asyncio.run(sync.update(buckets, version=version))
-    control = asyncio.run(_control_only(url))
+    calls = asyncio.run(_control_only(url))
+    control = sum(calls.values())
     return {
         "raw": total / raw_s / 1e9,
         "sync": report.gb_per_s,
         "pause": report.paused_s,
         "control": control,
         "extra": (report.seconds - raw_s - control) / len(buckets),
+        **{f"call_{name}": s for name, s in calls.items()},
     }
 
 
-async def _control_only(url: str) -> float:
-    """Seconds of one pause + begin + end + resume with no bucket in between."""
-    t0 = time.perf_counter()
-    async with EngineControl([url]):
-        pass
-    return time.perf_counter() - t0
+CONTROL_CALLS = ("pause", "begin", "end", "flush", "resume")
+
+
+async def _control_only(url: str) -> dict[str, float]:
+    """Seconds of each control call of one update with no bucket in between, in the order and
+    mode :class:`~sao_megatron.weight_sync.EngineControl` makes them: pause (retract), begin, end, flush, resume."""
+    out: dict[str, float] = {}
+    async with EngineClient(url) as client:
+        for name, call in zip(
+            CONTROL_CALLS,
+            (client.pause, client.begin_weight_update, client.end_weight_update, client.flush_cache, client.resume),
+            strict=True,
+        ):
+            t0 = time.perf_counter()
+            await call()
+            out[name] = time.perf_counter() - t0
+    return out
+
+
+def _calls_line(xs: list[dict]) -> str:
+    """The control calls' medians and maxima over rounds, e.g. ``pause 0.004/0.012 s``."""
+    return ", ".join(
+        f"{n} {statistics.median(x[f'call_{n}'] for x in xs):.3f}/{max(x[f'call_{n}'] for x in xs):.3f}"
+        for n in CONTROL_CALLS
+    )
 
 
 def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, rounds: int) -> list[dict]:
