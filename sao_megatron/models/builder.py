@@ -382,7 +382,20 @@ def build_gpt(
         parallel_output=True,
     )
     check_expert_tp_attributes(model, p.expert_tensor_parallel)
+    norms_in_params_dtype(model, config.params_dtype)
     return model
+
+
+def norms_in_params_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the local spec's ``torch.nn`` norms (built in torch's default float32) to ``params_dtype``.
+
+    Megatron's own training wraps a bf16 model in ``Float16Module``, which casts every parameter;
+    TE's norms are built in ``params_dtype``. Without this a bf16 actor kept float32 norm weights,
+    and on a GPU ``torch.rms_norm`` of bf16 activations with a float32 weight falls back from the
+    fused kernel (first GPU check, 2026-12-04: "Mismatch dtype between input and weight")."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm | torch.nn.LayerNorm):
+            module.to(dtype)
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:

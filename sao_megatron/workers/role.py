@@ -77,12 +77,16 @@ class MegatronRole:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from sao_megatron.models import builder
+        from sao_megatron.parallel import device
 
         self.parallel = parallel
         config: TransformerConfig = model.config  # pyright: ignore[reportAssignmentType]  # Megatron modules carry it
         ddp_config = builder.ddp_config(parallel)  # overlap knobs resolved there (None: on with TE)
         self.config = config
-        self.model = DistributedDataParallel(config, ddp_config, model)
+        # Megatron's get_model moves each chunk to its device before wrapping it: modules the specs
+        # build with torch's defaults (the local spec's torch.nn norms, the value head) start on the
+        # CPU even when the linear layers were initialised on the GPU (first GPU check, 2026-12-04).
+        self.model = DistributedDataParallel(config, ddp_config, model.to(device()))
         config.finalize_model_grads_func = finalize_model_grads
         if ddp_config.overlap_grad_reduce:  # reduce in the last micro-batch's backward only
             config.no_sync_func = self.model.no_sync

@@ -69,7 +69,11 @@ def _one_rank_world(rank, world):
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
     positions = torch.arange(16).expand(2, 16)
     values = critic(tokens, positions, attention_mask=None)
+    bf16_actor = build_gpt(cfg.model, p, bf16=True)
+    bf16_critic = build_critic(cfg.model, p, CriticConfig(bf16=True))
     return {
+        "bf16_actor_dtypes": sorted({str(q.dtype) for q in bf16_actor.parameters()}),
+        "bf16_critic_not_bf16": sorted(n for n, q in bf16_critic.named_parameters() if q.dtype != torch.bfloat16),
         "built": count_parameters(actor)["total"],
         "formula": parameter_counts(cfg.model)["total"],
         "values_shape": list(values.shape),
@@ -88,3 +92,34 @@ def test_counts_critic_head_and_freeze_patterns():
     assert r["values_shape"] == [2, 16, 1] and r["values_zero"] == 0.0  # zero-initialised head
     assert r["attention_trainable"] == [] and r["fc1_trainable"] == []
     assert r["fc2_trainable"] == 4 * 8  # train_patterns re-enable expert fc2 in 4 layers x 8 experts
+    # bf16 means every parameter, the local spec's torch.nn norms too (Megatron's Float16Module casts
+    # them; TE builds them in params_dtype), except the critic's float32 value head
+    assert r["bf16_actor_dtypes"] == ["torch.bfloat16"], r["bf16_actor_dtypes"]
+    assert r["bf16_critic_not_bf16"] == ["output_layer.bias", "output_layer.weight"], r["bf16_critic_not_bf16"]
+
+
+def _roles_on_a_gpu_world(rank, world):
+    from benchmarks.gpu.cases import run_config
+    from sao_megatron.parallel import initialize_model_parallel
+    from sao_megatron.workers.role import build_actor_role, build_critic_role
+
+    cfg = run_config({"model": {"num_layers": 2}, "micro_batch_size": 2}, bf16=True)
+    initialize_model_parallel(cfg.actor.parallel)
+    off = {}
+    for name, role in (
+        ("actor", build_actor_role(cfg.model, cfg.actor)),
+        ("critic", build_critic_role(cfg.model, cfg.critic)),
+    ):
+        tensors = [*role.model.named_parameters(), *role.model.named_buffers()]
+        off[name] = [f"{n}: {t.device}" for n, t in tensors if t.device.type != "cuda"]
+    return off
+
+
+@pytest.mark.gpu
+def test_roles_on_a_gpu_hold_every_parameter_and_buffer_there():
+    """The first GPU check (2026-12-04) found the local spec's torch.nn norms and the value head on the
+    CPU beside CUDA linear layers (the optimizer refused them); MegatronRole moves the chunk first."""
+    from sao_megatron.spawn import run_world
+
+    (off,) = run_world(_roles_on_a_gpu_world, 1, backend="nccl", timeout_s=300)
+    assert off == {"actor": [], "critic": []}, off
