@@ -390,7 +390,50 @@ def _time_actor(spec: dict, cfg: SAOConfig, batch: TrainBatch, advantages: torch
         out["plain_step_s"].append(_timed(plain))
     out["logprobs_s"] = _timed(lambda: actor.logprobs(shard))
     out["actor_peak_gib"] = _memory_gib()
+    if spec.get("profile"):
+        out["profile"] = {"ours": profiled(ours), "plain": profiled(plain)}
     return out
+
+
+def profiled(fn: Callable[[], object], top: int = 10) -> dict:
+    """One call of ``fn`` under ``torch.profiler``: wall seconds, the time the device ran any kernel
+    (the union of the kernels' intervals), their ratio (how busy the GPU was; low means the step
+    waits on the host: launches, syncs), the kernel count, the kernels with the most device time and
+    the ops with the most self host time. Device figures are 0 on a CPU. A profiler failure is
+    returned as ``{"error": ...}``: it must not cost the section its timings."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:
+        _sync()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            fn()
+            _sync()
+            wall = time.perf_counter() - start
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        busy_us, reach = 0.0, float("-inf")
+        for a, b in spans:
+            busy_us += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        per_kernel: dict[str, list[float]] = {}
+        for e in kernels:
+            per_kernel.setdefault(e.name[:80], []).append(e.time_range.elapsed_us() / 1e6)
+        by_kernel = sorted(per_kernel.items(), key=lambda kv: sum(kv[1]), reverse=True)[:top]
+        by_host = sorted(prof.key_averages(), key=lambda o: o.self_cpu_time_total, reverse=True)[:top]
+    except Exception as e:  # the profiler is a diagnostic; the timings above stand without it
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    return {
+        "wall_s": wall,
+        "device_busy_s": busy_us / 1e6,
+        "device_busy": busy_us / 1e6 / wall if wall else None,
+        "kernels": len(kernels),
+        "by_kernel": [{"kernel": k, "calls": len(v), "device_s": sum(v)} for k, v in by_kernel],
+        "by_host_time": [
+            {"op": o.key[:80], "calls": o.count, "self_host_s": o.self_cpu_time_total / 1e6} for o in by_host
+        ],
+    }
 
 
 def _time_critic(spec: dict, cfg: SAOConfig, batch: TrainBatch) -> dict:

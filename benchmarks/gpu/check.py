@@ -377,6 +377,7 @@ def moe_1b_section(ctx: Context) -> Section:
         "micro_batch_size": 2,
         "bf16": gpu,
         "steps": ctx.steps,
+        "profile": True,
         "deadline": time.time() + ctx.timeout_s - 15,
     }
     data = _spawn(cases.throughput_case, spec, ctx, "moe_1b")
@@ -456,7 +457,8 @@ def summary_line(name: str, s: Section) -> str:
             f"logprobs at {d['logits_count']:.3g} logits: {lp['ours']:.2f} B/logit beyond the logits "
             f"(old {lp['old']:.2f}); step at {d['step_logits_count']:.3g} logits: "
             + ", ".join(
-                f"{r} {d[r]['measured_bytes'] / 2**30:.2f} GiB measured, plan/measured {d[r]['plan_over_measured']:.2f}"
+                f"{r} {d[r]['measured_bytes'] / 2**30:.2f} GiB measured (tensors {d[r].get('tensor_bytes', 0) / 2**30:.2f}, "
+                f"held before {d[r].get('held_before', 0) / 2**30:.2f}), plan/measured {d[r]['plan_over_measured']:.2f}"
                 for r in ("actor", "critic")
             )
         )
@@ -481,6 +483,12 @@ def summary_line(name: str, s: Section) -> str:
         f"MFU {_fmt(r['actor_step']['mfu'], '.1%')}), plain {_fmt(r['plain_step']['seconds'])} s "
         f"(plain/ours {_fmt(d['plain_over_ours'], '.2f')}), critic {_fmt(r['critic_step']['seconds'])} s "
         f"(MFU {_fmt(r['critic_step']['mfu'], '.1%')})"
+        + "".join(
+            f"; {k} step profiled: GPU busy {_fmt(v['device_busy'], '.0%')} of {_fmt(v['wall_s'])} s, {v['kernels']} kernels"
+            if "error" not in v
+            else f"; {k} step profile failed: {v['error'][:60]}"
+            for k, v in d.get("profile", {}).items()
+        )
     )
 
 

@@ -3,7 +3,8 @@
 :func:`measure_role_step` builds a role exactly as a run does (:func:`build_actor_role` /
 :func:`build_critic_role`, the configured layout), runs one step (forward, backward over the given
 micro-batches, optimizer step) so the optimizer's state exists, then measures a second step. On a GPU
-the figure is ``torch.cuda.max_memory_allocated`` over that step; elsewhere :class:`PeakTracker`: a
+the figure is ``torch.cuda.max_memory_allocated`` over that step less what the process held before the
+role was built (``held_before``); elsewhere :class:`PeakTracker`: a
 dispatch mode that follows every tensor created inside it by its storage, so the figures are tensor
 bytes, not RSS (torch's ``MemTracker`` does the same but its module hooks call ``module.buffers()``,
 which Megatron's DDP wrapper replaces by a list). The memory that exists before the step (weights,
@@ -119,6 +120,9 @@ def measure_role_step(
     from sao_megatron.workers.role import build_actor_role, build_critic_role
 
     rc = getattr(cfg, role)
+    # what this process held before the role (another role's leftovers, a caller's tensors): on a GPU
+    # the allocator's peak counts it, the CPU tracker never does, so it is reported and left out
+    before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     initialize_model_parallel(rc.parallel)
     seed_everything(cfg.run.seed)
     built = build_actor_role(cfg.model, cfg.actor) if role == "actor" else build_critic_role(cfg.model, cfg.critic)
@@ -140,20 +144,26 @@ def measure_role_step(
     grads = _storage_bytes(_grad_buffers(built.model))
     optimizer = _storage_bytes(_optimizer_state(built.optimizer))
     device = next(module.parameters()).device
+
+    def tracked_step() -> int:
+        tracker = PeakTracker()
+        tracker.track(*module.parameters(), *_grad_buffers(built.model), *_optimizer_state(built.optimizer))
+        with tracker:
+            built.forward_backward(micro, loss_fn)
+            built.step()
+        return tracker.peak
+
+    extra = {}
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         built.forward_backward(micro, loss_fn)
         built.step()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - before
+        extra["tensor_bytes"] = tracked_step()  # the CPU's measure on the GPU: allocator overhead apart
     else:
-        tracker = PeakTracker()
-        tracker.track(*module.parameters(), *_grad_buffers(built.model), *_optimizer_state(built.optimizer))
-        with tracker:
-            built.forward_backward(micro, loss_fn)
-            built.step()
-        peak = tracker.peak
+        peak = tracked_step()
     return {
         "stage": ps.get_pipeline_model_parallel_rank(),
         "weights": weights,
@@ -161,4 +171,6 @@ def measure_role_step(
         "optimizer": optimizer,
         "total": peak,
         "beyond_state": peak - weights - grads - optimizer,
+        "held_before": before,
+        **extra,
     }
