@@ -75,10 +75,13 @@ def _rows(part: RowOutputs | None, batch: TrainBatch) -> torch.Tensor:
     return assemble_rows([part], batch.size, batch.tokens.shape[1])
 
 
-def _release() -> None:
-    """Drop the role's Megatron groups and free its memory before the next role is built."""
+def _release(*roles) -> None:
+    """Free ``roles`` (``MegatronRole.close``: a stepped role is not freed by dropping it), drop the
+    Megatron groups and return the memory before the next role is built."""
     from megatron.core import parallel_state as ps
 
+    for role in roles:
+        role.close()
     ps.destroy_model_parallel()
     gc.collect()
     if torch.cuda.is_available():
@@ -124,12 +127,12 @@ def layout_case(rank: int, world: int, spec: dict) -> dict:
     actor = ActorWorker(ActorRankConfig.of(ref_cfg))
     shard = _shard(batch)
     actor_weights, ref_logprobs = _copy_weights(actor.role), _rows(actor.logprobs(shard), batch)
+    _release(actor.role)
     del actor
-    _release()
     critic = CriticWorker(CriticRankConfig.of(ref_cfg), "")
     critic_weights, ref_values = _copy_weights(critic.role), _rows(critic.values(shard), batch)
+    _release(critic.role)
     del critic
-    _release()
     out: dict = {
         "lengths": batch.lengths.tolist(),
         "tokens": int(batch.lengths.sum()),
@@ -168,15 +171,15 @@ def _layout_mode(
     logprobs = _rows(actor.logprobs(shard), batch)
     metrics = actor.update(shard, shard.take(advantages), 1)
     after = _rows(actor.logprobs(shard), batch)
+    _release(actor.role)
     del actor
-    _release()
     critic = CriticWorker(CriticRankConfig.of(cfg), "")
     _load_weights(critic.role, critic_weights)
     values = _rows(critic.values(shard), batch)
     _, returns, _ = algo.gae(batch.rewards, values, mask, gamma=1.0, lam=0.95)
     critic_metrics = critic.update(shard, shard.take(returns), shard.take(values))
+    _release(critic.role)
     del critic
-    _release()
     finite = {
         "logprobs": bool(logprobs[mask].isfinite().all()),
         "logprobs_after_update": bool(after[mask].isfinite().all()),
@@ -392,6 +395,7 @@ def _time_actor(spec: dict, cfg: SAOConfig, batch: TrainBatch, advantages: torch
     out["actor_peak_gib"] = _memory_gib()
     if spec.get("profile"):
         out["profile"] = {"ours": profiled(ours), "plain": profiled(plain)}
+    actor.role.close()
     return out
 
 
@@ -458,6 +462,7 @@ def _time_critic(spec: dict, cfg: SAOConfig, batch: TrainBatch) -> dict:
             break
         out["critic_step_s"].append(_timed(step))
     out["critic_peak_gib"] = _memory_gib()
+    critic.role.close()
     return out
 
 

@@ -164,6 +164,7 @@ def measure_role_step(
         extra["tensor_bytes"] = tracked_step()  # the CPU's measure on the GPU: allocator overhead apart
     else:
         peak = tracked_step()
+    built.close()
     return {
         "stage": ps.get_pipeline_model_parallel_rank(),
         "weights": weights,
