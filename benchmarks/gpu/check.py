@@ -16,6 +16,8 @@ Sections (each is measured, skipped with a reason, or failed with the error; all
   ``pack_sequences`` off and on, and on with ``max_tokens_per_micro_batch`` (the packed modes
   only where the workers read those keys: :func:`packing_hook`).
 - ``te_vs_local``: logits of the TE layer spec vs the local spec, same weights (needs TE).
+- ``gpu_tests``: the suite's tests marked ``gpu`` (skipped on CPU), run by pytest in a subprocess:
+  passed / failed / errors (check: none failed, at least one passed).
 - ``moe_1b``: actor and critic steps of a 1.0 B-total MoE (``workload.MOE_1B``) on ~6K tokens:
   tokens/s, MFU (``workload`` module docstring: ``6 * N_active_matmul * tokens + attention``)
   and our RL actor step vs a plain Megatron-Core step of the same model (ratio plain/ours,
@@ -42,12 +44,12 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-SECTIONS = ("environment", "memory", "matmul_peak", "layout", "te_vs_local", "moe_1b")
+SECTIONS = ("environment", "memory", "matmul_peak", "layout", "te_vs_local", "moe_1b", "gpu_tests")
 MIN_SECONDS = {  # what a section needs at the least (start-up of a spawned world included)
-    "gpu": {"environment": 1, "memory": 60, "matmul_peak": 10, "layout": 60, "te_vs_local": 45, "moe_1b": 90},
-    "cpu-smoke": {"environment": 1, "memory": 20, "matmul_peak": 0, "layout": 20, "te_vs_local": 0, "moe_1b": 20},
-}
-MAX_SECONDS = {"memory": 150, "layout": 150, "te_vs_local": 90, "moe_1b": 300}
+    "gpu": {"environment": 1, "memory": 60, "matmul_peak": 10, "layout": 60, "te_vs_local": 45, "moe_1b": 90, "gpu_tests": 60},
+    "cpu-smoke": {"environment": 1, "memory": 20, "matmul_peak": 0, "layout": 20, "te_vs_local": 0, "moe_1b": 20, "gpu_tests": 0},
+}  # fmt: skip
+MAX_SECONDS = {"memory": 150, "layout": 150, "te_vs_local": 90, "moe_1b": 300, "gpu_tests": 180}
 PLAN_TOL = 0.15
 """|sao plan / measured - 1| a role's step may show (tests/test_plan_measured.py holds it on CPU)."""
 LOGPROB_BYTES_MAX = 8.0
@@ -396,6 +398,52 @@ def moe_1b_section(ctx: Context) -> Section:
     return Section("measured", data=data, checks=checks)
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gpu_test_files(root: Path = ROOT) -> list[str]:
+    """The test modules (relative to ``root``) with a test marked ``@pytest.mark.gpu``, less this check's
+    own (its GPU test runs the check again)."""
+    own = root / "tests" / "benchmarks" / "test_gpu_check.py"
+    return sorted(
+        str(p.relative_to(root))
+        for p in (root / "tests").rglob("test_*.py")
+        if p != own and "@pytest.mark.gpu" in p.read_text()
+    )
+
+
+def pytest_counts(text: str) -> dict[str, int]:
+    """pytest's closing counts (``3 passed, 1 failed, 2 skipped, 1 error``) from its output; 0 when absent."""
+    import re
+
+    closing = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|error|skipped|deselected)", line)]
+    last = closing[-1] if closing else ""
+    counts = {k: 0 for k in ("passed", "failed", "errors", "skipped", "deselected")}
+    for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", last):
+        counts["errors" if word.startswith("error") else word] = int(n)
+    return counts
+
+
+def gpu_tests_section(ctx: Context) -> Section:
+    import subprocess
+
+    if not ctx.gpu:
+        return Section(reason="skipped: no GPU")
+    files = gpu_test_files()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rfE", *files]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout_s)
+        text, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {ctx.timeout_s:.0f} s", None
+    ctx.log_dir.mkdir(parents=True, exist_ok=True)
+    (ctx.log_dir / "gpu_tests.log").write_text(text if isinstance(text, str) else str(text))
+    counts = pytest_counts(text if isinstance(text, str) else "")
+    ok = rc == 0 and counts["failed"] == counts["errors"] == 0 and counts["passed"] > 0
+    data = {"files": files, "returncode": rc, **counts}
+    return Section("measured", data=data, checks={"passed": {"ok": ok, "value": counts["passed"], "limit": "all pass"}})
+
+
 # --------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------
@@ -474,6 +522,8 @@ def summary_line(name: str, s: Section) -> str:
             else:
                 parts.append(f"{mode}: {m.get('skipped') or 'error'}")
         return "; ".join(parts)
+    if name == "gpu_tests":
+        return f"{d['passed']} passed, {d['failed']} failed, {d['errors']} errors, {d['skipped']} skipped ({len(d['files'])} files)"
     if name == "te_vs_local":
         return "; ".join(f"{k}: rel logits diff {v['logits_rel_diff']:.2g}" for k, v in d.items())
     r = d["rates"]

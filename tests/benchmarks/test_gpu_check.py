@@ -339,6 +339,21 @@ def test_cpu_smoke_throughput_reports_rates_flops_and_the_plain_ratio(smoke):
     assert len(data["actor_step_s"]) == len(data["plain_step_s"]) >= 1
 
 
+def test_gpu_tests_section_finds_the_marked_modules_and_reads_pytests_counts(tmp_path):
+    assert "tests/models/test_single_rank.py" in check.gpu_test_files()
+    assert "tests/benchmarks/test_gpu_check.py" not in check.gpu_test_files()  # it reruns the check
+    (tmp_path / "tests" / "sub").mkdir(parents=True)
+    (tmp_path / "tests" / "sub" / "test_a.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_x(): ...\n")
+    (tmp_path / "tests" / "test_b.py").write_text("def test_y(): ...\n")
+    assert check.gpu_test_files(tmp_path) == ["tests/sub/test_a.py"]
+    counts = check.pytest_counts(
+        "..F\nFAILED tests/x.py::t - 2 passed\n2 passed, 1 failed, 1 skipped, 2 errors in 4.1s\n"
+    )
+    assert counts == {"passed": 2, "failed": 1, "errors": 2, "skipped": 1, "deselected": 0}
+    assert check.pytest_counts("3 passed, 1597 deselected in 9.0s")["passed"] == 3
+    assert check.pytest_counts("ImportError while loading conftest")["passed"] == 0
+
+
 @pytest.mark.gpu
 def test_the_check_runs_on_a_gpu(tmp_path):
     out = _run_sh(
