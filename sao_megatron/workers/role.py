@@ -121,7 +121,8 @@ class MegatronRole:
         Measured at CPU size: half of the actor's state still live after the role was dropped and
         gc ran. So the storages are released here, whatever still refers to their tensors."""
         self.model.grad_accs.clear()
-        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
+        # DDP's list of parameter-and-gradient buffers, which shadows Module.buffers()
+        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:  # pyright: ignore[reportGeneralTypeIssues]
             for data in (getattr(buffer, "param_data", None), buffer.grad_data):
                 if data is not None:
                     data.untyped_storage().resize_(0)
