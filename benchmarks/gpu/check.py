@@ -437,8 +437,8 @@ def gpu_tests_section(ctx: Context) -> Section:
     except subprocess.TimeoutExpired as e:
         text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {ctx.timeout_s:.0f} s", None
     ctx.log_dir.mkdir(parents=True, exist_ok=True)
-    (ctx.log_dir / "gpu_tests.log").write_text(text if isinstance(text, str) else str(text))
-    counts = pytest_counts(text if isinstance(text, str) else "")
+    (ctx.log_dir / "gpu_tests.log").write_text(text)
+    counts = pytest_counts(text)
     ok = rc == 0 and counts["failed"] == counts["errors"] == 0 and counts["passed"] > 0
     data = {"files": files, "returncode": rc, **counts}
     return Section("measured", data=data, checks={"passed": {"ok": ok, "value": counts["passed"], "limit": "all pass"}})

@@ -90,10 +90,9 @@ def _optimizer_state(optimizer) -> list[torch.Tensor]:
 
 
 def _grad_buffers(model) -> list[torch.Tensor]:
-    out = []
-    for buffer in list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers", [])):
-        out.append(buffer.grad_data)
-    return out
+    from sao_megatron.workers.role import param_and_grad_buffers
+
+    return [buffer.grad_data for buffer in param_and_grad_buffers(model)]
 
 
 def _micro_batch(vocab: int, rows: int, tokens: int, segments: int, g: torch.Generator) -> MicroBatch:

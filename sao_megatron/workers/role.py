@@ -121,8 +121,7 @@ class MegatronRole:
         Measured at CPU size: half of the actor's state still live after the role was dropped and
         gc ran. So the storages are released here, whatever still refers to their tensors."""
         self.model.grad_accs.clear()
-        # DDP's list of parameter-and-gradient buffers, which shadows Module.buffers()
-        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:  # pyright: ignore[reportGeneralTypeIssues]
+        for buffer in param_and_grad_buffers(self.model):
             for data in (getattr(buffer, "param_data", None), buffer.grad_data):
                 if data is not None:
                     data.untyped_storage().resize_(0)
@@ -208,6 +207,12 @@ class MegatronRole:
             return out
         finally:
             self.model.train()
+
+
+def param_and_grad_buffers(ddp) -> list:
+    """Megatron DDP's parameter-and-gradient buffers, dense and expert (its ``buffers`` list shadows
+    ``Module.buffers()``)."""
+    return [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]
 
 
 def to_device(micro: MicroBatch) -> MicroBatch:
