@@ -86,8 +86,9 @@ import yaml
 
 from sao_megatron.config import hf_deepseek
 from sao_megatron.config.hf_deepseek import DEEPSEEK_V3_ARCH
+from sao_megatron.config.model import ModelConfig
 from sao_megatron.config.parse import build, read_yaml
-from sao_megatron.config.schema import ConfigError, ModelConfig
+from sao_megatron.config.schema import ConfigError
 from sao_megatron.config.shape import validate_model
 
 MOE_ARCH = "Qwen3MoeForCausalLM"

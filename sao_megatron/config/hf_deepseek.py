@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sao_megatron.config.schema import ConfigError, ModelConfig
+from sao_megatron.config.model import ModelConfig
+from sao_megatron.config.schema import ConfigError
 
 DEEPSEEK_V3_ARCH = "DeepseekV3ForCausalLM"
 KEYS = set(

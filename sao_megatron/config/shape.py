@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from sao_megatron.config.schema import ConfigError, ModelConfig
+from sao_megatron.config.model import ModelConfig
+from sao_megatron.config.schema import ConfigError
 
 
 def divisors(n: int) -> list[int]:
