@@ -283,7 +283,7 @@ def test_hanging_tests_time_out(tmp_path):
     (root / package).write_text("import time\ntime.sleep(60)\n")
     result = compute_reward(root, task, timeout_s=1.5)
     assert result.reward == 0.0 and result.reason == "tests timed out after 1.5s"
-    assert set(result.outcomes.values()) == {"timeout"} and result.wall_s < 10
+    assert set(result.outcomes.values()) == {"timeout"} and result.wall_s < 30  # not the 60-s sleep
     assert result.as_result().details["reason"] == result.reason
 
 

@@ -240,12 +240,12 @@ def test_each_environment_call_is_bounded_and_the_env_still_closed(tokenizer, wh
     traj, elapsed = run_one(tokenizer, env, timeout_s=0.2)
     assert traj.status == "failed", traj.status_reason
     assert traj.status_reason == f"{reason} timed out after 0.2s (rollout.loop.env_step_timeout_s)"
-    assert env.closed and elapsed < 5, elapsed
+    assert env.closed and elapsed < 15, elapsed  # far below the 30-s hang, on a loaded machine
 
 
 def test_a_hanging_close_is_bounded_and_does_not_fail_the_episode(tokenizer):
     traj, elapsed = run_one(tokenizer, SlowEnv("close", delay_s=30.0), timeout_s=0.2)
-    assert traj.status == "finished" and elapsed < 5, (traj.status_reason, elapsed)
+    assert traj.status == "finished" and elapsed < 15, (traj.status_reason, elapsed)
 
 
 def test_the_environments_own_timeout_error_is_its_failure_not_the_limit(tokenizer):
