@@ -207,6 +207,7 @@ def launch_engines(
             extra_args=[str(a) for a in r.engine_args],
             api_key=run_api_key(),
             startup_timeout_s=r.engine_start_timeout_s,
+            startup_timeout_key="rollout.engine_start_timeout_s",
         )
         for i in (range(r.num_engines) if indices is None else indices)
     ]

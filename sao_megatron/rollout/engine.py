@@ -81,6 +81,9 @@ class EngineSpec:
     """Run SGLang's CPU engine. ``None``: whatever the starting process sees (no CUDA: CPU); a run sets
     it from ``cluster.gpus_per_node`` so an engine never lands on a GPU, or on the CPU, by accident."""
     startup_timeout_s: float = 300.0
+    startup_timeout_key: str = ""
+    """The setting that chose ``startup_timeout_s`` (e.g. ``rollout.engine_start_timeout_s``), named by
+    the error when the engine misses it."""
     watchdog_timeout_s: float = 3600.0
     """SGLang kills a server stuck this long; long weight publications must fit inside it."""
 
@@ -254,6 +257,7 @@ class _ServerProcess:
         self.host = host
         self.port = port
         self.startup_timeout_s = startup_timeout_s
+        self.startup_timeout_key = ""
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(log_path or f"/tmp/sao-{self.kind}-{port}.log")
 
@@ -343,8 +347,10 @@ class _ServerProcess:
             if self.healthy() and (self.proc is None or self.proc.poll() is None):
                 return time.monotonic() - t0
             time.sleep(0.5)
+        key = self.startup_timeout_key
+        hint = f" (raise {key} if it was still starting: the log's last lines show how far it got)" if key else ""
         raise EngineStartError(
-            f"{self.kind} on port {self.port} not healthy after {timeout_s:.0f} s; "
+            f"{self.kind} on port {self.port} not healthy after {timeout_s:.0f} s{hint}; "
             f"log {self.log_path}:\n{self.log_tail()}"
         )
 
@@ -389,6 +395,7 @@ class EngineProcess(_ServerProcess):
             spec.host, spec.port, spec.log_path or f"/tmp/sao-sglang-{spec.port}.log", spec.startup_timeout_s
         )
         self.spec = spec
+        self.startup_timeout_key = spec.startup_timeout_key
         if cpu is None:
             cpu = spec.cpu if spec.cpu is not None else not torch.cuda.is_available()
         self.cpu = cpu

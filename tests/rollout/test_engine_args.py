@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -39,6 +40,38 @@ def test_valid_engine_args_and_the_start_timeout_reach_every_engine(tmp_path, st
     assert len(started) == 2
     for spec, _, cmd in started:
         assert cmd[-3:] == args and spec.startup_timeout_s == 900.0
+        assert spec.startup_timeout_key == "rollout.engine_start_timeout_s"
+
+
+def test_an_engine_still_starting_at_its_timeout_names_the_setting(tmp_path, monkeypatch):
+    """Seen on 2 cores with two runs' SFT beside the engine: still importing after 300 s. The error
+    says which setting bounds the start, beside the log tail (how far the server got)."""
+    import sys
+
+    from sao_megatron.rollout.engine import EngineStartError
+
+    slow = [sys.executable, "-c", "import time; print('still importing', flush=True); time.sleep(60)"]
+    monkeypatch.setattr(EngineProcess, "_command", lambda self: slow)
+    spec = EngineSpec(
+        model_path=str(tmp_path),
+        port=1,
+        log_path=str(tmp_path / "engine0.log"),
+        startup_timeout_s=1.0,
+        startup_timeout_key="rollout.engine_start_timeout_s",
+    )
+    engine = EngineProcess(spec, cpu=False).start()
+    try:
+        log = tmp_path / "engine0.log"
+        deadline = time.monotonic() + 60
+        while "still importing" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(
+            EngineStartError, match=r"not healthy after 1 s \(raise rollout.engine_start_timeout_s"
+        ) as err:
+            engine.wait_healthy()
+        assert "still importing" in str(err.value)
+    finally:
+        engine.stop()
 
 
 @pytest.mark.parametrize(
