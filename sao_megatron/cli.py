@@ -236,7 +236,9 @@ def cmd_sweep(args) -> int:
             state = "done" if (run_dir / "done.json").exists() else "to run"
             print(f"{arm} seed {seed} ({state}): {shlex.join(sweep.command(arm, seed, run_dir))}")
         return 0
+    started = time.monotonic()
     results = run_sweep(sweep, parallel=args.parallel, only=args.only)
+    wall_s = time.monotonic() - started
     failed = [r for r in results if r["exit"] != 0]
     runs = finished_runs(sweep)
     print(
@@ -245,7 +247,10 @@ def cmd_sweep(args) -> int:
         else "no run finished"
     )
     seconds, n = wall_time(sweep)
-    print(f"{sweep.name}: {n} finished runs (arms and their starts) took {seconds / 60:.1f} min")
+    print(
+        f"{sweep.name}: {n} finished runs (arms and their starts) took {seconds / 60:.1f} min of run time, "
+        f"one after another; this command ran {wall_s / 60:.1f} min (--parallel {args.parallel})"
+    )
     for r in failed:
         print(
             f"failed: {r['arm']} seed {r['seed']} (exit {r['exit']}); rerun the sweep to resume it",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 import textwrap
@@ -146,6 +147,8 @@ def test_arms_of_a_seed_begin_from_one_shared_start_unless_they_opt_out(tmp_path
     # a shared arm's curve begins at its start's evaluation: seed s's start is s/100, its last eps/10 + s/100 + 0.002
     assert "| eval/accuracy gain | low | 2 | 0.102 +- 0 |" in out
     assert "shared: 8 finished runs (arms and their starts) took" in out  # 3 arms x 2 seeds + 2 starts
+    # the sum of the runs' times is not this command's wall time (runs in parallel, runs reused): both shown
+    assert re.search(r"min of run time, one after another; this command ran \d+\.\d min \(--parallel 1\)", out)
     assert (tmp_path / "out" / "low" / "seed1" / "checkpoint" / "state.json").exists()
 
 
