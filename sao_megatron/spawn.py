@@ -10,6 +10,12 @@ names a file holding every live rank's Python stacks at that moment (``faulthand
 ``SIGUSR1``; also in its ``stacks``), so a hang says where it hung. ``timeout_s`` is also the
 world's collective timeout.
 
+Ranks start as fresh interpreters (``spawn``) unless ``SAO_WORLD_START_METHOD=forkserver``: then
+they fork from one server process per caller, which imports the modules named by
+``multiprocessing.set_forkserver_preload`` once (the test suite preloads torch and Megatron:
+tests/world_preload.py). A forked rank takes the caller's current environment, working directory
+and stdout/stderr, as a spawned one does.
+
 Each rank calls :func:`sao_megatron.logs.quiet_third_party` before it unpickles ``fn`` and its
 arguments (which imports Megatron), so import-time notices are filtered too. With ``log_to``
 (a path with ``{rank}``, e.g. ``run_dir / "logs" / "convert_rank{rank}.log"``) each rank's
@@ -44,6 +50,17 @@ class WorldTimeout(TimeoutError):
 
 _HANDED_OUT: set[int] = set()
 
+START_METHOD_ENV = "SAO_WORLD_START_METHOD"
+START_METHODS = ("spawn", "forkserver")
+
+
+def start_method() -> str:
+    """How :func:`run_world` starts ranks: ``$SAO_WORLD_START_METHOD``, default ``spawn``."""
+    method = os.environ.get(START_METHOD_ENV) or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use one of {', '.join(START_METHODS)}")
+    return method
+
 
 def free_port() -> int:
     """A port that was free a moment ago, never one this process handed out before.
@@ -64,7 +81,24 @@ def _stacks_path(out_dir: str, rank: int) -> Path:
     return Path(out_dir, f"rank{rank}.stacks")
 
 
-def _entry(rank, payload, world_size, port, backend, out_dir, log_to, timeout_s):
+def _take_callers_context(env: dict[str, str], cwd: str, caller: int) -> None:
+    """What a spawned rank inherits and a forked one does not: the caller's environment and working
+    directory now, and where its stdout and stderr point now (opened through /proc, appending)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{caller}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue  # e.g. a socket: keep the server's
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _entry(rank, payload, world_size, port, backend, out_dir, log_to, timeout_s, caller=None):
+    if caller is not None:
+        _take_callers_context(*caller)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     stacks = _stacks_path(out_dir, rank).open("w")  # open for the process's life: run_world reads it on a hang
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -114,6 +148,8 @@ def run_world(
     from sao_megatron.parallel import open_store
 
     payload = pickle.dumps((fn, args))
+    method = start_method()
+    caller = (dict(os.environ), os.getcwd(), os.getpid()) if method == "forkserver" else None
     # The rendezvous store lives here, on a port the OS picks while the store holds it: a port
     # chosen for rank 0 to bind later could be taken first by another process's world, whose
     # store the other ranks would then join (a hang until the timeout, seen under pytest-xdist).
@@ -121,10 +157,10 @@ def run_world(
     with tempfile.TemporaryDirectory(prefix="sao-world-") as out_dir:
         ctx = start_processes(
             _entry,
-            args=(payload, world_size, store.port, backend, out_dir, log, timeout_s),
+            args=(payload, world_size, store.port, backend, out_dir, log, timeout_s, caller),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=method,
         )
         assert ctx is not None  # join=False returns the process context
         deadline = time.monotonic() + timeout_s

@@ -63,3 +63,31 @@ def test_a_hung_world_fails_at_its_timeout_naming_where_each_rank_waits() -> Non
     assert rank0.startswith("--- rank 0 stacks ---")
     assert "in _rank_0_waits_for_an_event" in rank0 and "_rank_1_sleeps" not in rank0, rank0
     assert "in _rank_1_sleeps" in rank1 and "_rank_0_waits" not in rank1, rank1
+
+
+def _context(rank: int, world_size: int) -> list:
+    import os
+
+    print(f"rank {rank} says hello", flush=True)
+    return [os.environ.get("SAO_TEST_CALLER_VALUE"), os.getcwd()]
+
+
+@pytest.mark.parametrize("method", spawn.START_METHODS)
+def test_a_rank_sees_the_callers_environment_directory_and_output_now(method, monkeypatch, tmp_path, capfd) -> None:
+    """A forked rank (from a server started before this test) gets what a spawned one does: the
+    caller's environment, working directory and stdout as they are when the world starts."""
+    monkeypatch.setenv(spawn.START_METHOD_ENV, method)
+    run_world(_sum_of_ranks, 2, backend="gloo", timeout_s=120)  # the server, if any, starts before the changes
+    monkeypatch.setenv("SAO_TEST_CALLER_VALUE", f"set after the server started ({method})")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    results = run_world(_context, 2, backend="gloo", timeout_s=120)
+    assert results == [[f"set after the server started ({method})", str(tmp_path)]] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+
+
+def test_an_unknown_start_method_is_refused_naming_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv(spawn.START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="SAO_WORLD_START_METHOD='fork': use one of spawn, forkserver"):
+        run_world(_sum_of_ranks, 2, backend="gloo", timeout_s=120)
