@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from sao_megatron.cli import main
 from sao_megatron.config import ModelConfig
 from sao_megatron.models import hf_io
+from sao_megatron.spawn import START_METHOD_ENV
 from tests.models.hf_cases import write_big_checkpoint
 
 MODEL = ModelConfig(
@@ -79,9 +80,11 @@ def test_refusals_exit_1_without_writing(converted, capsys):
     assert "disagrees" in capsys.readouterr().err and not (root / "x").exists()
 
 
-def test_a_conversion_past_its_timeout_stops_naming_the_flag(converted, capsys):
+def test_a_conversion_past_its_timeout_stops_naming_the_flag(converted, capsys, monkeypatch):
     """``--timeout-s`` bounds the whole world (here far below its start-up): exit 1, one line naming
-    the flag, the ranks stopped, nothing left at the target or next to it."""
+    the flag, the ranks stopped, nothing left at the target or next to it. Spawned ranks, as in
+    production: ranks forked from the suite's preloaded server finish this tiny conversion in 0.5 s."""
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
     root, _, _ = converted
     out = root / "timed_out"
     assert main(["convert", "hf-to-mcore", str(root / "hf"), str(out), "--timeout-s", "0.5"]) == 1
