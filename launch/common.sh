@@ -130,6 +130,14 @@ sao_stop_pids() {
 sao_run_driver() {
   local log=$1 rc daemons=("${SAO_PIDS[@]}")
   shift
+  SAO_DRIVER_PID="" SAO_PENDING_SIGNAL=""
+  if [[ ${SAO_DRY_RUN:-0} != 1 ]]; then
+    # Trapped before the driver starts: a signal that arrives while it starts is held until its
+    # PID is known, then forwarded (trapped after the start, it ended this shell, orphaning the driver).
+    trap 'sao_forward USR1' USR1
+    trap 'sao_forward TERM' TERM
+    trap 'sao_forward INT' INT
+  fi
   sao_cmd "$log" env --default-signal=INT "$@"
   SAO_PIDS=("${daemons[@]}") # the driver is waited for here, never stopped by sao_stop_pids
   if [[ ${SAO_DRY_RUN:-0} == 1 ]]; then
@@ -138,9 +146,7 @@ sao_run_driver() {
   fi
   SAO_DRIVER_PID=$SAO_LAST_PID
   sao_log "driver pid $SAO_DRIVER_PID: $*"
-  trap 'sao_forward USR1' USR1
-  trap 'sao_forward TERM' TERM
-  trap 'sao_forward INT' INT
+  if [[ -n $SAO_PENDING_SIGNAL ]]; then sao_forward "$SAO_PENDING_SIGNAL"; fi
   while kill -0 "$SAO_DRIVER_PID" 2>/dev/null; do
     wait "$SAO_DRIVER_PID" || true # returns early when a trapped signal arrives
   done
@@ -152,6 +158,11 @@ sao_run_driver() {
 
 sao_forward() {
   local stop=${SAO_STOP_SIGNAL:-INT}
+  if [[ -z $SAO_DRIVER_PID ]]; then
+    SAO_PENDING_SIGNAL=$1
+    sao_log "received SIG$1 while the driver starts: it gets SIG$stop once it runs"
+    return
+  fi
   sao_log "received SIG$1: sending SIG$stop to the driver (pid $SAO_DRIVER_PID) to checkpoint and stop"
   kill -s "$stop" "$SAO_DRIVER_PID" 2>/dev/null || true
 }

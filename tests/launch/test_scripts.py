@@ -1,11 +1,13 @@
 """Launch scripts without Slurm: syntax, shellcheck, signal forwarding, ``sao submit --dry-run``."""
 
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,7 +80,7 @@ def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
     )
     try:
         _wait_for(marker, "started")
-        _wait_for_traps(proc.pid)  # the traps are set right after the driver starts
+        _wait_for_traps(proc.pid)
         os.kill(proc.pid, sig)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -88,6 +90,43 @@ def test_launcher_forwards_stop_signals_to_the_driver_as_sigint(tmp_path, sig):
     assert marker.read_text().strip() == "SIGINT", err
     assert "rc=0" in out, out + err
     assert f"received SIG{sig.name[3:]}" in err
+
+
+def test_a_stop_signal_while_the_driver_starts_reaches_the_driver(tmp_path):
+    """A SIGTERM that reaches the launcher while it is still starting the driver (its stderr
+    blocked on a full pipe, as under a loaded machine it is just slow) is forwarded, not fatal:
+    the shell trapped it before the driver started. Trapped after, it ended the shell and left the
+    driver running (the fresh-clone CI of 9f79d36 lost its local-launcher test that way)."""
+    marker, pid_file = tmp_path / "marker", tmp_path / "driver.pid"
+    driver = f'echo $$ > "{pid_file}"; kill -TERM "$PPID"; exec "{sys.executable}" "{STUB}" "{marker}"'
+    script = f"source launch/common.sh; sao_run_driver - sh -c '{driver}'; echo \"rc=$?\""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    with contextlib.suppress(BlockingIOError):  # fill the pipe: the launcher's first log line blocks
+        while True:
+            os.write(write_fd, b"." * 4096)
+    os.set_blocking(write_fd, True)
+    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=write_fd, text=True)
+    os.close(write_fd)
+    drained: list[bytes] = []
+    try:
+        _wait_for(marker, "started")
+        drainer = threading.Thread(target=lambda: drained.extend(iter(lambda: os.read(read_fd, 65536), b"")))
+        drainer.start()
+        out, _ = proc.communicate(timeout=60)
+        drainer.join(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if marker.read_text().strip() == "started":  # the driver outlived a launcher that died: end it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        os.close(read_fd)
+    err = b"".join(drained).decode().lstrip(".")
+    assert marker.read_text().strip() == "SIGINT", err
+    assert "rc=0" in out, out + err
+    assert "received SIGTERM" in err, err
 
 
 def _submit_dry_run(*args: str) -> str:
