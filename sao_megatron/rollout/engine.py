@@ -17,6 +17,7 @@ subprocesses already die with the server).
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from sao_megatron.config import ConfigError
+from sao_megatron.rollout.listeners import session_listens
 from sao_megatron.rollout.sglang_cpu import STANDIN_DIR, SUPPORTED_SGLANG, multi_rank_env
 
 
@@ -305,11 +307,17 @@ class _ServerProcess:
         return True
 
     def healthy(self) -> bool:
+        """The health endpoint on the port answers 200 (whoever serves it: see :meth:`serves_port`)."""
         try:
             with urllib.request.urlopen(f"{self.url}{self.health_path}", timeout=2) as response:
                 return response.status == 200 and self._healthy_body(response.read())
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):  # not HTTP: another protocol's server
             return False
+
+    def serves_port(self) -> bool:
+        """The process this object started (or one of its session) listens on the port: a health answer
+        is this server's, not that of another that took the port before it bound."""
+        return self.proc is not None and self.proc.poll() is None and session_listens(self.proc.pid, self.port)
 
     port_retries = 3
     """Restarts on a fresh port when the chosen one was taken meanwhile (``spawn.free_port``)."""
@@ -344,7 +352,7 @@ class _ServerProcess:
                     f"{self.kind} on port {self.port} exited with {self.proc.returncode}; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
-            if self.healthy() and (self.proc is None or self.proc.poll() is None):
+            if self.healthy() and (self.proc is None or self.serves_port()):
                 return time.monotonic() - t0
             time.sleep(0.5)
         key = self.startup_timeout_key

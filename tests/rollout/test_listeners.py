@@ -1,0 +1,141 @@
+"""A server's health counts only when the process that was started holds the port (``rollout.listeners``).
+
+``spawn.free_port`` probes and releases, so between the pick and the server's bind another process can
+take the port. The fresh-clone CI of 2789b4f lost ``sao train`` that way: the engine's health check
+reached a non-HTTP server on the engine's port and raised ``http.client.BadStatusLine``. A squatter
+that answers ``/health`` with 200 is worse: the start returned at once, pointing at somebody else's
+server. Both squatters here sit on the port a small HTTP server is asked to take; it waits before it
+binds (as SGLang loads its model first), dies on the clash, and is restarted on a fresh port.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from sao_megatron.rollout.engine import _ServerProcess
+from sao_megatron.rollout.listeners import listening_sockets, session_listens
+
+SERVER = """
+import http.server, sys, time
+time.sleep(float(sys.argv[2]))  # a server that loads before it binds, as SGLang does
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ours")
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+class SlowServer(_ServerProcess):
+    kind = "test server"
+
+    def __init__(self, port: int, log_path: str, delay_s: float = 1.0):
+        super().__init__("127.0.0.1", port, log_path, startup_timeout_s=60.0)
+        self.delay_s = delay_s
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-c", SERVER, str(self.port), str(self.delay_s)]
+
+    def body(self) -> bytes:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+            return response.read()
+
+
+def _serve(sock: socket.socket, answer) -> None:
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        with conn:
+            answer(conn)
+
+
+@pytest.fixture
+def binary_squatter() -> Iterator[int]:
+    """A port held by a server of another protocol: it answers any request with binary bytes."""
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def answer(conn: socket.socket) -> None:
+        conn.recv(4096)
+        conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00\x00\x03\x7f\xff\xff\xff@\x00\x01\x00")
+
+    threading.Thread(target=_serve, args=(sock, answer), daemon=True).start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def healthy_squatter() -> Iterator[int]:
+    """A port held by another HTTP server whose ``/health`` answers 200 (another run's engine)."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"theirs")
+
+        def log_message(self, *args):
+            pass
+
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        yield squatter.server_address[1]
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+
+
+@pytest.mark.parametrize("squatter", ["binary_squatter", "healthy_squatter"])
+def test_a_server_whose_port_was_taken_is_restarted_on_a_fresh_one_whatever_holds_it(
+    squatter, request, tmp_path, caplog
+):
+    taken = request.getfixturevalue(squatter)
+    server = SlowServer(taken, str(tmp_path / "server.log"))
+    with server:
+        assert server.port != taken, f"took the squatter on {taken} for the server"
+        assert server.serves_port() and server.body() == b"ours"
+    assert f"port {taken} was taken; restarting on {server.port}" in caplog.text
+
+
+def test_a_binary_answer_is_not_healthy(binary_squatter):
+    assert not _ServerProcess("127.0.0.1", binary_squatter, None, 1.0).healthy()
+
+
+def test_the_listener_of_a_port_is_found_in_its_session_only():
+    listener = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, sys; s = socket.create_server(('127.0.0.1', 0)); "
+            "print(s.getsockname()[1], flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert listener.stdout is not None
+        port = int(listener.stdout.readline())
+        assert listening_sockets(port)
+        assert session_listens(listener.pid, port)
+        assert not session_listens(os.getsid(0), port)  # ours is another session
+    finally:
+        assert listener.stdin is not None
+        listener.stdin.close()
+        listener.wait(timeout=10)
+    assert listening_sockets(port) == set() and not session_listens(listener.pid, port)
