@@ -446,7 +446,13 @@ def test_router_proxies_generate(engine, tmp_path):
 
     with RouterProcess(spec) as router:
         assert router.url != engine.url
-        routed, own, refused = run(go(router.url))
+        try:
+            routed, own, refused = run(go(router.url))
+        except Exception as err:  # a failure here shows both servers' last lines
+            raise AssertionError(
+                f"{err!r}\nrouter log {router.log_path}:\n{router.log_tail(60)}\n"
+                f"engine log {engine.log_path}:\n{engine.log_tail(60)}"
+            ) from err
     assert router.proc is not None and router.proc.poll() is not None  # stopped with its process group
     assert routed.output_ids == own.output_ids and len(routed.output_ids) == 8
     assert max(abs(a - b) for a, b in zip(routed.behavior_logprobs, own.behavior_logprobs, strict=True)) <= ENGINE_TOL
