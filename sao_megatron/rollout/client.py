@@ -159,7 +159,8 @@ class EngineClient:
     """Calls one engine (or a router for ``/generate``). Use as ``async with EngineClient(url):``."""
 
     FLUSH_RETRY_S = 10.0
-    """How long a disk/tensor weight load is repeated while the engine refuses its cache flush."""
+    """How long a cache flush (or a disk/tensor weight load, which flushes) is repeated while the engine
+    refuses it."""
 
     KEEPALIVE_S = 2.0
     """An idle connection is reused only this long. SGLang's server closes idle ones after 5 s
@@ -290,9 +291,18 @@ class EngineClient:
         ``/model_info`` answers even while generation is paused, unlike ``/health``."""
         return str((await self.model_info(timeout_s)).get("weight_version"))
 
-    async def flush_cache(self) -> None:
-        """Drop the engine's prefix cache; refused (HTTP 400) while requests run in its batch."""
-        await self._call("POST", "/flush_cache")
+    async def flush_cache(self, retry_s: float | None = None) -> None:
+        """Drop the engine's prefix cache. Refused (HTTP 400) while requests sit in its batch, which a
+        request the engine has just answered may still do for a moment: a refusal is repeated for up to
+        ``retry_s`` (default ``FLUSH_RETRY_S``; 0: once), then raised."""
+        deadline = asyncio.get_running_loop().time() + (self.FLUSH_RETRY_S if retry_s is None else retry_s)
+        while True:
+            try:
+                return await self._call("POST", "/flush_cache")
+            except EngineError as err:
+                if err.status != 400 or asyncio.get_running_loop().time() >= deadline:
+                    raise
+            await asyncio.sleep(0.2)
 
     async def pause(self, mode: str = "retract") -> None:
         if mode not in ("abort", "retract", "in_place"):

@@ -213,21 +213,15 @@ class EngineControl:
 
     async def _flush(self, client: EngineClient) -> None:
         """One flush of ``client``'s cache. In place, a refusal (requests in the batch) keeps the cache
-        (counted); otherwise a refusal is retried for up to ``EngineClient.FLUSH_RETRY_S`` (a request
-        the engine has answered may still sit in its batch for a moment)."""
-        deadline = time.perf_counter() + EngineClient.FLUSH_RETRY_S
-        while True:
-            try:
-                return await client.flush_cache()
-            except EngineError as err:
-                if err.status != 400:
-                    raise
-                if self.policy == "in_place":
-                    self.caches_kept += 1
-                    return
-                if time.perf_counter() >= deadline:
-                    raise
-            await asyncio.sleep(0.2)
+        (counted); otherwise a refusal is retried (``EngineClient.flush_cache``)."""
+        if self.policy != "in_place":
+            return await client.flush_cache()
+        try:
+            await client.flush_cache(retry_s=0)
+        except EngineError as err:
+            if err.status != 400:
+                raise
+            self.caches_kept += 1
 
     async def _resume(self) -> None:
         await asyncio.gather(*(c.resume() for c in self.clients), return_exceptions=True)
