@@ -15,6 +15,7 @@ import time
 import pytest
 
 from sao_megatron.faults import kill_point
+from sao_megatron.rollout.server_session import session_pids
 
 
 def _python(code: str, env: dict[str, str], **kwargs) -> subprocess.CompletedProcess:
@@ -97,25 +98,39 @@ def test_a_worker_in_its_own_process_group_kills_the_driver():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_server_dies_with_the_process_that_started_it():
-    """``rollout.engine`` starts servers in their own session; a SIGKILLed parent takes them along."""
+def test_a_server_and_what_it_started_die_with_the_process_that_started_it(tmp_path):
+    """``rollout.engine`` starts servers in their own session; a SIGKILLed parent takes the session along,
+    even a process the server started that does not die with the server and ignores SIGTERM (SGLang's
+    detokenizer asks for ``PR_SET_PDEATHSIG`` only after its imports: a server killed while it starts
+    left it running)."""
     out = _python(
-        """
-        import subprocess
-        from sao_megatron.rollout.engine import _die_with_parent
-        server = subprocess.Popen(["sleep", "60"], start_new_session=True, preexec_fn=_die_with_parent())
-        print(server.pid, flush=True)
-        import os, signal
+        f"""
+        import os, signal, sys, time
+        from sao_megatron.rollout.engine import _ServerProcess
+        server_code = (
+            "import subprocess, sys; "
+            "child = subprocess.Popen([sys.executable, '-c', "
+            "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)'], "
+            "stdout=subprocess.PIPE); child.stdout.readline(); print(child.pid, flush=True); child.wait()"
+        )
+        class Server(_ServerProcess):
+            def _command(self):
+                return [sys.executable, "-c", server_code]
+        server = Server("127.0.0.1", 0, {str(tmp_path / "server.log")!r}, 60.0).start()
+        print(server.proc.pid, flush=True)
+        while not open(server.log_path).read().strip():
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
         """,
         {},
     )
     assert out.returncode == -signal.SIGKILL, out
-    server = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while _alive(server) and time.monotonic() < deadline:
+    leader, child = int(out.stdout.split()[0]), int((tmp_path / "server.log").read_text().split()[0])
+    deadline = time.monotonic() + 30
+    while (alive := {leader, child, *session_pids(leader)} - {p for p in (leader, child) if not _alive(p)}) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.1)
-    alive = _alive(server)
-    if alive:
-        os.kill(server, signal.SIGKILL)
-    assert not alive, "the server outlived its parent"
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"outlived the process that started the server: {alive} (leader {leader}, child {child})"

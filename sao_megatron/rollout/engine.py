@@ -9,10 +9,10 @@ there), and refuses any SGLang version other than the one the stand-in was measu
 proxies ``/generate`` (and ``/flush_cache``) but not pause, continue, abort or weight updates:
 those control calls must go to every engine directly (``EngineClient(engine.url)``).
 
-Each server runs in its own session; ``stop()`` ends that process group by the PID this
-module started, never by name. A server also dies with the process that started it (Linux
-``PR_SET_PDEATHSIG``): a SIGKILLed ``sao train`` leaves no engine behind (SGLang's own
-subprocesses already die with the server).
+Each server runs in its own session, led by ``rollout.server_session``, which ends whatever the
+server leaves in it; ``stop()`` ends that process group by the PID this module started, never by
+name. A server also dies with the process that started it (Linux ``PR_SET_PDEATHSIG`` on the
+session's leader): a SIGKILLed ``sao train`` leaves no engine behind, even one still starting.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from sao_megatron.config import ConfigError
-from sao_megatron.rollout.listeners import session_listens
+from sao_megatron.rollout.server_session import die_with_parent, led, session_listens
 from sao_megatron.rollout.sglang_cpu import STANDIN_DIR, SUPPORTED_SGLANG, multi_rank_env
 
 
@@ -222,35 +222,9 @@ def _environment(cpu: bool) -> dict[str, str]:
     return env
 
 
-def _die_with_parent():
-    """A ``preexec_fn``: the child gets SIGKILL when the thread that started it ends (the
-    process killed included; servers start on the event loop's thread, or on a restart in one of
-    its executor threads, which live as long as the loop); None where the kernel cannot do that.
-    ``prctl`` is looked up here, in the parent, so the child only calls it (as Ray does)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.restype, prctl.argtypes = (
-        ctypes.c_int,
-        [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong],
-    )
-    pr_set_pdeathsig, parent = 1, os.getpid()
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
 class _ServerProcess:
-    """A server subprocess in its own session, polled until healthy, stopped by process group."""
+    """A server subprocess in its own session (``self.proc``: the session's leader, which exits as the
+    server does), polled until healthy, stopped by process group."""
 
     kind = "server"
     health_path = "/health"
@@ -281,13 +255,13 @@ class _ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115  (owned by the child for its lifetime)
         self.proc = subprocess.Popen(
-            self._command(),
+            led(self._command()),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=self._environment(),
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=die_with_parent(signal.SIGTERM),
         )
         log.close()
         return self

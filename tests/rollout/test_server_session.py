@@ -1,4 +1,5 @@
-"""A server's health counts only when the process that was started holds the port (``rollout.listeners``).
+"""A server's session (``rollout.server_session``): its health counts only when the process that was
+started holds the port, and its leader ends what the server leaves behind.
 
 ``spawn.free_port`` probes and releases, so between the pick and the server's bind another process can
 take the port. The fresh-clone CI of 2789b4f lost ``sao train`` that way: the engine's health check
@@ -12,16 +13,18 @@ from __future__ import annotations
 
 import http.server
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from sao_megatron.rollout.engine import _ServerProcess
-from sao_megatron.rollout.listeners import listening_sockets, session_listens
+from sao_megatron.rollout.server_session import listening_sockets, session_listens, session_pids
 
 SERVER = """
 import http.server, sys, time
@@ -139,3 +142,44 @@ def test_the_listener_of_a_port_is_found_in_its_session_only():
         listener.stdin.close()
         listener.wait(timeout=10)
     assert listening_sockets(port) == set() and not session_listens(listener.pid, port)
+
+
+class Command(_ServerProcess):
+    def __init__(self, code: str, log_path: str):
+        super().__init__("127.0.0.1", 0, log_path, startup_timeout_s=60.0)
+        self.code = code
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-c", self.code]
+
+
+LEAVES_A_CHILD = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+child.stdout.readline()
+print(child.pid, flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_server_that_exits_leaves_nothing_in_its_session_and_its_status_is_the_leaders(tmp_path):
+    """A server that dies on its own (a port clash, a crash) left its children running; the leader ends
+    them and exits with the server's status."""
+    server = Command(LEAVES_A_CHILD, str(tmp_path / "server.log")).start()
+    assert server.proc is not None
+    assert server.proc.wait(timeout=30) == 3
+    child = int((tmp_path / "server.log").read_text().split()[0])
+    assert child not in session_pids(server.proc.pid) and not session_pids(server.proc.pid)  # gone, or a zombie
+
+
+def test_stop_ends_the_session_and_the_server_was_signalled(tmp_path):
+    server = Command("import time; print(flush=True); time.sleep(60)", str(tmp_path / "server.log")).start()
+    assert server.proc is not None
+    while not (tmp_path / "server.log").read_text():
+        assert server.proc.poll() is None
+        time.sleep(0.05)
+    members = session_pids(server.proc.pid)
+    assert len(members) == 2, members  # the leader and the server
+    server.stop()
+    assert server.proc.returncode == -signal.SIGTERM
+    assert not session_pids(server.proc.pid)
