@@ -1,10 +1,28 @@
-"""Tiny random Qwen3-MoE HF checkpoints (tiny_moe shape, our tokenizer) and a CPU SGLang engine."""
+"""Tiny random Qwen3-MoE HF checkpoints (tiny_moe shape, our tokenizer) and a CPU SGLang engine; a port
+squatter."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+
+@contextlib.contextmanager
+def squatter(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[int]:
+    """A port held by an HTTP server of ``handler`` while the context lasts (its port is yielded): what
+    can take a probe-and-release port (``spawn.free_port``) before a server binds it."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def make_tiny_hf(out_dir: Path, seed: int = 0, std: float = 0.05) -> Path:

@@ -16,7 +16,6 @@ import dataclasses
 import http.server
 import os
 import secrets
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -32,7 +31,7 @@ from sao_megatron.rollout.client import API_KEY_ENV, EngineClient, EngineError, 
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec, RouterProcess, RouterSpec
 from sao_megatron.spawn import free_port
 from sao_megatron.tokenizer import load_tokenizer
-from tests.rollout.engine_fixtures import make_tiny_hf
+from tests.rollout.engine_fixtures import make_tiny_hf, squatter
 from tests.rollout.fakes import CountingTask
 
 pytestmark = pytest.mark.timeout(600)
@@ -53,15 +52,9 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def taken_port() -> Iterator[int]:
-    """A port bound by a plain HTTP server (its ``/health`` answers 404) for the module's lifetime:
-    probe-and-release ports (``spawn.free_port``) can be taken like this before a server binds them."""
-    squatter = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    threading.Thread(target=squatter.serve_forever, daemon=True).start()
-    try:
-        yield squatter.server_address[1]
-    finally:
-        squatter.shutdown()
-        squatter.server_close()
+    """A port bound by a plain HTTP server (its ``/health`` answers 404) for the module's lifetime."""
+    with squatter(http.server.SimpleHTTPRequestHandler) as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

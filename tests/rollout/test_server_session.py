@@ -25,6 +25,7 @@ import pytest
 
 from sao_megatron.rollout.engine import _ServerProcess
 from sao_megatron.rollout.server_session import listening_sockets, session_listens, session_pids
+from tests.rollout.engine_fixtures import squatter
 
 SERVER = """
 import http.server, sys, time
@@ -93,20 +94,13 @@ def healthy_squatter() -> Iterator[int]:
         def log_message(self, *args):
             pass
 
-    squatter = http.server.HTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=squatter.serve_forever, daemon=True).start()
-    try:
-        yield squatter.server_address[1]
-    finally:
-        squatter.shutdown()
-        squatter.server_close()
+    with squatter(Health) as port:
+        yield port
 
 
-@pytest.mark.parametrize("squatter", ["binary_squatter", "healthy_squatter"])
-def test_a_server_whose_port_was_taken_is_restarted_on_a_fresh_one_whatever_holds_it(
-    squatter, request, tmp_path, caplog
-):
-    taken = request.getfixturevalue(squatter)
+@pytest.mark.parametrize("holder", ["binary_squatter", "healthy_squatter"])
+def test_a_server_whose_port_was_taken_is_restarted_on_a_fresh_one_whatever_holds_it(holder, request, tmp_path, caplog):
+    taken = request.getfixturevalue(holder)
     server = SlowServer(taken, str(tmp_path / "server.log"))
     with server:
         assert server.port != taken, f"took the squatter on {taken} for the server"
