@@ -17,7 +17,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -295,14 +295,7 @@ class EngineClient:
         """Drop the engine's prefix cache. Refused (HTTP 400) while requests sit in its batch, which a
         request the engine has just answered may still do for a moment: a refusal is repeated for up to
         ``retry_s`` (default ``FLUSH_RETRY_S``; 0: once), then raised."""
-        deadline = asyncio.get_running_loop().time() + (self.FLUSH_RETRY_S if retry_s is None else retry_s)
-        while True:
-            try:
-                return await self._call("POST", "/flush_cache")
-            except EngineError as err:
-                if err.status != 400 or asyncio.get_running_loop().time() >= deadline:
-                    raise
-            await asyncio.sleep(0.2)
+        await self._while_refused(lambda: self._call("POST", "/flush_cache"), lambda err: err.status == 400, retry_s)
 
     async def pause(self, mode: str = "retract") -> None:
         if mode not in ("abort", "retract", "in_place"):
@@ -334,12 +327,22 @@ class EngineClient:
         but the version is not recorded. Loading again is idempotent, so the call is repeated for
         up to ``FLUSH_RETRY_S`` (requests that really keep running still fail it).
         """
-        deadline = asyncio.get_running_loop().time() + self.FLUSH_RETRY_S
+        return await self._while_refused(
+            lambda: self._update(endpoint, payload, timeout_s), lambda err: _NOT_FLUSHED in str(err)
+        )
+
+    async def _while_refused(
+        self, call: Callable[[], Awaitable[Any]], refused: Callable[[EngineError], bool], retry_s: float | None = None
+    ) -> Any:
+        """``call()``, repeated every 0.2 s while it fails with a flush refusal (``refused(err)``) for up to
+        ``retry_s`` (default ``FLUSH_RETRY_S``), then that refusal raised."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.FLUSH_RETRY_S if retry_s is None else retry_s)
         while True:
             try:
-                return await self._update(endpoint, payload, timeout_s)
+                return await call()
             except EngineError as err:
-                if _NOT_FLUSHED not in str(err) or asyncio.get_running_loop().time() >= deadline:
+                if not refused(err) or loop.time() >= deadline:
                     raise
             await asyncio.sleep(0.2)
 
