@@ -29,6 +29,10 @@ _LISTEN = "0A"
 """The kernel's TCP_LISTEN state as ``/proc/net/tcp`` writes it."""
 STOP_GRACE_S = 10.0
 """How long the leader waits for the server after SIGTERM before it SIGKILLs it."""
+POLL_S = 0.5
+"""How often the leader looks at the server and at a stop request. Idle cost measured with
+``benchmarks/bench_server_session.py``: 0.00 CPU-s in 20 s, 13 MiB resident (``Popen.wait(timeout)``,
+which polls every 50 ms, took 0.02 CPU-s)."""
 
 
 def listening_sockets(port: int) -> set[str] | None:
@@ -147,10 +151,7 @@ def main(argv: list[str]) -> int:
             server.send_signal(signal.SIGTERM)
         if deadline is not None and time.monotonic() > deadline:
             server.kill()
-        try:
-            server.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            pass
+        time.sleep(POLL_S)
     _end_the_rest()
     code = server.returncode if server is not None else -signal.SIGTERM
     if code < 0:  # end as the server did, so the starter sees the same status
