@@ -71,18 +71,29 @@ def session_pids(sid: int) -> list[int]:
 
 def session_listens(sid: int, port: int) -> bool:
     """A process of session ``sid`` (a server started with ``start_new_session``: its pid) holds a socket
-    listening on ``port``. True where this cannot be read (no ``/proc``)."""
+    listening on ``port``. True where this cannot be read (no ``/proc``, or no member's descriptors
+    readable: a server that dropped privileges or made itself undumpable): then the health answer is
+    all there is."""
     inodes = listening_sockets(port)
     if inodes is None:
         return True
-    targets = {f"socket:[{inode}]" for inode in inodes}
-    for pid in session_pids(sid) if targets else []:
+    if not inodes:
+        return False
+    members, targets, readable = session_pids(sid), {f"socket:[{inode}]" for inode in inodes}, False
+    for pid in members:
         try:
-            if any(os.readlink(fd) in targets for fd in Path(f"/proc/{pid}/fd").iterdir()):
-                return True
-        except OSError:  # ended meanwhile, or not ours to read
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except PermissionError:
             continue
-    return False
+        except OSError:  # ended meanwhile
+            readable = True
+            continue
+        readable = True
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                if os.readlink(fd) in targets:
+                    return True
+    return bool(members) and not readable
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> Callable[[], None] | None:
