@@ -149,6 +149,13 @@ def main(argv: list[str]) -> int:
     """Run the server, end the rest of the session after it, and exit as it did."""
     parent, sep, command = int(argv[0]), argv[1], argv[2:]
     assert sep == "--" and command, "usage: server_session PARENT_PID -- COMMAND..."
+    if os.getsid(0) != os.getpid():  # it ends every other process of its session: never the caller's
+        print(
+            f"server_session: not the leader of its session {os.getsid(0)}; start it with start_new_session=True "
+            "(or setsid), as rollout.engine does",
+            file=sys.stderr,
+        )
+        return 2
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))

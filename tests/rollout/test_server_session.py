@@ -194,3 +194,26 @@ def test_stop_ends_the_session_and_the_server_was_signalled(tmp_path):
     server.stop()
     assert server.proc.returncode == -signal.SIGTERM
     assert not session_pids(server.proc.pid)
+
+
+def test_a_leader_that_does_not_lead_its_session_refuses_and_ends_nothing():
+    """Run by hand (not in a session of its own) the leader would end its caller's session: it refuses.
+    Checked inside a session made for the test, so a failure cannot reach pytest's."""
+    outer = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; "
+            "sibling = subprocess.Popen(['sleep', '30']); "
+            "led = subprocess.run([sys.executable, '-m', 'sao_megatron.rollout.server_session', '1', '--', 'true'], "
+            "capture_output=True, text=True); "
+            "print(led.returncode, sibling.poll(), flush=True); print(led.stderr, file=sys.stderr); sibling.kill()",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
+    assert outer.returncode == 0, outer
+    assert outer.stdout.split() == ["2", "None"], outer  # refused; the sibling still runs
+    assert "not the leader of its session" in outer.stderr
