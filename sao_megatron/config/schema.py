@@ -38,6 +38,10 @@ RetryFrom = Literal["scratch", "turn"]
 """Where an episode retried after an engine fault starts again (``rollout.episode_retry_from``)."""
 RouterBiasUpdate = Literal["freeze", "train"]
 """What training does to the MoE router's expert bias (``actor.router_bias_update``)."""
+RoutingReplay = Literal["off", "record", "on"]
+"""Rollout routing replay (``rollout.routing_replay``): ``off``; ``record``: the engines return the
+top-k experts of every position and the actor measures its agreement with them without replaying;
+``on``: the actor's routers replay them."""
 
 
 class ConfigError(ValueError):
@@ -291,6 +295,13 @@ class RolloutConfig:
     ``sao_<group>``); locally they share the one node."""
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """Turn and token limits and sampling of every episode."""
+    routing_replay: RoutingReplay = "off"
+    """MoE models: ``on`` starts the engines with ``--enable-return-routed-experts``, keeps the top-k
+    expert ids the engine chose at every position of a trajectory (every MoE layer, compact) and
+    makes every actor forward that computes logprobs or gradients route its tokens to those experts
+    (Megatron's ``RouterReplay``; the router's probabilities are still computed at those ids, so its
+    gradients flow). ``record`` captures and measures route agreement without replaying; ``off``
+    neither. The critic never replays (docs/algo.md)."""
     weight_sync: WeightSync = "distributed"
     """``distributed`` (one broadcast group per actor pipeline stage -> engines; the engines start with random
     weights while the roles start, and the first sync gives them the actor's) or ``disk`` (the
