@@ -99,7 +99,13 @@ def _take_callers_context(env: dict[str, str], cwd: str, caller: int) -> None:
 def _entry(rank, payload, world_size, port, backend, out_dir, log_to, timeout_s, caller=None):
     if caller is not None:
         _take_callers_context(*caller)
+    # One compute thread per rank unless the caller says otherwise: the ranks share the node's
+    # cores. torch is imported already (it started this process), so its OpenMP pool has read the
+    # environment: set the count on torch itself; the variable is for what the rank starts.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     stacks = _stacks_path(out_dir, rank).open("w")  # open for the process's life: run_world reads it on a hang
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     from sao_megatron.logs import quiet_third_party, redirect_process_output

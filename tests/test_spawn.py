@@ -91,3 +91,18 @@ def test_an_unknown_start_method_is_refused_naming_the_variable(monkeypatch) -> 
     monkeypatch.setenv(spawn.START_METHOD_ENV, "fork")
     with pytest.raises(ValueError, match="SAO_WORLD_START_METHOD='fork': use one of spawn, forkserver"):
         run_world(_sum_of_ranks, 2, backend="gloo", timeout_s=120)
+
+
+def _threads(rank: int, world_size: int) -> int:
+    return torch.get_num_threads()
+
+
+@pytest.mark.parametrize("method", spawn.START_METHODS)
+def test_a_rank_computes_on_one_thread_unless_the_caller_says_otherwise(method, monkeypatch) -> None:
+    """Ranks share the node's cores with each other (a conversion world, a CPU learner): one torch
+    thread each, or the caller's ``OMP_NUM_THREADS``, however the rank was started."""
+    monkeypatch.setenv(spawn.START_METHOD_ENV, method)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert run_world(_threads, 2, backend="gloo", timeout_s=120) == [1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert run_world(_threads, 2, backend="gloo", timeout_s=120) == [3, 3]
