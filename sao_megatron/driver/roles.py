@@ -297,7 +297,8 @@ class CriticGroup(RoleGroup[CriticWorker]):
         await self._all(CriticWorker.load, str(directory))
 
     async def values(self, batch: BatchShard, size: int, width: int) -> torch.Tensor:
-        """``[B, T]`` values V(s) on action positions of the placed batch (zero elsewhere)."""
+        """``[B, T]`` values V(s) of the placed batch where :attr:`TrainBatch.value_mask` is 1 (the action
+        positions and each row's last position), zero elsewhere."""
         parts: list[RowOutputs | None] = await self._all(CriticWorker.values, batch)
         return assemble_rows(parts, size, width)
 
@@ -323,6 +324,25 @@ def start_ray(cfg: SAOConfig) -> None:
     init_ray(**ray_args(cfg))
 
 
+def local_ray_token() -> None:
+    """Token authentication for a Ray this process starts, as a Slurm job's Ray has
+    (``launch/common.sh``: ``sao_ray_auth``): a fresh random token, held in this process's
+    environment (``RAY_AUTH_TOKEN``, which Ray's processes inherit; never on a command line), unless
+    the caller chose (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH`` set). Without
+    it, anyone who reaches the local GCS port could run code as this user."""
+    import os
+    import secrets
+
+    from ray._raylet import Config  # pyright: ignore[reportAttributeAccessIssue]  (compiled; no stub names it)
+
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if "RAY_AUTH_TOKEN" not in os.environ and "RAY_AUTH_TOKEN_PATH" not in os.environ:
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    Config.initialize("")  # this process read the mode when Ray was imported: read it again (as Ray's own default does)
+
+
 def init_ray(
     address: str = "",
     num_cpus: int | None = None,
@@ -339,7 +359,10 @@ def init_ray(
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the launcher sets token mode (launch/common.sh)
+    else:
+        local_ray_token()
     # One engine API key per run, drawn here (the driver's first step into Ray) unless given, and
     # handed to every Ray worker: the engines' hosts start them with it, the actor's weight sync sends it.
     key = run_api_key()

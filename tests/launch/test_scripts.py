@@ -131,7 +131,7 @@ def test_a_stop_signal_while_the_driver_starts_reaches_the_driver(tmp_path):
 
 def _submit_dry_run(*args: str) -> str:
     # RAY_AUTH_*: a test before this one may have started Ray in this process (init_ray sets
-    # RAY_AUTH_MODE=disabled for its own local Ray); a user submitting has none
+    # RAY_AUTH_MODE=token and a token for its own local Ray); a user submitting has none
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAO_", "RAY_AUTH"))}
     out = subprocess.run(
         [sys.executable, "-m", "sao_megatron.cli", "submit", *args, "--dry-run"],
