@@ -44,6 +44,15 @@ class TrainBatch:
     def size(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def value_mask(self) -> torch.Tensor:
+        """``[B, T]`` float 1 where the critic's values are read: the action positions and each row's
+        last position ``L - 1`` (the state after the sequence's end, where a truncated episode
+        bootstraps from, ``algo.truncated``)."""
+        mask = self.action_mask.clone()
+        mask[torch.arange(self.size), self.lengths - 1] = 1.0
+        return mask
+
     def select(self, rows: slice | list[int]) -> TrainBatch:
         return TrainBatch(**{k: v[rows] for k, v in self.__dict__.items()})
 

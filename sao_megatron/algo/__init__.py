@@ -13,6 +13,7 @@ from sao_megatron.algo.advantages import (
     length_adaptive_lambda,
     reverse_discounted_cumsum,
     step_gae,
+    truncation_targets,
     whiten_advantages,
 )
 from sao_megatron.algo.aggregation import count_sequences, loss_weights
@@ -30,10 +31,12 @@ from sao_megatron.algo.choices import (
     GROUP_ESTIMATORS,
     POLICY_LOSSES,
     STEP_MODES,
+    TRUNCATIONS,
     AdvantageName,
     LossAgg,
     PolicyLossName,
     StepMode,
+    Truncation,
     uses_critic,
 )
 from sao_megatron.algo.diagnostics import LAG_BUCKETS, explained_variance, kept_by_lag, policy_lag
@@ -63,12 +66,14 @@ __all__ = [
     "LAG_BUCKETS",
     "POLICY_LOSSES",
     "STEP_MODES",
+    "TRUNCATIONS",
     "AdvantageName",
     "GlobalRunningMeanBaseline",
     "LossAgg",
     "PolicyLossName",
     "PromptRunningMeanBaseline",
     "StepMode",
+    "Truncation",
     "broadcast_to_tokens",
     "count_sequences",
     "dis_band",
@@ -95,6 +100,7 @@ __all__ = [
     "segment_ids_from_cu_seqlens",
     "sft_nll",
     "step_gae",
+    "truncation_targets",
     "uses_critic",
     "vanilla_pg_loss",
     "value_loss",

@@ -7,7 +7,8 @@ ends a span: observation tokens in between are skipped; ``V(n(t))`` still sees t
 
     delta_t = r_t + gamma * V(n(t)) - V(t)
     A_t     = delta_t + gamma * lam * A(n(t))
-    A, V(n(t)) := 0 past the trajectory's last action token (terminal, no bootstrap)
+    A, V(n(t)) := 0 past the trajectory's last action token (terminal), or V(n(t)) := ``bootstrap``
+    there when the trajectory was cut by a limit (``truncation_targets``)
 
 Critic targets use a separate ``lam_critic`` (decoupled GAE, VAPO, Yue et al. 2025):
 ``returns_t = A^{critic}_t + V(t)`` with ``A^{critic}`` the same recurrence with ``lam_critic``
@@ -18,7 +19,9 @@ allowed with packing) or [B, T] (per token; only action-token entries are read: 
 observation/padding token is ignored, so put tool rewards on the preceding action token). ``values``
 [B, T] (only action-token entries are read). ``lam`` / ``lam_critic``: a float, a [B] tensor (one per
 row) or a [B, T] tensor that is constant over each trajectory's action tokens (e.g. from
-``length_adaptive_lambda``). ``segment_ids`` [B, T]: packed rows; recurrences never cross a segment.
+``length_adaptive_lambda``). ``segment_ids`` [B, T]: packed rows; recurrences never cross a segment. ``bootstrap`` (optional): the value
+of the state after each trajectory's last action token, [B] (per row; not with packing) or [B, T] (read at
+each trajectory's last action token); 0 for a trajectory that really ended.
 Outputs are [B, T] in ``values.dtype`` and exactly 0 on non-action tokens; internal arithmetic is
 float64. All GAE outputs are constants (computed under ``no_grad``).
 
@@ -47,7 +50,7 @@ from sao_megatron.algo._checks import (
     row_counts,
 )
 from sao_megatron.algo._segments import TrajectoryIndex, trajectory_index
-from sao_megatron.algo.choices import STEP_MODES, StepMode
+from sao_megatron.algo.choices import STEP_MODES, TRUNCATIONS, StepMode, Truncation
 from sao_megatron.algo.masked import masked_mean, masked_var, masked_whiten, metrics_to_floats
 
 # Chunk length of the blockwise scan: a [S, L/C, C] x [S, C, C] bmm per level, log_C(L) levels.
@@ -91,6 +94,20 @@ def _check_lambda(name: str, lam: Lam, shape: tuple[int, int]) -> None:
         )
 
 
+def _check_bootstrap(bootstrap: Tensor, shape: tuple[int, ...], segment_ids: Tensor | None) -> None:
+    check_tensor("bootstrap", bootstrap)
+    if bootstrap.dim() == 1:
+        check_shape("bootstrap", bootstrap, shape[:1], like="action_mask rows ([B])")
+        if segment_ids is not None:
+            raise ValueError(
+                "`bootstrap` of shape [B] cannot be used with `segment_ids` (packed rows); pass [B, T] with each "
+                "trajectory's bootstrap value on its last action token."
+            )
+    else:
+        check_shape("bootstrap", bootstrap, shape)
+    check_finite("bootstrap", bootstrap)
+
+
 def _validate(
     rewards: Tensor,
     values: Tensor,
@@ -98,6 +115,7 @@ def _validate(
     gamma: float,
     lams: dict[str, Lam],
     segment_ids: Tensor | None,
+    bootstrap: Tensor | None = None,
 ) -> tuple[Tensor, TrajectoryIndex]:
     """Validate the GAE inputs; return the bool mask and the trajectory index."""
     mask = check_action_mask(action_mask)
@@ -121,6 +139,8 @@ def _validate(
     for name, lam in lams.items():
         _check_lambda(name, lam, (shape[0], shape[1]))
     check_segment_ids(segment_ids, shape)
+    if bootstrap is not None:
+        _check_bootstrap(bootstrap, shape, segment_ids)
     idx = trajectory_index(mask, segment_ids)
     if idx.num_traj == 0:
         check_nonempty(mask)
@@ -166,6 +186,20 @@ def _add_rewards(out_k: Tensor, rewards: Tensor, idx: TrajectoryIndex) -> Tensor
         return out_k.add_(rewards.reshape(-1).index_select(0, idx.positions).to(out_k.dtype))
     out_k[idx.last()] += rewards.to(out_k.dtype)[idx.rows]
     return out_k
+
+
+def _add_bootstrap(delta: Tensor, bootstrap: Tensor | None, idx: TrajectoryIndex, gamma: float) -> Tensor:
+    """Add ``gamma * bootstrap`` to ``delta`` [one entry per action token or turn of ``idx``] at each
+    trajectory's last entry, in place: the value of the state after it, for a trajectory cut by a limit."""
+    if bootstrap is None:
+        return delta
+    last = idx.last()
+    if bootstrap.dim() == 2:
+        boot = bootstrap.reshape(-1).index_select(0, idx.positions[last])
+    else:
+        boot = bootstrap[idx.rows]
+    delta[last] += gamma * boot.to(delta.dtype)
+    return delta
 
 
 def _scan_per_traj(delta: Tensor, idx: TrajectoryIndex, coefs: list[Tensor]) -> list[Tensor]:
@@ -218,6 +252,7 @@ def gae(
     lam: Lam,
     lam_critic: Lam = 1.0,
     segment_ids: Tensor | None = None,
+    bootstrap: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Vectorised skip-observation token-level GAE; returns ``(advantages, returns, metrics)``, [B, T].
 
@@ -226,11 +261,12 @@ def gae(
     with ``reverse_discounted_cumsum`` (twice when ``lam_critic`` differs from ``lam``).
     Memory ~ S * W floats with W the longest trajectory (in action tokens).
     """
-    mask, idx = _validate(rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids)
+    lams = {"lam": lam, "lam_critic": lam_critic}
+    mask, idx = _validate(rewards, values, action_mask, gamma, lams, segment_ids, bootstrap)
     lam_s = _lambda_per_traj("lam", lam, idx, mask.device)
     lamc_s = _lambda_per_traj("lam_critic", lam_critic, idx, mask.device)
     v_k = values.reshape(-1).index_select(0, idx.positions).to(torch.float64)  # [K]
-    delta = _add_rewards(_td_errors(v_k, idx, gamma), rewards, idx)  # [K]
+    delta = _add_bootstrap(_add_rewards(_td_errors(v_k, idx, gamma), rewards, idx), bootstrap, idx, gamma)  # [K]
     same = lam_s.equal(lamc_s)
     parts = _scan_per_traj(delta, idx, [gamma * lam_s] if same else [gamma * lam_s, gamma * lamc_s])
     adv_k = parts[0]
@@ -240,10 +276,40 @@ def gae(
     return adv, ret, _gae_metrics(adv_k, ret_k, lam_s)
 
 
+def truncation_targets(
+    rewards: Tensor, cut_values: Tensor, truncated: Tensor, mode: Truncation
+) -> tuple[Tensor, Tensor | None]:
+    """The ``rewards`` and ``bootstrap`` [B] that ``gae`` / ``step_gae`` take for a batch whose rows
+    ``truncated`` [B] bool were cut by a limit (turns, context, token budgets) rather than ended.
+
+    ``terminal``: the cut is treated as the episode's end: ``(rewards, None)``, each last action token's
+    target is its episode's reward. ``bootstrap``: a cut row's reward (the grade of an unfinished episode)
+    is replaced by the critic's value at the cut, ``cut_values`` [B]: the value of the state after the
+    row's last token, which a next action would have been sampled from (the position that predicts the
+    token after the sequence's end); rows that ended keep their reward and bootstrap 0. Float64 outputs.
+    """
+    check_choice("truncation", mode, TRUNCATIONS)
+    check_shape("truncated", truncated, tuple(rewards.shape), like="rewards ([B])")
+    check_shape("cut_values", cut_values, tuple(rewards.shape), like="rewards ([B])")
+    rewards = rewards.to(torch.float64)
+    if mode == "terminal":
+        return rewards, None
+    cut = truncated.to(torch.bool)
+    check_finite("cut_values", cut_values[cut])
+    zero = torch.zeros_like(rewards)
+    return torch.where(cut, zero, rewards), torch.where(cut, cut_values.to(torch.float64), zero)
+
+
 def _lam_at(lam: Lam, b: int, t: int) -> float:
     if not isinstance(lam, Tensor):
         return float(lam)
     return float(lam[b]) if lam.dim() == 1 else float(lam[b, t])
+
+
+def _boot_at(bootstrap: Tensor | None, b: int, t: int) -> float:
+    if bootstrap is None:
+        return 0.0
+    return float(bootstrap[b]) if bootstrap.dim() == 1 else float(bootstrap[b, t])
 
 
 @torch.no_grad()
@@ -256,12 +322,14 @@ def gae_reference(
     lam: Lam,
     lam_critic: Lam = 1.0,
     segment_ids: Tensor | None = None,
+    bootstrap: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Plain Python loop over tokens implementing exactly the formulas of the module docstring.
 
     Slow (python floats, one token at a time); it is the oracle for ``gae`` in tests and benchmarks.
     """
-    mask, _ = _validate(rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids)
+    lams = {"lam": lam, "lam_critic": lam_critic}
+    mask, _ = _validate(rewards, values, action_mask, gamma, lams, segment_ids, bootstrap)
     b_size, t_size = mask.shape
     adv = [[0.0] * t_size for _ in range(b_size)]
     ret = [[0.0] * t_size for _ in range(b_size)]
@@ -279,8 +347,8 @@ def gae_reference(
         for t in reversed(range(t_size)):
             if not m[t]:
                 continue  # observation / padding token: skipped
-            if seg[t] != next_seg:  # last action token of its trajectory: terminal, bootstrap 0
-                next_v, next_a, next_ac = 0.0, 0.0, 0.0
+            if seg[t] != next_seg:  # last action token of its trajectory: terminal, or cut and bootstrapped
+                next_v, next_a, next_ac = _boot_at(bootstrap, b, t), 0.0, 0.0
                 lam_last.append(_lam_at(lam, b, t))
             delta = r[t] + gamma * next_v - v[t]
             a = delta + gamma * _lam_at(lam, b, t) * next_a
@@ -347,6 +415,7 @@ def step_gae(
     lam_critic: Lam = 1.0,
     segment_ids: Tensor | None = None,
     turn_ids: Tensor | None = None,
+    bootstrap: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Step-level GAE for the granularity ablation: one advantage per turn, broadcast to its tokens.
 
@@ -355,10 +424,12 @@ def step_gae(
     terminal reward lands in the last turn). Then GAE over the turns of each trajectory:
     ``delta_k = r_k + gamma * V_{k+1} - V_k``, ``A_k = delta_k + gamma * lam * A_{k+1}``, terminal 0.
     Every action token of turn ``k`` gets ``A_k``; ``returns`` = ``A^{critic}_k + V_k`` broadcast the same
-    way (the turn-level critic target). Same inputs as ``gae`` plus ``turn_ids`` [B, T] (optional).
+    way (the turn-level critic target). Same inputs as ``gae`` plus ``turn_ids`` [B, T] (optional); a
+    ``bootstrap`` value is ``V_{k+1}`` after the last turn of a trajectory cut by a limit.
     """
     check_choice("step-level mode", mode, STEP_MODES)
-    mask, idx = _validate(rewards, values, action_mask, gamma, {"lam": lam, "lam_critic": lam_critic}, segment_ids)
+    lams = {"lam": lam, "lam_critic": lam_critic}
+    mask, idx = _validate(rewards, values, action_mask, gamma, lams, segment_ids, bootstrap)
     if turn_ids is not None:
         check_shape("turn_ids", turn_ids, tuple(mask.shape))
     turn, ends, n_turns = _turns(mask, idx, turn_ids)
@@ -376,7 +447,7 @@ def step_gae(
     tidx = trajectory_index(end_mask.view(mask.shape), segment_ids)
     lam_s = _lambda_per_traj("lam", lam, idx, mask.device)
     lamc_s = _lambda_per_traj("lam_critic", lam_critic, idx, mask.device)
-    delta = _td_errors(v_turn, tidx, gamma).add_(r_turn)  # [G] over turns
+    delta = _add_bootstrap(_td_errors(v_turn, tidx, gamma).add_(r_turn), bootstrap, tidx, gamma)  # [G] over turns
     a_turn, ac_turn = _scan_per_traj(delta, tidx, [gamma * lam_s, gamma * lamc_s])
     adv_k, ret_k = a_turn[turn], (ac_turn + v_turn)[turn]
     adv = _to_tokens(adv_k, idx, values.dtype)

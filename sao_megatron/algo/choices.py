@@ -30,12 +30,17 @@ BatchOrder = Literal["finish", "start"]
 """Which waiting trajectories a batch takes first: the first to ``finish`` (SAO: no barrier), or the
 first to have ``start``ed (an age-aware order: long episodes train before they pass the lag bound)."""
 
+Truncation = Literal["terminal", "bootstrap"]
+"""An episode cut by a limit (turns, context, token budgets): ``terminal``, its last action token's
+target is the episode's reward as if it had ended; ``bootstrap``, the critic's value at the cut instead."""
+
 POLICY_LOSSES: tuple[PolicyLossName, ...] = get_args(PolicyLossName)
 AGG_MODES: tuple[LossAgg, ...] = get_args(LossAgg)
 STEP_MODES: tuple[StepMode, ...] = get_args(StepMode)
 ADVANTAGE_ESTIMATORS: tuple[AdvantageName, ...] = get_args(AdvantageName)
 OVER_LAG: tuple[OverLag, ...] = get_args(OverLag)
 BATCH_ORDERS: tuple[BatchOrder, ...] = get_args(BatchOrder)
+TRUNCATIONS: tuple[Truncation, ...] = get_args(Truncation)
 
 CRITIC_ESTIMATORS: tuple[AdvantageName, ...] = ("gae", *STEP_MODES)
 """The estimators that bootstrap from a learned value function (the others need no critic)."""

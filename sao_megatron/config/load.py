@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from sao_megatron.algo.choices import GROUP_ESTIMATORS
+from sao_megatron.algo.choices import GROUP_ESTIMATORS, uses_critic
 from sao_megatron.config import hf
 from sao_megatron.config.cluster import validate_cluster
 from sao_megatron.config.parse import build, read_yaml
@@ -355,6 +355,11 @@ def validate_algo(a: AlgoConfig) -> None:
         )
     if a.advantage in GROUP_ESTIMATORS and a.group_size < 2:
         raise ConfigError(f"algo.advantage={a.advantage} needs algo.group_size >= 2 (same-prompt groups)")
+    if a.truncated == "bootstrap" and not uses_critic(a.advantage):
+        raise ConfigError(
+            f"algo.truncated=bootstrap needs a critic but algo.advantage={a.advantage}; use gae, step_mean or "
+            "step_last, or algo.truncated=terminal"
+        )
     if a.max_policy_lag is not None and a.max_policy_lag < 0:
         raise ConfigError(f"algo.max_policy_lag={a.max_policy_lag}; use null (unbounded) or >= 0")
     if a.over_lag == "mask" and a.max_policy_lag is None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sao_megatron.algo.choices import AdvantageName, BatchOrder, LossAgg, OverLag, PolicyLossName
+from sao_megatron.algo.choices import AdvantageName, BatchOrder, LossAgg, OverLag, PolicyLossName, Truncation
 from sao_megatron.config.loop import AgentLoopConfig
 from sao_megatron.config.model import ModelConfig
 
@@ -197,6 +197,10 @@ class AlgoConfig:
     """alpha of length-adaptive lambda (VAPO; the paper uses 1.5)."""
     lam_critic: float = 1.0
     """Lambda of the critic's targets (decoupled GAE)."""
+    truncated: Truncation = "terminal"
+    """An episode cut by ``rollout.loop`` limits (turns, context, token budgets): ``terminal`` trains the
+    cut as the episode's end with its reward (ours; the paper is silent); ``bootstrap`` gives its last
+    action token the critic's value at the cut instead (needs a critic estimator)."""
     whiten_advantages: bool = False
     """Normalise advantages over the batch (paper silent; off)."""
     grpo_std_normalize: bool = True

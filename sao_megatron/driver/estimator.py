@@ -36,14 +36,22 @@ class AdvantageEstimator:
             if values is None:
                 raise ValueError(f"algo.advantage={a.advantage!r} needs the critic's values")
             lam = algo.length_adaptive_lambda(mask, a.lam_alpha) if a.lam == "adaptive" else a.lam
+            rewards, bootstrap = self._truncation(batch, values, trajectories)
             if a.advantage == "gae":
                 adv, ret, metrics = algo.gae(
-                    batch.rewards, values, mask, gamma=a.gamma, lam=lam, lam_critic=a.lam_critic
+                    rewards, values, mask, gamma=a.gamma, lam=lam, lam_critic=a.lam_critic, bootstrap=bootstrap
                 )
             else:
                 assert a.advantage == "step_mean" or a.advantage == "step_last"
                 adv, ret, metrics = algo.step_gae(
-                    batch.rewards, values, mask, mode=a.advantage, gamma=a.gamma, lam=lam, lam_critic=a.lam_critic
+                    rewards,
+                    values,
+                    mask,
+                    mode=a.advantage,
+                    gamma=a.gamma,
+                    lam=lam,
+                    lam_critic=a.lam_critic,
+                    bootstrap=bootstrap,
                 )
         else:
             ret = None
@@ -64,6 +72,17 @@ class AdvantageEstimator:
             adv, wm = algo.whiten_advantages(adv, mask)
             metrics = {**metrics, **wm}
         return adv.float(), (ret.float() if ret is not None else None), metrics
+
+    def _truncation(
+        self, batch: TrainBatch, values: torch.Tensor, trajectories: list[Trajectory]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rewards and bootstrap values ``[B]`` under ``algo.truncated``: a ``truncated`` episode (a turn,
+        context or token-budget limit cut it; failed ones never reach the learner) bootstraps from the
+        critic's value at each row's last position, the state after its last token (``TrainBatch``:
+        position ``L - 1`` predicts the token after the sequence's end)."""
+        truncated = torch.tensor([t.status == "truncated" for t in trajectories])
+        cut_values = values[torch.arange(batch.size), batch.lengths - 1]  # [B]
+        return algo.truncation_targets(batch.rewards, cut_values, truncated, self.a.truncated)
 
     def state_dict(self) -> dict:
         return {"prompt": self.prompt_baseline.state_dict(), "global": self.global_baseline.state_dict()}

@@ -41,16 +41,21 @@ class CriticWorker:
 
     @torch.no_grad()
     def values(self, shard: BatchShard) -> RowOutputs | None:
-        """``[b, T]`` values V(s) at each position (zero off actions), on reporting ranks."""
+        """``[b, T]`` values V(s) at the action positions and at each row's last position (the state
+        after the sequence's end: a truncated episode's bootstrap), zero elsewhere, on reporting ranks
+        (:attr:`TrainBatch.value_mask`)."""
         collected: list[torch.Tensor] = []
 
         def loss_fn(values: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            collected.append(full_sequence(values.squeeze(-1).float() * mb.action_mask, mb))
+            collected.append(full_sequence(values.squeeze(-1).float(), mb))
             return values.sum() * 0.0, {}
 
         micro = micro_batches(shard, self._micro)
         self.role.forward_backward(micro, loss_fn, forward_only=True)
-        return row_outputs(collected, micro, shard)
+        out = row_outputs(collected, micro, shard)
+        if out is not None:
+            out.values.mul_(shard.batch.value_mask)
+        return out
 
     def update(self, shard: BatchShard, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the value loss on the whole batch (``returns``, ``old_values``: ``[b, T]``)."""

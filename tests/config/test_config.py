@@ -178,6 +178,13 @@ def test_lam_is_a_float_or_adaptive_and_max_policy_lag_null_is_unbounded():
     assert load_config(None, ["algo.max_policy_lag=0"]).algo.max_policy_lag == 0
 
 
+def test_truncated_bootstrap_needs_a_critic():
+    assert SAOConfig().algo.truncated == "terminal"
+    assert load_config(None, ["algo.truncated=bootstrap"]).algo.truncated == "bootstrap"
+    with pytest.raises(ConfigError, match=r"algo.truncated=bootstrap needs a critic but algo.advantage=rloo"):
+        load_config(None, ["algo.truncated=bootstrap", "algo.advantage=rloo", "algo.group_size=2"])
+
+
 def test_agent_loop_settings_are_nested_under_rollout_loop():
     cfg = load_config(None, ["rollout.loop.temperature=0.5", "rollout.loop.generate_timeout_s=10"])
     assert isinstance(cfg.rollout.loop, AgentLoopConfig)
