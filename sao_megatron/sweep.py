@@ -330,9 +330,20 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def own_records(records: list[dict], metric: str) -> list[dict]:
+    """The records of a run that speak for it on ``metric``: every record for ``eval/*`` (the shared
+    start's initial evaluation is each arm's first point), else the run's RL steps when it has any. An
+    arm's run directory begins with its shared start's SFT and value-pretraining records (``begin_from``):
+    a metric the arm never logs in RL (a critic's, for a baseline without one) must stay empty, not
+    show the start's figure."""
+    if metric.startswith("eval/") or not any(r.get("stage") == "rl" for r in records):
+        return records
+    return [r for r in records if r.get("stage") == "rl"]
+
+
 def final_value(records: list[dict], metric: str) -> float | None:
-    """The metric's last value in the run (the final evaluation for ``eval/*``)."""
-    values = [r[metric] for r in records if _number(r.get(metric))]
+    """The metric's last value in the run (:func:`own_records`; the final evaluation for ``eval/*``)."""
+    values = [r[metric] for r in own_records(records, metric) if _number(r.get(metric))]
     return float(values[-1]) if values else None
 
 

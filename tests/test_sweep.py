@@ -275,3 +275,28 @@ def test_a_snapshot_keeps_what_compare_reads_and_sums_the_runs_wall_time(sweep_f
     assert main(["compare", str(tmp_path / "copy")]) == 0
     table = {line for line in capsys.readouterr().out.splitlines() if line.startswith("| eval/accuracy |")}
     assert len(table) == 2 and table == {line for line in original.splitlines() if line.startswith("| eval/accuracy |")}
+
+
+def test_compare_leaves_empty_a_metric_an_arm_never_logged_in_its_rl_steps(tmp_path, capsys):
+    """Both arms begin from one shared start whose value pretraining logged the critic's explained
+    variance (0.19, copied into each arm's metrics); only the arm with a critic logs it in RL."""
+    start = [
+        {"step": 1, "stage": "value_pretrain", "critic/explained_var": 0.19, "rollout/reward": 0.3},
+        {"step": 0, "stage": "eval", "eval/accuracy": 0.5},
+    ]
+    for arm, rl in (("sao", {"critic/explained_var": 0.6}), ("grpo_dis", {})):
+        for seed in (1, 2):
+            run = tmp_path / arm / f"seed{seed}"
+            run.mkdir(parents=True)
+            steps = [
+                {"step": 1, "stage": "rl", "rollout/reward": 0.4, **rl},
+                {"step": 1, "stage": "eval", "eval/accuracy": 0.7},
+            ]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in start + steps))
+    metrics = ["--metric", "critic/explained_var", "--metric", "rollout/reward", "--metric", "eval/accuracy"]
+    assert main(["compare", str(tmp_path), *metrics, "--paired-with", "sao"]) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in out.splitlines() if line.startswith("| ")}
+    assert ("critic/explained_var", "sao") in rows
+    assert not {r for r in rows if r[0].startswith("critic/") and r[1] == "grpo_dis"}  # no 0.19 row, paired or not
+    assert {("rollout/reward", "grpo_dis"), ("eval/accuracy gain", "grpo_dis")} <= rows  # its own metrics stay
