@@ -21,7 +21,10 @@ outermost first (what this host provides is reported by :func:`detect_isolation`
    so no connection leaves the sandbox) and a new mount namespace in which ``/`` is read-only,
    ``/tmp`` is a private size-limited tmpfs holding the working directory, and the project
    directory, ``/root`` and ``/home`` are hidden under empty tmpfs mounts (the interpreter's
-   own prefix is bound back read-only so the stdlib still imports).
+   own prefix is bound back read-only so the stdlib still imports); with the mount namespace, a
+   new PID namespace whose init reaps every orphan and ends, so the kernel kills and reaps the
+   rest, when the code's process (its child) ends: nothing the code started outlives the call,
+   not even as a zombie.
 3. **rlimits**: CPU seconds, address space, file size, open files, processes, no core dumps.
 4. **Interpreter**: ``python -I -S`` (no user site, no site-packages, no ``PYTHON*`` env),
    an environment of four fixed variables (the parent's environment never reaches the child),
@@ -212,10 +215,12 @@ def _argv(
     binds: tuple[tuple[str, str, str], ...] = (),
     exec_argv: tuple[str, ...] = (),
     pidns: bool = False,
+    program_is_init: bool = True,
 ) -> list[str]:
     """The sandbox's command line. The keyword arguments serve other sandboxed programs (the shell):
     a fixed uid rule, extra read-only paths, ``(mode, source, target)`` binds, a program to exec,
-    a PID namespace (when ``iso`` allows it)."""
+    a PID namespace (when ``iso`` allows it) whose init is the program itself or, with
+    ``program_is_init=False``, a reaper whose child the program is (``sandbox_child._c_reaping_init``)."""
     hidden, expose = _hidden_paths(limits), (*_exposed_paths(), *expose)
     bind_paths = [p for b in binds for p in b]
     if any("\n" in p for p in (*hidden, *expose, *bind_paths)) or any("\t" in p for p in bind_paths):
@@ -229,7 +234,7 @@ def _argv(
         "-c",
         bootstrap_source(),
         uid_rule or _uid_rule(iso),
-        f"{int(iso.netns)}{int(iso.mountns)}{int(pidns and iso.pidns and iso.mountns)}",
+        f"{int(iso.netns)}{int(iso.mountns)}{(1 if program_is_init else 2) if pidns and iso.pidns and iso.mountns else 0}",
         preload,
         ",".join(str(max(1, int(x))) for x in (*lim, limits.tmpfs_bytes)) + f",{max(0, limits.nice)}",
         "\n".join(hidden),
@@ -512,8 +517,12 @@ async def _supervised(
 
 
 async def _supervise(limits: SandboxLimits, iso: Isolation, host_dir: str) -> SandboxResult:
+    # A PID namespace (where the host allows one) whose init reaps: a double-forked or setsid
+    # descendant dies with it and is reaped inside, so none is left, zombie included, once the
+    # call returns (without one it became a zombie of the host's init, reaped seconds later or never).
+    pidns = iso.pidns and iso.mountns
     try:
-        argv = _argv(limits, iso)
+        argv = _argv(limits, iso, pidns=pidns, program_is_init=False)
     except ValueError as exc:
         return SandboxResult("sandbox_error", "", "", None, 0.0, f"cannot start: {exc}")
     run = await _supervised(
@@ -524,6 +533,7 @@ async def _supervise(limits: SandboxLimits, iso: Isolation, host_dir: str) -> Sa
         {1: limits.max_stdout_bytes, 2: limits.max_stderr_bytes},
         iso,
         functools.partial(_uid_of, iso),
+        pidns,
     )
     if run.proc is None:
         return SandboxResult("sandbox_error", "", "", None, run.wall_s, run.error)

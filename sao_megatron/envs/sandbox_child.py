@@ -17,15 +17,19 @@ import textwrap
 
 
 def _c_isolate_files(
-    src: bytes, uid: int, tmpfs_bytes: int, hidden: list, expose: list, binds: list, pidns: bool
+    src: bytes, uid: int, tmpfs_bytes: int, hidden: list, expose: list, binds: list, pidns: str
 ) -> None:
     """Mount namespace: private /tmp + workdir, hidden dirs (interpreter re-exposed), read-only /.
 
     ``binds`` (``(mode, source, target)``, mode ``rw`` or ``ro``) are host directories mounted at
     ``target``: each source is opened first, so it may lie under /tmp or a hidden directory.
-    With ``pidns`` the process forks into a new PID namespace with its own /proc: the parent
-    stays root and outside, reaps the namespace's init (the child) and exits with its status;
-    when that init ends, the kernel kills and reaps everything else in the namespace.
+    With ``pidns`` ``"1"`` or ``"2"`` the process forks into a new PID namespace with its own
+    /proc: the parent stays root and outside, reaps the namespace's init (the child) and exits
+    with its status; when that init ends, the kernel kills and reaps everything else in the
+    namespace. ``"1"``: the program is that init (the shell's ``bash``). ``"2"``:
+    :func:`_c_reaping_init` is, and the program runs as its child, so the program's own signals,
+    rlimits and exit status work as without a namespace (an init ignores the signals it has no
+    handler for, SIGXCPU included); the parent exits as the program did, of the same signal too.
     """
     import ctypes
 
@@ -77,13 +81,54 @@ def _c_isolate_files(
     if uid >= 0:
         os.chown("/tmp/work", uid, uid)
     os.chdir("/tmp/work")
-    if pidns:
+    if pidns != "0":
+        report, told = os.pipe() if pidns == "2" else (-1, -1)
         os.unshare(os.CLONE_NEWPID)
         child = os.fork()
         if child:
-            code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+            status = os.waitpid(child, 0)[1]
+            if pidns == "2":
+                os.close(told)
+                status = int(os.read(report, 32) or status)  # the program's status, if the init lived to tell
+            code = os.waitstatus_to_exitcode(status)
+            if code < 0 and pidns == "2":
+                _c_die_of(-code)
             os._exit(code if code >= 0 else 128 - code)
         mount("proc", "/proc", "proc", nosuid | nodev | 8)  # 8: MS_NOEXEC
+        if pidns == "2":
+            _c_reaping_init(report, told)
+
+
+def _c_reaping_init(report: int, told: int) -> None:
+    """Fork; the parent stays as the PID namespace's init: it reaps every process orphaned into
+    the namespace until the child (the program) ends, writes the child's wait status to ``told``
+    and exits, whereupon the kernel kills and reaps what is left. The child returns."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG=SIGKILL: ends with the parent outside
+    program = os.fork()
+    if program == 0:
+        os.close(report)
+        os.close(told)
+        return
+    os.close(report)
+    while True:
+        pid, status = os.wait()
+        if pid == program:
+            os.write(told, str(status).encode())
+            os._exit(0)
+
+
+def _c_die_of(signum: int) -> None:
+    """End this process by ``signum``, as the program it ran ended (no core file)."""
+    import resource
+    import signal
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # the two whose action cannot be set
+        signal.signal(signum, signal.SIG_DFL)  # Python's own handlers (SIGINT, SIGPIPE) would not end us
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # a signal whose default is to go on (SIGCHLD, SIGCONT, ...)
 
 
 def _c_audit(event: str, args: tuple) -> None:
@@ -111,7 +156,7 @@ def _c_setup(argv: list) -> bytes:
         os.unshare(flags)
     if ns[1] == "1":
         lines = [[p for p in arg.split("\n") if p] for arg in (hidden, expose, binds)]
-        _c_isolate_files(src, uid, tmpfs, lines[0], lines[1], [b.split("\t") for b in lines[2]], ns[2:] == "1")
+        _c_isolate_files(src, uid, tmpfs, lines[0], lines[1], [b.split("\t") for b in lines[2]], ns[2:] or "0")
     elif uid >= 0:
         os.chown(".", uid, uid)
     for name in preload.split() if preload != "-" else ():
@@ -170,7 +215,7 @@ def _c_main(argv: list) -> None:
 @functools.cache
 def bootstrap_source() -> str:
     """The ``-c`` program of the sandbox interpreter: the ``_c_*`` functions and a call."""
-    funcs = (_c_isolate_files, _c_audit, _c_setup, _c_main)
+    funcs = (_c_isolate_files, _c_reaping_init, _c_die_of, _c_audit, _c_setup, _c_main)
     body = "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in funcs)
     return f"import os, sys\n\n{body}\n\n_c_main(sys.argv[1:])\n"
 

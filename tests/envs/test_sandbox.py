@@ -409,3 +409,27 @@ def test_degraded_isolation_modes_still_run(monkeypatch: pytest.MonkeyPatch, mod
     blocked = run_python("import socket\nsocket.socket()\nprint('made')", LIMITS)
     assert blocked.status == "error" and "made" not in blocked.stdout  # audit hook (or no stdlib access)
     assert run_python("while True: pass", replace(LIMITS, wall_s=0.5)).status == "timeout"
+
+
+def _processes_of(uid: int) -> list[str]:
+    """Every process of ``uid`` (``pid state``), zombies included, read from /proc."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields["Uid"].split()[0]) == uid:
+            found.append(f"{status.parent.name} {fields['State'].strip()}")
+    return found
+
+
+@pytest.mark.parametrize("code", [DOUBLE_FORK, SETSID_ORPHAN], ids=["double_fork", "setsid"])
+def test_a_descendant_outside_the_session_leaves_no_process_once_the_call_returns(code: str) -> None:
+    """Killed at the end and reaped before the call returns: not even a zombie of the host's init,
+    which reaps it seconds later, or never under a container entrypoint that does not reap."""
+    if not (detect_isolation().unique_uids and detect_isolation().pidns):
+        pytest.skip(f"needs per-sandbox uids and a PID namespace: {detect_isolation()}")
+    result = run_python(code, FINISHES)
+    assert result.status == "ok" and result.uid is not None, result
+    assert _processes_of(result.uid) == []
