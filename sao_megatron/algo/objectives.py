@@ -17,6 +17,7 @@ from torch import Tensor
 
 from sao_megatron.algo._checks import check_choice
 from sao_megatron.algo.choices import POLICY_LOSSES, LossAgg, PolicyLossName
+from sao_megatron.algo.corrections import sequence_mask, truncated_is
 from sao_megatron.algo.diagnostics import kept_by_lag
 from sao_megatron.algo.masked import masked_mean
 from sao_megatron.algo.policy_loss import dis_band, policy_loss
@@ -45,6 +46,9 @@ def policy_objective(
     num_seqs_global: float,
     segment_ids: Tensor | None = None,
     stale_lag: int | None = None,
+    seq_mask_low: float | None = None,
+    seq_mask_high: float | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The actor's loss on one micro-batch: policy loss ``loss`` (:mod:`~sao_megatron.algo.policy_loss`)
     plus its diagnostics.
@@ -63,12 +67,29 @@ def policy_objective(
 
     ``stale_lag`` (``algo.over_lag: mask``): tokens whose lag exceeds it carry no gradient (their
     advantage is zeroed: every loss here is linear in it) and still count in the normalisers, as
-    the tokens DIS masks do; ``stale_masked`` is their share of the action tokens."""
+    the tokens DIS masks do; ``stale_masked`` is their share of the action tokens.
+
+    Corrections (:mod:`~sao_megatron.algo.corrections`), each a factor on every token's advantage, so
+    on its loss and gradient, with any ``loss``: ``seq_mask_low`` / ``seq_mask_high`` (``None``: that
+    side open; both ``None``: off) drop every action token of a trajectory whose geometric-mean ratio
+    leaves ``[low, high]`` (``seq_mask/*`` metrics); ``tis_cap`` (``None``: off) truncates each token's
+    importance weight at ``C`` (``tis/*`` metrics). Both count in the normalisers as masked tokens
+    do. With a band holding every trajectory and ``C`` above every ratio, the loss and its gradient
+    are exactly those without them (``dis``, ``ppo_clip``; ``vanilla`` gains the weight ``rho``)."""
     check_choice("policy loss", loss, POLICY_LOSSES)
     mask = action_mask > 0
     loss_advantages = advantages
     if stale_lag is not None:
         loss_advantages = advantages * (lag <= stale_lag)
+    corrections: dict[str, float] = {}
+    if seq_mask_low is not None or seq_mask_high is not None:
+        keep, m = sequence_mask(
+            logprobs, behavior_logprobs, mask, low=seq_mask_low, high=seq_mask_high, segment_ids=segment_ids
+        )
+        loss_advantages, corrections = loss_advantages * keep, corrections | m
+    if tis_cap is not None:
+        factor, m = truncated_is(logprobs, behavior_logprobs, mask, cap=tis_cap, loss_has_ratio=loss != "vanilla")
+        loss_advantages, corrections = loss_advantages * factor, corrections | m
     tokens, seqs = _normalisers(agg, num_tokens_global, num_seqs_global)
     bounds = {"eps_low": eps_low, "eps_high": eps_high} if loss != "vanilla" else {}  # vanilla: no band
     extra = {"detach_ratio": detach_ratio} if loss == "dis" else {}
@@ -85,6 +106,7 @@ def policy_objective(
         **bounds,
         **extra,
     )
+    metrics.update(corrections)
     metrics["entropy"] = masked_mean(entropy, mask.float()).item()
     metrics["micro_tokens"] = float(mask.sum())
     if stale_lag is not None:
