@@ -397,6 +397,26 @@ CASES: list[tuple[str, Build, str]] = [
      r"^actor\.router_bias_update_rate=-0\.001 must be >= 0$"),
     ("bad-router-bias-update", _overrides("actor.router_bias_update=sync"),
      r"^override 'actor\.router_bias_update=sync': actor\.router_bias_update: 'sync' is not one of 'freeze', 'train'$"),
+    ("negative-moe-aux-loss-coeff", _overrides("actor.moe_aux_loss_coeff=-0.01"),
+     r"^actor\.moe_aux_loss_coeff=-0\.01 must be >= 0 \(0 turns it off\)$"),
+    ("freeze-router-on-a-dense-model", _overrides("model.num_experts=0", "actor.freeze_router=true"),
+     r"^actor\.freeze_router=true but the model is dense \(model\.num_experts=0\); set it false$"),
+    # ---- corrections beside the policy loss (algo.seq_mask_low/high, algo.tis_cap)
+    ("seq-mask-band-above-1", _overrides("algo.seq_mask_low=1.2", "algo.seq_mask_high=3"),
+     r"^algo\.seq_mask_low=1\.2 must be in \(0, 1\): the band must hold 1, an on-policy trajectory; use null for no lower bound$"),
+    ("seq-mask-band-below-1", _overrides("algo.seq_mask_high=0.9"),
+     r"^algo\.seq_mask_high=0\.9 must be > 1: the band must hold 1, an on-policy trajectory; use null for no upper bound$"),
+    ("seq-mask-low-zero", _overrides("algo.seq_mask_low=0"), r"^algo\.seq_mask_low=0\.0 must be in \(0, 1\)"),
+    ("seq-mask-low-above-high", _overrides("algo.seq_mask_low=2", "algo.seq_mask_high=1.5"), r"^algo\.seq_mask_low=2\.0 must be in \(0, 1\)"),
+    ("seq-mask-with-context-parallel", _overrides("algo.seq_mask_low=0.5", "actor.parallel.world_size=2", "actor.parallel.context_parallel=2"),
+     r"^algo\.seq_mask_low/seq_mask_high with actor\.parallel\.context_parallel=2: a trajectory is split over the "
+     r"context-parallel ranks, so its geometric mean is not known on one; turn the sequence mask off \(null\) or use context_parallel 1$"),
+    ("tis-cap-zero", _overrides("algo.tis_cap=0"),
+     r"^algo\.tis_cap=0\.0 must be >= 1 \(a cap below 1 down-weights on-policy tokens, rho = 1\); use null to turn truncated IS off$"),
+    ("tis-cap-negative", _overrides("algo.tis_cap=-2"), r"^algo\.tis_cap=-2\.0 must be >= 1 "),
+    ("tis-cap-above-the-dis-band", _overrides("algo.tis_cap=7", "algo.eps_high=5"),
+     r"^algo\.tis_cap=7\.0 truncates nothing with algo\.policy_loss=dis: DIS drops every token with rho >= 1 \+ "
+     r"algo\.eps_high = 6\.0; set tis_cap below it or null$"),
     # ---- tokenizers next to an HF checkpoint
     ("tokenizer-json-missing", _checkpoint(lambda c: (c / "tokenizer.json").unlink()),
      r"^actor\.init_from={tmp}/ckpt: the checkpoint has no tokenizer \(needs tokenizer\.json and "

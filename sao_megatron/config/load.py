@@ -319,6 +319,7 @@ def validate(cfg: SAOConfig) -> None:
         except re.error as err:
             raise ConfigError(f"critic.freeze_patterns/train_patterns: bad regex {pattern!r} ({err})") from None
     validate_algo(cfg.algo)
+    validate_corrections(cfg)
     validate_rollout(cfg.rollout)
     validate_data(cfg.data, evaluates=cfg.train.eval_prompts > 0)
     for name in ("eval_prompts", "eval_samples"):
@@ -366,6 +367,42 @@ def validate_algo(a: AlgoConfig) -> None:
         raise ConfigError("algo.over_lag=mask masks tokens past algo.max_policy_lag, which is null: set a bound")
     if a.max_batches_ahead is not None and a.max_batches_ahead < 1:
         raise ConfigError(f"algo.max_batches_ahead={a.max_batches_ahead}; use null (no cap) or >= 1")
+
+
+def validate_corrections(cfg: SAOConfig) -> None:
+    """The policy-loss corrections (``algo.seq_mask_*``, ``algo.tis_cap``) and the actor's MoE router keys."""
+    a = cfg.algo
+    low, high, cap = a.seq_mask_low, a.seq_mask_high, a.tis_cap
+    if low is not None and not 0 < low < 1:
+        raise ConfigError(
+            f"algo.seq_mask_low={low} must be in (0, 1): the band must hold 1, an on-policy trajectory; "
+            "use null for no lower bound"
+        )
+    if high is not None and not high > 1:
+        raise ConfigError(
+            f"algo.seq_mask_high={high} must be > 1: the band must hold 1, an on-policy trajectory; "
+            "use null for no upper bound"
+        )
+    cp = cfg.actor.parallel.context_parallel
+    if (low is not None or high is not None) and cp > 1:
+        raise ConfigError(
+            f"algo.seq_mask_low/seq_mask_high with actor.parallel.context_parallel={cp}: a trajectory is split "
+            "over the context-parallel ranks, so its geometric mean is not known on one; turn the sequence mask off (null) or use context_parallel 1"
+        )
+    if cap is not None and not cap >= 1:
+        raise ConfigError(
+            f"algo.tis_cap={cap} must be >= 1 (a cap below 1 down-weights on-policy tokens, rho = 1); "
+            "use null to turn truncated IS off"
+        )
+    if cap is not None and a.policy_loss == "dis" and cap >= 1 + a.eps_high:
+        raise ConfigError(
+            f"algo.tis_cap={cap} truncates nothing with algo.policy_loss=dis: DIS drops every token with "
+            f"rho >= 1 + algo.eps_high = {1 + a.eps_high}; set tis_cap below it or null"
+        )
+    if cfg.actor.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"actor.moe_aux_loss_coeff={cfg.actor.moe_aux_loss_coeff} must be >= 0 (0 turns it off)")
+    if cfg.actor.freeze_router and not cfg.model.num_experts:
+        raise ConfigError("actor.freeze_router=true but the model is dense (model.num_experts=0); set it false")
 
 
 def validate_run(r: RunConfig) -> None:

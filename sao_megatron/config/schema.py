@@ -146,6 +146,16 @@ class ActorConfig:
     way every weight sync sends the biases with the weights, so engines route as the trainer."""
     router_bias_update_rate: float = 1e-3
     """The expert-bias step of ``router_bias_update: train`` (Megatron's default, DeepSeek-V3's)."""
+    moe_aux_loss_coeff: float = 0.0
+    """The MoE load-balancing auxiliary loss coefficient of the actor's RL updates (Megatron
+    ``moe_aux_loss_coeff``); SFT steps (``train.sft_steps``) keep ``model.moe_aux_loss_coeff``. 0
+    (default): the RL gradient is the policy loss's alone; load balancing would move the routers for a
+    reason the reward does not see, and every routing change the engines have not yet received
+    widens the trainer/engine mismatch (docs/algo.md; NeMo-RL's MoE RL defaults likewise)."""
+    freeze_router: bool = False
+    """MoE models: the routers' weights (``...mlp.router.weight``) get no gradient and never change,
+    for SFT and RL alike (frozen before Megatron's DDP wraps the model); the expert bias follows
+    ``router_bias_update``. The experts and everything else train."""
 
 
 @dataclass
@@ -184,6 +194,19 @@ class AlgoConfig:
     """DIS keeps ``rho < 1 + eps_high``; PPO clips at ``1 + eps_high`` (paper, math: 5.0)."""
     detach_ratio: bool = True
     """DIS weight as a stop-gradient (truncated IS); false gives the paper's literal formula."""
+    seq_mask_low: float | None = None
+    """Sequence mask, lower bound in (0, 1) (docs/algo.md): a trajectory whose geometric-mean ratio
+    ``exp(mean_t log rho_t)`` over its action tokens is below it gets no policy gradient (its tokens
+    still count in the normaliser); with any ``policy_loss``, never on value targets. null: no lower
+    bound. Refused with ``actor.parallel.context_parallel`` > 1 (a trajectory is then split over ranks)."""
+    seq_mask_high: float | None = None
+    """Sequence mask, upper bound > 1: a trajectory whose geometric-mean ratio is above it gets no
+    policy gradient; null: no upper bound (both null: the sequence mask is off)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (docs/algo.md): each action token's importance weight becomes
+    ``min(rho, C)``, C = this (>= 1), nothing masked; ``vanilla`` gains that weight, ``dis`` and
+    ``ppo_clip`` have their ratio truncated at C (with ``dis``, C must lie below ``1 + eps_high``,
+    which already bounds it). null: off."""
     loss_agg: LossAgg = "token_mean"
     """``token_mean`` over the global batch's action tokens or ``seq_mean``."""
     advantage: AdvantageName = "gae"

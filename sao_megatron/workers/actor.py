@@ -76,6 +76,7 @@ class ActorWorker:
         trained (token lag = version - the token's version, reported as ``dis/kept_frac/lag*``)."""
         a = self.cfg.algo
         b = shard.batch
+        self.role.config.moe_aux_loss_coeff = self.cfg.actor.moe_aux_loss_coeff  # RL's (Megatron reads it per forward)
         lag = algo.policy_lag(version, b.policy_versions, b.action_mask)
         micro = micro_batches(shard, self._micro, advantages=advantages, lag=lag)
 
@@ -101,6 +102,9 @@ class ActorWorker:
                 num_seqs_global=shard.num_seqs_global,
                 segment_ids=mb.segment_ids,
                 stale_lag=a.max_policy_lag if a.over_lag == "mask" else None,
+                seq_mask_low=a.seq_mask_low,
+                seq_mask_high=a.seq_mask_high,
+                tis_cap=a.tis_cap,
             )
 
         out = self.role.forward_backward(micro, loss_fn)
@@ -138,6 +142,7 @@ class ActorWorker:
 
     def sft_step(self, shard: BatchShard) -> dict[str, float]:
         """Supervised step: mean negative logprob of the action tokens (demonstrations)."""
+        self.role.config.moe_aux_loss_coeff = self.cfg.model.moe_aux_loss_coeff  # SFT keeps the model's
         micro = micro_batches(shard, self._micro)
 
         def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:

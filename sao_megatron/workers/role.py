@@ -372,6 +372,10 @@ def check_context_parallel(p: ParallelConfig, role: str) -> None:
         )
 
 
+ROUTER_WEIGHT = r"\.mlp\.router\.weight$"
+"""The MoE routers' weights (``actor.freeze_router``), by local-spec name (``builder.canonical_name``)."""
+
+
 def build_actor_model(m: ModelConfig, actor: ActorConfig) -> torch.nn.Module:
     """This rank's policy model, loaded from ``actor.init_from`` when set (random otherwise)."""
     from sao_megatron.models.builder import build_gpt
@@ -383,6 +387,10 @@ def build_actor_model(m: ModelConfig, actor: ActorConfig) -> torch.nn.Module:
     if actor.init_from:
         release_free_memory()  # the random initialisation's temporaries, before reading the weights
         load_weights(model, m, actor.init_from)
+    if actor.freeze_router:  # before DDP wraps it: frozen parameters stay out of its buffers
+        from sao_megatron.models.critic import freeze
+
+        freeze(model, [ROUTER_WEIGHT])
     return model
 
 
