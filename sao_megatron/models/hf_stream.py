@@ -11,16 +11,16 @@
   TP group. With TP = 1 (PP / EP / DP layouts) nothing moves between ranks at all.
 
 The schedule is a list of *steps*, one per bucket of a writer (a writer's k-th bucket of at most
-``bucket_bytes``), ordered ``(k, writer)``; every rank of the stream walks the same steps in the
-same order and posts its point-to-point operations of a step only there, so the operations of
-every pair of ranks are posted in the same order at both ends (NCCL runs a pair's operations on
-one stream, in order; gloo matches them in order). At its step a writer receives its bucket's
-shards, then acknowledges the step to every rank that sent to it. A sender posts a step's sends
-and the receive of that step's acknowledgement together, and before posting more waits for its
-oldest acknowledgements while its unacknowledged bytes would exceed ``inflight_bytes`` (one
-step's bytes always go out): a sender never runs ahead of the writers by more than that. On
-NCCL an acknowledgement is waited for by reading it on the host (``.item()``), which waits for
-the transfer itself, not only for its launch.
+``bucket_bytes``; tensors an engine fuses on load, :data:`_ENGINE_FUSED`, share one), ordered
+``(k, writer)``; every rank of the stream walks the same steps in the same order and posts its
+point-to-point operations of a step only there, so the operations of every pair of ranks are posted
+in the same order at both ends (NCCL runs a pair's operations on one stream, in order; gloo matches
+them in order). At its step a writer receives its bucket's shards, then acknowledges the step to
+every rank that sent to it. A sender posts a step's sends and the receive of that step's
+acknowledgement together, and before posting more waits for its oldest acknowledgements while its
+unacknowledged bytes would exceed ``inflight_bytes`` (one step's bytes always go out): a sender
+never runs ahead of the writers by more than that. On NCCL an acknowledgement is waited for by
+reading it on the host (``.item()``), which waits for the transfer itself, not only for its launch.
 
 Deadlock-free: a rank waits only for (a) acknowledgements of earlier steps, whose writers have
 passed them, since every rank passed them; (b) the shards of its own current step, whose senders
@@ -95,29 +95,73 @@ class _Step:
     items: tuple[_Item, ...]
 
 
+_ENGINE_FUSED = {"self_attention.linear_kv_down_proj.weight": "self_attention.linear_q_down_proj.weight"}
+"""Megatron per-layer tensors an engine fuses on load, each to the set's lead tensor: they travel
+next to each other and in one bucket (:func:`_load_unit`). Each bucket of a weight sync is one
+``/update_weights_from_distributed``, i.e. one ``load_weights`` call of SGLang's model class, and a
+loader that holds a tensor until its partner arrives in the same call drops it otherwise, leaving
+the engine's previous (at start, ``--load-format dummy``: random) weights. SGLang's loaders, read
+for every family we sync (sglang 0.5.x as installed):
+
+- DeepSeek-V3 / Kimi-K2 (``deepseek_common/deepseek_weight_loader.py``): ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` (Megatron ``linear_q_down_proj``, ``linear_kv_down_proj``) are cached in a
+  dict of the call (``cached_a_proj``) and written as ``fused_qkv_a_proj_with_mqa`` only once both
+  are there (whenever ``q_lora_rank`` is set). The set listed here. (Its other per-call cache,
+  ``pending_indexer_wk``, is DeepSeek-V3.2's indexer, a model we do not map.)
+- Qwen3-MoE (``qwen3_moe.py``), Mixtral (``mixtral.py``), GLM-4.5 (``glm4_moe.py``): none. Their
+  fused parameters (``qkv_proj``, ``gate_up_proj``, the experts' ``w13_weight`` / ``w2_weight``) are
+  written shard by shard as each HF tensor arrives (``weight_loader(param, w, shard_id)``), in any
+  call. DeepSeek's experts and shared experts load the same way; its ``post_load_weights`` splits
+  ``kv_b_proj`` into ``w_kc`` / ``w_vc`` for the layers whose ``kv_b_proj`` came in that call, one
+  tensor.
+"""
+
+
+def _load_unit(name: str) -> str:
+    """The Megatron tensor whose place and bucket ``name`` shares: its fused set's lead, else itself."""
+    for member, lead in _ENGINE_FUSED.items():
+        if name.endswith("." + member):
+            return name.removesuffix(member) + lead
+    return name
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 def _order_key(name: str):
+    """Embedding, layers in order, final norm, output layer; a fused set's members next to its lead."""
+    unit = _load_unit(name)
     group = (
         0
-        if name.startswith("embedding.")
+        if unit.startswith("embedding.")
         else 2
-        if name.startswith("decoder.final")
+        if unit.startswith("decoder.final")
         else 3
-        if name.startswith("output_layer")
+        if unit.startswith("output_layer")
         else 1
     )
-    return group, [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+    return group, _natural(unit), _natural(name)
 
 
 def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
-    """Consecutive groups of at most ``bucket_bytes`` (a larger item alone)."""
+    """Consecutive groups of at most ``bucket_bytes``, never splitting a run of one load unit
+    (:func:`_load_unit`); a larger unit goes alone."""
+    units: list[list[_Item]] = []
+    for item in items:
+        if units and _load_unit(item.name) == _load_unit(units[-1][-1].name):
+            units[-1].append(item)
+        else:
+            units.append([item])
     groups: list[list[_Item]] = []
     size = 0
-    for item in items:
-        if not groups or (groups[-1] and size + item.nbytes > bucket_bytes):
+    for unit in units:
+        nbytes = sum(item.nbytes for item in unit)
+        if not groups or (groups[-1] and size + nbytes > bucket_bytes):
             groups.append([])
             size = 0
-        groups[-1].append(item)
-        size += item.nbytes
+        groups[-1].extend(unit)
+        size += nbytes
     return groups
 
 
@@ -313,7 +357,8 @@ class HFWeightStream:
     def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """One entry per step of :meth:`steps`: on the step's writer the list of ``(hf_name,
         full_tensor)`` of its bucket (at most ``bucket_bytes`` of Megatron tensors, one larger tensor
-        alone), on every other rank an empty list. Every rank of the stream must exhaust it."""
+        or fused set alone; a set the engine fuses on load is never split, :data:`_ENGINE_FUSED`), on
+        every other rank an empty list. Every rank of the stream must exhaust it."""
         window = _SendWindow(self.inflight_bytes)
         acks: list[tuple[object, torch.Tensor]] = []  # this rank's acknowledgements being sent
         for index, step in enumerate(self.steps(bucket_bytes)):

@@ -575,10 +575,10 @@ def case_parity(rank, world, root: str, shape: str, layout_name: str) -> dict:
     if layout_name in ("ep2", "tp2"):
         bucket_bytes = 40_000  # above the largest tensor (the 32 KB embedding)
         buckets = list(iter_hf_weights(model, m, bucket_bytes=bucket_bytes))
-        if rank == 0:  # what a weight sync hands an engine, in order (tests/models/sglang_load.py reads it)
+        if rank == 0:  # what a weight sync hands an engine, bucket by bucket (tests/models/sglang_load.py reads it)
             (root_path / "stream").mkdir(exist_ok=True)
             torch.save(
-                [(n, t.clone()) for b in buckets for n, t in b], root_path / "stream" / f"{shape}-{layout_name}.pt"
+                [[(n, t.clone()) for n, t in b] for b in buckets], root_path / "stream" / f"{shape}-{layout_name}.pt"
             )
         sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
         over = [s for s in sizes if s > bucket_bytes]

@@ -1,19 +1,20 @@
 """Feed the trainer's HF weight stream to SGLang's own model class on the CPU, without a server.
 
 ``python -m tests.models.sglang_load OUT.json HF_DIR STREAM.pt [HF_DIR STREAM.pt ...]`` (run by
-``test_hf_families`` in a subprocess: SGLang takes over ``torch.distributed`` and its process-wide
-context, and needs the ``sgl_kernel`` stand-in on ``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``).
-For each checkpoint: SGLang's class for ``config.json``'s architecture (``sglang.srt.models.mixtral``,
-``glm4_moe``, ``deepseek_v2``) is built in float32 at TP=1 with every parameter NaN, its ``load_weights`` gets the
-stream's ``(name, tensor)`` list in stream order (what ``/update_weights_from_distributed`` hands it),
-and every parameter is compared with the tensor ``transformers`` holds for it after
-``from_pretrained(HF_DIR)``: SGLang's fused ``qkv_proj`` / ``gate_up_proj`` are the concatenation of
-transformers' projections, its experts' ``w13_weight`` / ``w2_weight`` transformers' fused
-``gate_up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe`` transformers' ``mlp``, DeepSeek's
-``fused_qkv_a_proj_with_mqa`` the concatenation of ``q_a_proj`` and ``kv_a_proj_with_mqa``. For
-DeepSeek-V3 the per-head key and value up-projections SGLang's MLA derives from ``kv_b_proj`` after
-loading (``w_kc``, ``w_vc``, plain attributes) are checked against transformers' ``kv_b_proj`` too. No
-forward runs (SGLang's CPU MLA needs sgl-kernel ops the stand-in lacks).
+``test_hf_families`` and ``test_sglang_buckets`` in a subprocess; OUT.json maps each STREAM.pt to its result:
+SGLang takes over ``torch.distributed`` and its process-wide context, and needs the ``sgl_kernel`` stand-in on
+``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``). For each stream: SGLang's class for ``config.json``'s
+architecture (``sglang.srt.models.qwen3_moe``, ``mixtral``, ``glm4_moe``, ``deepseek_v2``) is built in float32
+at TP=1 with every parameter NaN, and its ``load_weights`` is called once per bucket of the stream (a list of
+buckets, each a list of ``(name, tensor)`` in stream order: what one ``/update_weights_from_distributed``
+hands it; a loader that pairs tensors within one call drops a tensor whose partner came in another), and every
+parameter is compared with the tensor ``transformers`` holds for it after ``from_pretrained(HF_DIR)``:
+SGLang's fused ``qkv_proj`` / ``gate_up_proj`` are the concatenation of transformers' projections, its
+experts' ``w13_weight`` / ``w2_weight`` transformers' fused ``gate_up_proj`` / ``down_proj``, Mixtral's
+``block_sparse_moe`` transformers' ``mlp``, DeepSeek's ``fused_qkv_a_proj_with_mqa`` the concatenation of
+``q_a_proj`` and ``kv_a_proj_with_mqa``. For DeepSeek-V3 the per-head key and value up-projections SGLang's
+MLA derives from ``kv_b_proj`` after loading (``w_kc``, ``w_vc``, plain attributes) are checked against
+transformers' ``kv_b_proj`` too. No forward runs (SGLang's CPU MLA needs sgl-kernel ops the stand-in lacks).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def _init_sglang(model_path: str) -> None:
 
 
 def _sglang_class(architecture: str):
+    if architecture == "Qwen3MoeForCausalLM":
+        from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM
     if architecture == "MixtralForCausalLM":
         from sglang.srt.models.mixtral import MixtralForCausalLM
 
@@ -92,8 +97,9 @@ def check(hf_dir: str, stream_file: str) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
-    stream: list[tuple[str, torch.Tensor]] = torch.load(stream_file)
-    model.load_weights(iter(stream))
+    buckets: list[list[tuple[str, torch.Tensor]]] = torch.load(stream_file)
+    for bucket in buckets:
+        model.load_weights(iter(bucket))
     reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
     unloaded, mismatched, compared = [], [], 0
     for name, param in model.named_parameters():
@@ -107,7 +113,8 @@ def check(hf_dir: str, stream_file: str) -> dict:
     return {
         "mla_absorbed": _mla_absorbed(model, config, reference),
         "class": type(model).__module__,
-        "stream": len(stream),
+        "stream": sum(len(b) for b in buckets),
+        "buckets": len(buckets),
         "compared": compared,
         "unloaded": unloaded,
         "mismatched": mismatched,
@@ -136,7 +143,7 @@ def main(argv: list[str]) -> None:
     out, pairs = Path(argv[0]), list(zip(argv[1::2], argv[2::2], strict=True))
     torch.set_default_dtype(torch.float32)
     _init_sglang(pairs[0][0])
-    out.write_text(json.dumps({hf_dir: check(hf_dir, stream) for hf_dir, stream in pairs}))
+    out.write_text(json.dumps({stream: check(hf_dir, stream) for hf_dir, stream in pairs}))
 
 
 if __name__ == "__main__":

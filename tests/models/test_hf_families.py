@@ -162,8 +162,8 @@ def test_sglang_loads_the_stream_into_transformers_weights(world, sglang_loaded,
     """Every parameter of SGLang's model class is written by the stream (none left NaN) and equals
     transformers' tensor for it, the GLM and DeepSeek expert biases included; DeepSeek's per-head MLA
     key/value up-projections SGLang derives after loading equal transformers' ``kv_b_proj`` split."""
-    shape = case.split("/")[0]
-    r = sglang_loaded[str(world["root"] / "hf" / shape)]
+    shape, layout = case.split("/")
+    r = sglang_loaded[str(world["root"] / "stream" / f"{shape}-{layout}.pt")]
     assert r["class"] == f"sglang.srt.models.{SGLANG_CLASS[shape]}"
     assert r["unloaded"] == [] and r["mismatched"] == [] and r["compared"] > 10, r
     expected_biases = sum(1 for n in _state(world["root"] / "hf" / shape) if n.endswith("e_score_correction_bias"))
