@@ -39,6 +39,11 @@ class TrainBatch:
     policy_versions: torch.Tensor  # [B, T] int64, -1 off actions
     rewards: torch.Tensor  # [B] scalar episode reward
     lengths: torch.Tensor  # [B] sequence length L
+    routes: torch.Tensor | None = None
+    """Routing replay: ``[B, T, moe layers, top-k]`` uint8/int16 expert ids the engine chose for the
+    token at each position (``records.Trajectory.routes``); None when not captured."""
+    route_mask: torch.Tensor | None = None
+    """``[B, T]`` float 1 where ``routes`` holds the engine's routes (0: padding, missing positions)."""
 
     @property
     def size(self) -> int:
@@ -54,7 +59,7 @@ class TrainBatch:
         return mask
 
     def select(self, rows: slice | list[int]) -> TrainBatch:
-        return TrainBatch(**{k: v[rows] for k, v in self.__dict__.items()})
+        return TrainBatch(**{k: None if v is None else v[rows] for k, v in self.__dict__.items()})
 
     def shard(self, dp_size: int) -> list[BatchShard]:
         """One shard per data-parallel replica, balanced by tokens (:func:`balanced_split`)."""
@@ -85,7 +90,7 @@ class TrainBatch:
         t = padded_length(int(self.lengths[rows].max()), how.multiple) if rows else how.multiple
 
         def cut(v: torch.Tensor, fill: int) -> torch.Tensor:
-            return pad_columns(v[rows], t, fill) if rows else torch.full((1, t), fill, dtype=v.dtype)
+            return pad_columns(v[rows], t, fill) if rows else torch.full((1, t, *v.shape[2:]), fill, dtype=v.dtype)
 
         positions = torch.arange(t).expand(max(len(rows), 1), t).contiguous()
         return self._cut(cut, extras, positions, list(rows))
@@ -100,7 +105,7 @@ class TrainBatch:
             bounds.append(t)  # trailing padding: a segment of its own
 
         def cut(v: torch.Tensor, fill: int) -> torch.Tensor:
-            out = torch.full((1, t), fill, dtype=v.dtype)
+            out = torch.full((1, t, *v.shape[2:]), fill, dtype=v.dtype)
             for r, (offset, n) in zip(rows, spans, strict=True):
                 out[0, offset : offset + n] = v[r, :n]
             return out
@@ -139,6 +144,8 @@ class TrainBatch:
             lag=extra(extras.get("lag")),
             returns=extra(extras.get("returns")),
             old_values=extra(extras.get("old_values")),
+            routes=extra(self.routes),
+            route_mask=extra(self.route_mask),
         )
 
 
@@ -175,6 +182,8 @@ class MicroBatch:
     lag: torch.Tensor | None = None  # [b, t] int64 policy lag per action token; the actor's update
     returns: torch.Tensor | None = None  # [b, t] float value targets; the critic's update
     old_values: torch.Tensor | None = None  # [b, t] float V(s) before the update; the critic's update
+    routes: torch.Tensor | None = None  # [b, t, moe layers, top-k] uint8/int16 engine routes; routing replay
+    route_mask: torch.Tensor | None = None  # [b, t] float 1 where ``routes`` is known
     spans: list[tuple[int, int]] | None = None
     """Packed: (offset, length) of each row in the packed row."""
     segment_ids: torch.Tensor | None = None  # packed: [1, t] int64 segment of each position
@@ -282,10 +291,10 @@ def padded_length(length: int, multiple: int) -> int:
 
 
 def pad_columns(v: torch.Tensor, t: int, fill: float = 0) -> torch.Tensor:
-    """``v`` ``[B, T']`` trimmed or right-padded with ``fill`` to ``[B, t]``."""
+    """``v`` ``[B, T', ...]`` trimmed or right-padded with ``fill`` to ``[B, t, ...]``."""
     if v.shape[1] >= t:
         return v[:, :t]
-    pad = torch.full((v.shape[0], t - v.shape[1]), fill, dtype=v.dtype, device=v.device)
+    pad = torch.full((v.shape[0], t - v.shape[1], *v.shape[2:]), fill, dtype=v.dtype, device=v.device)
     return torch.cat([v, pad], dim=1)
 
 
@@ -320,7 +329,32 @@ def build_batch(trajectories: list[Trajectory]) -> TrainBatch:
         versions,
         torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         torch.tensor(lengths, dtype=torch.long),
+        *_routes(trajectories, width),
     )
+
+
+def _routes(trajectories: list[Trajectory], width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``routes`` ``[B, T, moe layers, top-k]`` and ``route_mask`` ``[B, T]`` of the trajectories that
+    carry routes (the others' rows: mask 0), or (None, None) when none does."""
+    shaped = [t.routes for t in trajectories if t.routes is not None]
+    if not shaped:
+        return None, None
+    first = shaped[0]
+    routes = torch.zeros(len(trajectories), width, *first.shape[1:], dtype=torch.from_numpy(first[:0]).dtype)
+    known = torch.zeros(len(trajectories), width)
+    for i, t in enumerate(trajectories):
+        if t.routes is None:
+            continue
+        if t.routes.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"trajectory {t.prompt_id}: routes of shape {t.routes.shape[1:]}, others {first.shape[1:]}"
+            )
+        n = len(t.routes)
+        routes[i, :n] = torch.from_numpy(t.routes)
+        known[i, :n] = 1.0
+        for span in t.routes_missing:
+            known[i, span.start : span.end] = 0.0
+    return routes, known
 
 
 @dataclass

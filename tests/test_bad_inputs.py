@@ -438,6 +438,12 @@ CASES: list[tuple[str, Build, str]] = [
     ("swe-task-missing-fail-to-pass", _swe_tasks(_swe_row_without("FAIL_TO_PASS")),
      r"^{tmp}/tasks\.jsonl:1: no field 'FAIL_TO_PASS' \(the row has: .*\); an SWE task needs .*FAIL_TO_PASS"),
     ("swe-task-file-empty", _swe_tasks(""), r"^{tmp}/tasks\.jsonl: no tasks \(the file is empty\)"),
+    # ---- routing replay (rollout.routing_replay)
+    ("routing-replay-on-a-dense-model", _overrides("model.num_experts=0", "rollout.routing_replay=on"),
+     r"^rollout\.routing_replay=on needs an MoE model, but model\.num_experts=0 \(dense: no routers to replay\); "
+     r"set rollout\.routing_replay=off$"),
+    ("routing-replay-unknown-mode", _overrides("rollout.routing_replay=replay"),
+     r"^override 'rollout\.routing_replay=replay': rollout\.routing_replay: 'replay' is not one of 'off', 'record', 'on'$"),
 ]
 # fmt: on
 

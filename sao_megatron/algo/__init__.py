@@ -39,7 +39,7 @@ from sao_megatron.algo.choices import (
     Truncation,
     uses_critic,
 )
-from sao_megatron.algo.diagnostics import LAG_BUCKETS, explained_variance, kept_by_lag, policy_lag
+from sao_megatron.algo.diagnostics import LAG_BUCKETS, explained_variance, kept_by_lag, mismatch_metrics, policy_lag
 from sao_megatron.algo.masked import (
     masked_mean,
     masked_quantiles,
@@ -83,6 +83,7 @@ __all__ = [
     "gae_reference",
     "grpo_advantages",
     "kept_by_lag",
+    "mismatch_metrics",
     "length_adaptive_lambda",
     "loss_weights",
     "masked_mean",

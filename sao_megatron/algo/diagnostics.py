@@ -75,3 +75,37 @@ def kept_by_lag(kept: Tensor, lag: Tensor, advantages: Tensor, mask: Tensor) -> 
                 out[f"dis/kept_frac/lag{name}/adv_{sign}"] = float((kept & both).sum()) / nb
                 out[f"dis/kept_frac/lag{name}/adv_{sign}{WEIGHT_SUFFIX}"] = float(nb)
     return out
+
+
+def mismatch_metrics(logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """Training-inference mismatch on the tokens of ``mask`` (the caller passes the action tokens
+    trained at the version that generated them, lag 0, where trainer and engine hold the same weights).
+
+    With ``d = logprobs - behavior_logprobs`` and ``r = exp(d)``: ``mismatch/abs_diff`` mean |d| and
+    ``mismatch/abs_diff/max`` its max; ``mismatch/k3`` the mean of ``r - 1 - d``, Schulman's k3
+    estimate of KL(engine || trainer) from the engine's samples (>= 0, unbiased); ``mismatch/ratio/p1``,
+    ``p50``, ``p99`` quantiles of ``r``; ``mismatch/tokens`` the count (summed across micro-batches and
+    ranks; the means carry it as their ``#n`` weight, so they reduce exactly, the quantiles approximately).
+    ``logprobs``, ``behavior_logprobs`` [B, T]; ``mask`` [B, T] bool. No tokens: only the count."""
+    from sao_megatron.algo.masked import masked_quantiles
+
+    check_shape("behavior_logprobs", behavior_logprobs, logprobs.shape)
+    mask = mask.bool()
+    n = int(mask.sum())
+    out = {"mismatch/tokens": float(n)}
+    if not n:
+        return out
+    d = (logprobs.detach().float() - behavior_logprobs.float())[mask]
+    ratio = d.exp()
+    q = masked_quantiles(ratio, torch.ones_like(ratio, dtype=torch.bool), (0.01, 0.5, 0.99))
+    for key, value in (
+        ("mismatch/abs_diff", d.abs().mean()),
+        ("mismatch/k3", (ratio - 1 - d).mean()),
+        ("mismatch/ratio/p1", q[0]),
+        ("mismatch/ratio/p50", q[1]),
+        ("mismatch/ratio/p99", q[2]),
+    ):
+        out[key] = float(value)
+        out[key + WEIGHT_SUFFIX] = float(n)
+    out["mismatch/abs_diff/max"] = float(d.abs().max())
+    return out

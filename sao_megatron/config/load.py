@@ -321,6 +321,7 @@ def validate(cfg: SAOConfig) -> None:
     validate_algo(cfg.algo)
     validate_corrections(cfg)
     validate_rollout(cfg.rollout)
+    validate_routing_replay(cfg)
     validate_data(cfg.data, evaluates=cfg.train.eval_prompts > 0)
     for name in ("eval_prompts", "eval_samples"):
         if getattr(cfg.train, name) < 0:
@@ -427,6 +428,16 @@ def validate_data(d: DataConfig, evaluates: bool = True) -> None:
         for key in ("prompt_field", "answer_field"):
             if not getattr(d, key):
                 raise ConfigError(f"data.{key} is empty; name the field of each row that holds it")
+
+
+def validate_routing_replay(cfg: SAOConfig) -> None:
+    """``rollout.routing_replay`` needs an MoE model (routes are top-k expert ids)."""
+    mode = cfg.rollout.routing_replay
+    if mode != "off" and not cfg.model.num_experts:
+        raise ConfigError(
+            f"rollout.routing_replay={mode} needs an MoE model, but model.num_experts=0 (dense: no routers to "
+            "replay); set rollout.routing_replay=off"
+        )
 
 
 def validate_rollout(r: RolloutConfig) -> None:

@@ -65,6 +65,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected {' or '.join(map(_describe, options))}, got {value!r}")
     if origin is typing.Literal:
         options = typing.get_args(annotation)
+        if isinstance(value, bool) and {"on", "off"} <= set(options):
+            value = "on" if value else "off"  # YAML 1.1 reads on/off (and yes/no, true/false) as booleans
         if any(value == o and type(value) is type(o) for o in options):
             return value
         raise ConfigError(f"{key}: {value!r} is not one of {_choices(options)}")

@@ -16,6 +16,7 @@ from sao_megatron.config.schema import (
     Backend,
     CriticConfig,
     ModelConfig,
+    RoutingReplayMode,
     SAOConfig,
     UpdatePolicy,
 )
@@ -47,6 +48,8 @@ class ActorRankConfig:
     """``run.export_inflight_mb``."""
     update_policy: UpdatePolicy = "retract"
     """``rollout.update_policy``."""
+    routing_replay: RoutingReplayMode = "off"
+    """``rollout.routing_replay``: the actor's routers replay (``on``) or measure (``record``) the engine's routes."""
 
     @classmethod
     def of(cls, cfg: SAOConfig) -> ActorRankConfig:
@@ -65,6 +68,7 @@ class ActorRankConfig:
             export_gb_per_s=cfg.run.export_gb_per_s,
             export_inflight_mb=cfg.run.export_inflight_mb,
             update_policy=r.update_policy,
+            routing_replay=r.routing_replay,
         )
 
 

@@ -38,7 +38,7 @@ RetryFrom = Literal["scratch", "turn"]
 """Where an episode retried after an engine fault starts again (``rollout.episode_retry_from``)."""
 RouterBiasUpdate = Literal["freeze", "train"]
 """What training does to the MoE router's expert bias (``actor.router_bias_update``)."""
-RoutingReplay = Literal["off", "record", "on"]
+RoutingReplayMode = Literal["off", "record", "on"]
 """Rollout routing replay (``rollout.routing_replay``): ``off``; ``record``: the engines return the
 top-k experts of every position and the actor measures its agreement with them without replaying;
 ``on``: the actor's routers replay them."""
@@ -322,7 +322,7 @@ class RolloutConfig:
     ``sao_<group>``); locally they share the one node."""
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """Turn and token limits and sampling of every episode."""
-    routing_replay: RoutingReplay = "off"
+    routing_replay: RoutingReplayMode = "off"
     """MoE models: ``on`` starts the engines with ``--enable-return-routed-experts``, keeps the top-k
     expert ids the engine chose at every position of a trajectory (every MoE layer, compact) and
     makes every actor forward that computes logprobs or gradients route its tokens to those experts

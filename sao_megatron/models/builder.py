@@ -190,11 +190,14 @@ def transformer_config(
     for_loading: bool = False,
     *,
     router_bias_update_rate: float = 0.0,
+    routing_replay: bool = False,
 ):
     """The single place where Megatron's ``TransformerConfig`` is built.
 
     ``router_bias_update_rate``: Megatron's step of the routers' expert bias per optimizer step
-    (``moe_router_bias_update_rate``; 0 keeps it as loaded).
+    (``moe_router_bias_update_rate``; 0 keeps it as loaded). ``routing_replay``: the routers' top-k
+    goes through Megatron's ``RouterReplay`` hook (``models.replay``), which the fused top-k bypasses,
+    so ``moe_router_fusion`` stays off.
 
     ``for_loading``: every weight is read from a checkpoint right after building (checkpoint
     conversion): parameters are built on the CPU whatever devices the process sees
@@ -205,6 +208,8 @@ def transformer_config(
     dtype = torch.bfloat16 if bf16 else torch.float32
     knobs = resolved(p)
     fusions = fusion_kwargs(m, knobs)
+    if routing_replay:
+        fusions["moe_router_fusion"] = False
     moe: dict[str, Any] = {}
     softmax = m.moe_router_score_function == "softmax"
     scaling, groups = m.moe_router_topk_scaling_factor, m.moe_router_num_groups
@@ -354,6 +359,7 @@ def build_gpt(
     *,
     for_loading: bool = False,
     router_bias_update_rate: float = 0.0,
+    routing_replay: bool = False,
 ):
     """The actor: a Megatron ``GPTModel`` for this rank's pipeline stage, vocab-parallel output.
 
@@ -362,7 +368,9 @@ def build_gpt(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(m, p, bf16, for_loading, router_bias_update_rate=router_bias_update_rate)
+    config = transformer_config(
+        m, p, bf16, for_loading, router_bias_update_rate=router_bias_update_rate, routing_replay=routing_replay
+    )
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -12,6 +12,7 @@ from sao_megatron import algo
 from sao_megatron.batch import BatchShard, MicroBatch, MicroBatching, RowOutputs
 from sao_megatron.config.rank import ActorRankConfig
 from sao_megatron.models.logprobs import vocab_parallel_logprobs
+from sao_megatron.parallel import device
 from sao_megatron.weight_sync import BroadcastSync
 from sao_megatron.workers import checkpoint
 from sao_megatron.workers.metrics import reduce_metrics
@@ -40,7 +41,18 @@ class ActorWorker:
     def __init__(self, cfg: ActorRankConfig):
         self.cfg = cfg
         init_rank(cfg.actor.parallel, cfg.seed)
-        self.role = build_actor_role(cfg.model, cfg.actor)
+        replay = cfg.routing_replay != "off"
+        self.role = build_actor_role(cfg.model, cfg.actor, routing_replay=replay)
+        if replay:
+            from sao_megatron.models.replay import RoutingReplay
+            from sao_megatron.routing import RouteShape
+
+            self.role.replay = RoutingReplay(
+                self.role.module,
+                list(RouteShape.of(cfg.model).moe_layers),
+                replay=cfg.routing_replay == "on",
+                recompute=cfg.actor.parallel.recompute_activations,
+            )
         self.broadcast = BroadcastSync(
             self.role.module,
             cfg.model,
@@ -86,7 +98,8 @@ class ActorWorker:
             mask = mb.action_mask > 0
             if not nonfinite_free(logprobs, mb.advantages, mask=mask):
                 return nan_loss(logprobs, mask)  # the step is skipped on every rank (role.step)
-            return algo.policy_objective(
+            mismatch = algo.mismatch_metrics(logprobs, mb.behavior_logprobs, mask & (mb.lag == 0))
+            loss, metrics = algo.policy_objective(
                 logprobs,
                 entropy,
                 mb.behavior_logprobs,
@@ -106,11 +119,14 @@ class ActorWorker:
                 seq_mask_high=a.seq_mask_high,
                 tis_cap=a.tis_cap,
             )
+            return loss, {**metrics, **mismatch}
 
         out = self.role.forward_backward(micro, loss_fn)
+        routing = self._routing_metrics()
         step = self.role.step()
         return {
             **reduce_metrics(out),
+            **routing,
             **step.group_norms,
             "grad_norm": step.grad_norm,
             "lr": step.lr,
@@ -129,7 +145,19 @@ class ActorWorker:
 
         micro = micro_batches(shard, self._micro)
         self.role.forward_backward(micro, loss_fn, forward_only=True)
+        if self.role.replay is not None:
+            self.role.replay.take_counts()  # the update's forward reports agreement
         return row_outputs(collected, micro, shard)
+
+    def _routing_metrics(self) -> dict[str, float]:
+        """Route agreement of the last forward-backward (a collective over the world; {} without replay)."""
+        if self.role.replay is None:
+            return {}
+        from sao_megatron.models.replay import routing_metrics
+
+        counts = self.role.replay.take_counts().to(device())
+        dist.all_reduce(counts)
+        return routing_metrics(counts.cpu())
 
     def set_lr(self, lr: float) -> None:
         """Switch the constant learning rate (SFT uses ``train.sft_lr``, RL ``actor.optim.lr``)."""

@@ -55,7 +55,7 @@ def micro_batches(shard: BatchShard, how: MicroBatching, **extras: Unpack[RowExt
 
 
 def split_context(mb: MicroBatch) -> MicroBatch:
-    """This context-parallel rank's share of a micro-batch: every ``[b, t]`` tensor cut along the
+    """This context-parallel rank's share of a micro-batch: every ``[b, t, ...]`` tensor cut along the
     sequence (``context_parallel.cp_split``: per padded row, or per packed segment, whose
     ``cu_seqlens`` stay whole as Transformer Engine expects); ``cp_lengths`` records the cut for
     :func:`full_sequence`. Unchanged without context parallelism."""
@@ -69,7 +69,7 @@ def split_context(mb: MicroBatch) -> MicroBatch:
     cut = {
         f.name: cp_split(v, lengths, cp, rank)
         for f in fields(mb)
-        if isinstance(v := getattr(mb, f.name), torch.Tensor) and v.dim() == 2
+        if isinstance(v := getattr(mb, f.name), torch.Tensor) and v.dim() >= 2  # [b, t, ...]: along t
     }
     return replace(mb, **cut, cp_lengths=lengths)
 

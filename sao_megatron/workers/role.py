@@ -23,6 +23,8 @@ from sao_megatron.config import ActorConfig, CriticConfig, ModelConfig, Optimize
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
+    from sao_megatron.models.replay import RoutingReplay
+
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
 """``loss_fn(output, micro_batch) -> (loss, metrics)``: the model's output on the micro-batch
 (vocab-parallel logits ``[b, t, V/tp]``, or values ``[b, t, 1]`` for a critic) to its loss, normalised
@@ -105,6 +107,8 @@ class MegatronRole:
             wd_incr_style="constant",
         )
         self.steps = 0
+        self.replay: RoutingReplay | None = None
+        """The routers' replay hooks (the actor under ``rollout.routing_replay``), fed before each forward."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -147,6 +151,8 @@ class MegatronRole:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             micro = to_device(next(data_iterator))
+            if self.replay is not None:
+                self.replay.feed(micro, training=not forward_only)
             output = model(micro.tokens, micro.positions, **attention_inputs(micro))
 
             def loss_func(output_tensor):
@@ -203,6 +209,8 @@ class MegatronRole:
         try:
             out = []
             for m in map(to_device, micro_batches):
+                if self.replay is not None:
+                    self.replay.feed(m, training=False)
                 out.append(fn(self.model(m.tokens, m.positions, **attention_inputs(m)), m))
             return out
         finally:
@@ -376,14 +384,15 @@ ROUTER_WEIGHT = r"\.mlp\.router\.weight$"
 """The MoE routers' weights (``actor.freeze_router``), by local-spec name (``builder.canonical_name``)."""
 
 
-def build_actor_model(m: ModelConfig, actor: ActorConfig) -> torch.nn.Module:
-    """This rank's policy model, loaded from ``actor.init_from`` when set (random otherwise)."""
+def build_actor_model(m: ModelConfig, actor: ActorConfig, routing_replay: bool = False) -> torch.nn.Module:
+    """This rank's policy model, loaded from ``actor.init_from`` when set (random otherwise);
+    ``routing_replay``: built for :mod:`~sao_megatron.models.replay` hooks."""
     from sao_megatron.models.builder import build_gpt
     from sao_megatron.models.hf_weights import release_free_memory
 
     check_context_parallel(actor.parallel, "actor")
     rate = actor.router_bias_update_rate if actor.router_bias_update == "train" else 0.0
-    model = build_gpt(m, actor.parallel, bf16=actor.bf16, router_bias_update_rate=rate)
+    model = build_gpt(m, actor.parallel, bf16=actor.bf16, router_bias_update_rate=rate, routing_replay=routing_replay)
     if actor.init_from:
         release_free_memory()  # the random initialisation's temporaries, before reading the weights
         load_weights(model, m, actor.init_from)
@@ -409,8 +418,12 @@ def build_critic_model(m: ModelConfig, critic: CriticConfig, source: str | Path 
     return model
 
 
-def build_actor_role(m: ModelConfig, actor: ActorConfig, total_steps: int = 1_000_000) -> MegatronRole:
-    return MegatronRole(build_actor_model(m, actor), actor.parallel, actor.optim, actor.bf16, total_steps)
+def build_actor_role(
+    m: ModelConfig, actor: ActorConfig, total_steps: int = 1_000_000, routing_replay: bool = False
+) -> MegatronRole:
+    return MegatronRole(
+        build_actor_model(m, actor, routing_replay), actor.parallel, actor.optim, actor.bf16, total_steps
+    )
 
 
 def build_critic_role(

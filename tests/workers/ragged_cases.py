@@ -9,12 +9,19 @@ DP = N, the N-fold normaliser divides it back) and DDP averages N equal copies (
 :data:`COUNT_PARTS` for the metrics). The layout under test then starts from the reference's
 weights (``layout.load_full``).
 
+The actor replays a fixed random routing (``rollout.routing_replay: on``; every position but each
+trajectory's last, which its routers route themselves, as in a run): the logprob pass and the update
+route by it in every layout, and the logprobs are also taken without it (each layout's own routing),
+so the replayed ones can be checked against the reference's and shown to differ from its own routing.
+
 The MoE load-balancing loss is off (``moe_aux_loss_coeff`` 0): it counts padding tokens, and
 the extra padding a layout needs (9 -> 10 tokens at TP=2) moves it (~4e-5 on the embedding
 gradient at the default 0.001), which is not the layout path under test.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -24,6 +31,7 @@ from sao_megatron.batch import BatchShard, TrainBatch, assemble_rows, build_batc
 from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
 from sao_megatron.models import layout
 from sao_megatron.records import Trajectory, Turn
+from sao_megatron.routing import RouteShape
 from sao_megatron.workers.actor import ActorWorker
 from sao_megatron.workers.critic import CriticWorker
 from sao_megatron.workers.rank import coordinates
@@ -42,6 +50,7 @@ def ragged_trajectories(long_row: bool = False) -> list[Trajectory]:
     if long_row:
         shapes.append((2, [(1, 3)] * 4 + [(3, 2)] * 1))
     g = torch.Generator().manual_seed(7)
+    layers = len(SHAPE.moe_layers)
     out = []
     for i, (n_prompt, turns) in enumerate(shapes):
         prompt = torch.randint(6, 500, (n_prompt,), generator=g).tolist()
@@ -51,6 +60,8 @@ def ragged_trajectories(long_row: bool = False) -> list[Trajectory]:
             resp += torch.randint(6, 500, (n_act + n_obs,), generator=g).tolist()
             mask += [1] * n_act + [0] * n_obs
         behavior = (-3.0 - torch.rand(len(resp), generator=g) * 4).tolist()
+        n = n_prompt + len(resp)
+        routes = torch.stack([torch.randperm(SHAPE.num_experts, generator=g)[: SHAPE.topk] for _ in range(n * layers)])
         out.append(
             Trajectory(
                 prompt_id=f"p{i}",
@@ -62,9 +73,15 @@ def ragged_trajectories(long_row: bool = False) -> list[Trajectory]:
                 turns=spans,
                 reward=float(i % 2),
                 status="finished",
+                routes=routes.reshape(n, layers, SHAPE.topk).numpy().astype(SHAPE.dtype),
+                routes_missing=[Turn(n - 1, n)],
             )
         )
     return out
+
+
+SHAPE = RouteShape.of(config(1).model)
+"""The tiny MoE's routes (every layer MoE)."""
 
 
 def _shard(batch: TrainBatch, reference: bool) -> BatchShard:
@@ -112,11 +129,14 @@ def _run(overrides: dict, batch: TrainBatch, reference: bool, start: dict | None
     weights = {"actor": _copy(layout.gather_full(actor.role.module))}
     shard = _shard(batch, reference)
     logprobs = _gathered_rows(actor.logprobs(shard), batch)
+    unrouted = replace(shard, batch=replace(shard.batch, routes=None, route_mask=None))
+    own_logprobs = _gathered_rows(actor.logprobs(unrouted), batch)  # the routers' own routing
     m = actor.update(shard, shard.take(adv), 2)
     out = {
         "actor_metrics": _metrics(m, reference),
         "actor_grads": _grads(actor.role),
         "logprobs": logprobs,
+        "own_logprobs": own_logprobs,
         "actor_reports": coordinates().reports,
     }
     ps.destroy_model_parallel()
@@ -154,6 +174,7 @@ COMMON = {
     "critic.parallel.use_distributed_optimizer": False,
     "critic.value_head_init": "normal",
     "model.moe_aux_loss_coeff": 0.0,
+    "rollout.routing_replay": "on",
 }
 
 
@@ -168,6 +189,8 @@ def case_ragged(rank, world, layout_overrides: dict, long_row: bool = False, ref
     result = {
         "lengths": batch.lengths.tolist(),
         "logprobs": ((got["logprobs"] - ref["logprobs"]) * batch.action_mask).abs().max().item(),
+        "own_logprobs": ((got["own_logprobs"] - ref["own_logprobs"]) * batch.action_mask).abs().max().item(),
+        "replay_effect": ((ref["logprobs"] - ref["own_logprobs"]) * batch.action_mask).abs().max().item(),
         "actor_grads": _max_diff(got["actor_grads"], ref["actor_grads"]),
         "actor_grad_scale": max(v.abs().max().item() for v in ref["actor_grads"].values()),
         "values": (got["values"] - ref["values"]).abs().max().item(),

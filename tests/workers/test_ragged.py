@@ -98,7 +98,9 @@ def test_actor_logprobs_update_and_critic_values_update_match_single_rank(result
     )
     for r in results:
         assert r["lengths"] == [7, 12, 5, 9] + ([23] if long_row else [])
-        assert r["logprobs"] <= TOL, (name, r["logprobs"])
+        assert r["logprobs"] <= TOL, (name, r["logprobs"])  # replayed routing (ragged_cases)
+        assert r["own_logprobs"] <= TOL, (name, r["own_logprobs"])  # each router's own routing
+        assert r["replay_effect"] > 1e-3, (name, r["replay_effect"])  # replay changed the routing
         assert r["actor_grads"][0] <= TOL and r["actor_grad_scale"] > 1e-3, (name, r["actor_grads"])
         assert r["values"] <= TOL and r["values_scale"] > 1e-3, (name, r["values"])
         assert r["critic_grads"][0] <= TOL and r["critic_grad_scale"] > 1e-3, (name, r["critic_grads"])
