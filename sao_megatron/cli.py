@@ -203,10 +203,12 @@ def cmd_config(args) -> int:
 def cmd_plan(args) -> int:
     """Parameters and memory per GPU of every role; exit 1 with one line per role that does not fit."""
     from sao_megatron import plan
+    from sao_megatron.plan import sync_traffic
 
     cfg = _load(args)
     result = plan.make_plan(cfg, analytic=args.analytic)
     print(plan.render(result))
+    print(f"\n{sync_traffic.summary(cfg)}")
     for line in result.mismatches:
         print(f"warning: analytic per-rank count disagrees with the meta build: {line}", file=sys.stderr)
     if args.json:
