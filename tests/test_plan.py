@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
@@ -271,6 +272,28 @@ def test_cpu_runs_take_explicit_node_groups():
 def test_cluster_section_errors_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("configs/moe_750b_a40b.yaml", [override])
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER_CONFIGS = sorted(
+    str(path.relative_to(ROOT))
+    for path in (ROOT / "configs").glob("*.yaml")
+    if load_config(str(path)).cluster.gpus_per_node
+)
+"""Every run config that targets GPU nodes (``configs/*.yaml`` with ``cluster.gpus_per_node``)."""
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS)
+def test_every_cluster_config_fits_its_gpus(path):
+    """The production configs are laid out for 80 GB H100s; a ``*_h200.yaml`` variant for 141 GB H200s."""
+    result = _plan(path)
+    assert result.cfg.cluster.gpu_memory_gb == (141 if path.endswith("_h200.yaml") else 80), path
+    assert not result.failures(), result.failures()
+
+
+def test_cluster_configs_include_the_large_moe_runs_and_their_h200_variants():
+    for name in ("deepseek_v3_671b_math", "kimi_k2_1t_math", "glm4_5_355b_math"):
+        assert {f"configs/{name}.yaml", f"configs/{name}_h200.yaml"} <= set(CLUSTER_CONFIGS)
 
 
 LARGE_RUN_CONFIGS = [

@@ -16,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from sao_megatron.config import ParallelConfig, SAOConfig, load_config
 from sao_megatron.plan.measure import measure_role_step
-from sao_megatron.plan.memory import micro_batches_per_step, stage_memory
+from sao_megatron.plan.memory import grad_bytes_per_param, micro_batches_per_step, stage_memory
 from sao_megatron.plan.params import stage_parameters
 from tests.distributed import run_distributed
 
@@ -107,3 +108,73 @@ def test_plan_within_15_percent_of_measured(measured, case):
     print("\n" + table)
     for _, got, plan in rows:
         assert abs(plan["total"] / got["total"] - 1) <= TOL, table
+
+
+STATE_CASES: dict[str, SAOConfig] = {
+    "dp2-bf16": _config(64, {"micro_batch_size": 1}, micro=1, bf16=True),
+    "dp2-fp32": _config(64, {"micro_batch_size": 1}, micro=1),
+    "ep2-bf16": _config(64, {"expert_parallel": 2, "micro_batch_size": 1}, micro=1, bf16=True),
+}
+"""Layouts for the gradient and optimizer bytes Megatron allocates: the dense parameters' optimizer state
+sharded over DP 2, and with EP 2 the experts' over an expert-DP of 1."""
+
+
+def _state_bytes(rank: int, world: int) -> dict:
+    """Per case: this rank's gradient bytes (every trainable parameter's ``main_grad``, a view of DDP's
+    buffer, so padding apart), the buffers' dtypes, and the optimizer's state bytes after one step
+    (without torch Adam's per-tensor ``step`` counter: a CPU stand-in's scalar; the GPU's fused Adam
+    counts steps per group)."""
+    from megatron.core import parallel_state as ps
+
+    from sao_megatron.batch import MicroBatch
+    from sao_megatron.models.logprobs import vocab_parallel_logprobs
+    from sao_megatron.parallel import initialize_model_parallel, seed_everything
+    from sao_megatron.plan.measure import _optimizer_state, _storage_bytes
+    from sao_megatron.workers.role import build_actor_role, param_and_grad_buffers
+
+    def loss(logits, mb):
+        logprobs, _ = vocab_parallel_logprobs(logits, mb.labels, ps.get_tensor_model_parallel_group())
+        return -logprobs.mean(), {}
+
+    out = {}
+    for name, cfg in STATE_CASES.items():
+        initialize_model_parallel(cfg.actor.parallel)
+        seed_everything(cfg.run.seed)
+        built = build_actor_role(cfg.model, cfg.actor)
+        ids = torch.randint(0, cfg.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(rank))
+        built.forward_backward([MicroBatch.of_tokens(ids)], loss)
+        built.step()
+        main_grads = [p.main_grad for p in built.module.parameters() if p.requires_grad]  # pyright: ignore[reportAttributeAccessIssue]
+        out[name] = {
+            "grads": sum(g.numel() * g.element_size() for g in main_grads),
+            "grad_dtypes": sorted({str(b.grad_data.dtype) for b in param_and_grad_buffers(built.model)}),
+            "optimizer": _storage_bytes(_optimizer_state(built.optimizer)) - _step_counter_bytes(built.optimizer),
+        }
+        built.close()
+    return out
+
+
+def _step_counter_bytes(optimizer) -> int:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [s for opt in inner for s in getattr(opt, "optimizer", opt).state.values()]
+    return sum(s["step"].numel() * s["step"].element_size() for s in states if torch.is_tensor(s.get("step")))
+
+
+@pytest.fixture(scope="module")
+def state_bytes():
+    return run_distributed(_state_bytes, 2, timeout_s=600)
+
+
+@pytest.mark.parametrize("case", list(STATE_CASES))
+def test_plan_gradient_and_optimizer_bytes_are_what_megatron_allocates(state_bytes, case):
+    """``grad_reduce_in_fp32`` makes DDP's gradient buffer fp32 for bf16 parameters too, and Adam keeps
+    12 bytes per bf16 parameter (8 per fp32 one) over the distributed optimizer's shards: the plan's
+    grads equal every rank's, its optimizer the ranks' mean (shard boundaries differ by rank)."""
+    cfg = STATE_CASES[case]
+    plan = _planned(cfg, "actor", 0)
+    ranks = [r[case] for r in state_bytes]
+    width = {4: "torch.float32", 2: "torch.bfloat16"}[grad_bytes_per_param(cfg.actor.bf16)]
+    assert all(r["grad_dtypes"] == [width] for r in ranks), ranks
+    assert [r["grads"] for r in ranks] == [plan["grads"]] * len(ranks), (ranks, plan)
+    mean_optimizer = sum(r["optimizer"] for r in ranks) / len(ranks)
+    assert mean_optimizer == plan["optimizer"], (ranks, plan)

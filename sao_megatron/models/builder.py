@@ -162,13 +162,19 @@ def recompute_kwargs(m: ModelConfig, p: ParallelConfig, k: PerfKnobs, grouped_ge
     return dict(recompute_granularity="selective", recompute_modules=modules)
 
 
+GRAD_REDUCE_IN_FP32 = True
+"""Megatron DDP accumulates and reduces gradients in fp32 whatever the parameters' dtype: its gradient
+buffer is ``torch.float`` (megatron-core 0.19.2 ``distributed/param_and_grad_buffer.py``, ``grad_dtype =
+torch.float if grad_reduce_in_fp32 else param.dtype``). ``sao plan`` counts gradient bytes from it."""
+
+
 def ddp_config(p: ParallelConfig):
-    """Megatron's ``DistributedDataParallelConfig`` for a role (fp32 gradient reduction)."""
+    """Megatron's ``DistributedDataParallelConfig`` for a role (:data:`GRAD_REDUCE_IN_FP32`)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     k = resolved(p)
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=GRAD_REDUCE_IN_FP32,
         overlap_grad_reduce=k.overlap_grad_reduce,
         overlap_param_gather=k.overlap_param_gather,
         use_distributed_optimizer=p.use_distributed_optimizer,

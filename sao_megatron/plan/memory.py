@@ -4,8 +4,10 @@ GiB = 2**30 bytes ("GB" in the tables). A training role's GPU holds:
 
 ==============  ============================================================================
 weights         parameters x 2 bytes (bf16) or 4 (fp32); frozen ones included
-grads           trainable x 4 bytes (Megatron DDP ``grad_reduce_in_fp32=True``)
-optimizer       Adam: trainable x 12 bytes with bf16 (fp32 master, m, v), 8 with fp32 params;
+grads           trainable x :func:`grad_bytes_per_param` (Megatron DDP's gradient buffer: fp32 under our
+                ``grad_reduce_in_fp32``, not sharded by the distributed optimizer)
+optimizer       Adam: trainable x :func:`optimizer_bytes_per_param` (12 with bf16: fp32 main copy, m, v;
+                8 with fp32 params, which are their own main copy);
                 the distributed optimizer divides dense params by DP x CP and expert params by
                 the expert-DP size ``world / (PP x EP x expert-TP)``
 activations     tensors saved for backward per layer and micro-batch (training dtype), x layers per
@@ -41,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from sao_megatron.config import ModelConfig, ParallelConfig, SAOConfig
-from sao_megatron.models.builder import moe_layer_pattern
+from sao_megatron.models.builder import GRAD_REDUCE_IN_FP32, moe_layer_pattern
 from sao_megatron.models.counting import parameter_counts
 from sao_megatron.models.logprobs import CHUNK_ELEMENTS
 from sao_megatron.plan.params import StageParams, stage_parameters
@@ -56,6 +58,22 @@ forward; the copy (which :func:`~sao_megatron.models.logprobs.vocab_parallel_log
 gradient in the backward; plus the logprob function's float32 work on one chunk of at most
 ``CHUNK_ELEMENTS`` logits (two chunks when the logits are bf16: the converted chunk and its scaled copy;
 tests/models/test_logprobs_memory.py)."""
+
+
+def grad_bytes_per_param(bf16: bool) -> int:
+    """Bytes of one trainable parameter's gradient in Megatron DDP's buffer: 4 under
+    :data:`~sao_megatron.models.builder.GRAD_REDUCE_IN_FP32` (the buffer is fp32), else the parameter's
+    own dtype. The distributed optimizer reduce-scatters this buffer but keeps it whole on every rank."""
+    return 4 if GRAD_REDUCE_IN_FP32 or not bf16 else 2
+
+
+def optimizer_bytes_per_param(bf16: bool) -> int:
+    """Adam's bytes per trainable parameter (before the distributed optimizer's sharding), as megatron-core
+    0.19.2 allocates them without its precision-aware optimizer: ``exp_avg`` and ``exp_avg_sq`` in fp32
+    (8), plus with bf16 parameters an fp32 main copy (``optimizer/distrib_optimizer.py``
+    ``shard_model_param.clone().float()``; ``Float16OptimizerWithFloat16Params`` likewise unsharded).
+    Its main gradients are views of the fp32 gradient buffer, so they add nothing."""
+    return 12 if bf16 else 8
 
 
 def _is_expert(name: str) -> bool:
@@ -218,7 +236,7 @@ def stage_memory(cfg: SAOConfig, role: str, stage: int, params: StageParams, spe
     pp = p.pipeline_parallel
     dense_shard = p.world_size // (p.tensor_parallel * pp)  # DP x CP
     expert_shard = p.world_size // (pp * p.expert_parallel * p.expert_tensor_parallel)
-    state_bytes = 12 if rc.bf16 else 8
+    state_bytes = optimizer_bytes_per_param(rc.bf16)
     dtype_bytes = 2 if rc.bf16 else 4
     micro = micro_batches_per_step(cfg, role)
     per_stage = m.num_layers // pp
@@ -252,7 +270,7 @@ def stage_memory(cfg: SAOConfig, role: str, stage: int, params: StageParams, spe
         params=total,
         trainable=sum(trainable.values()),
         weights=total * dtype_bytes,
-        grads=4.0 * sum(trainable.values()),
+        grads=float(grad_bytes_per_param(rc.bf16) * sum(trainable.values())),
         optimizer=opt_dist if p.use_distributed_optimizer else opt_full,
         optimizer_alt=opt_full if p.use_distributed_optimizer else opt_dist,
         activations=recompute if p.recompute_activations else full,
