@@ -312,3 +312,36 @@ def test_plan_cli_meta_build_of_the_large_configs_matches_the_closed_form(capsys
     captured = capsys.readouterr()
     assert "per-rank counts by meta-device build" in captured.out
     assert "disagrees" not in captured.err
+
+
+def test_routing_replay_bytes_by_hand_for_deepseek_v3():
+    """DeepSeek-V3: 61 layers, the first 3 dense (``first_k_dense_replace``), 256 experts (uint8 ids), top-8;
+    128 trajectories of 131,072 tokens; actor DP 8; micro-batches of one 131,072-token budget."""
+    off = _plan("configs/deepseek_v3_671b_math.yaml")
+    on = _plan("configs/deepseek_v3_671b_math.yaml", "rollout.routing_replay=on")
+    r = plan.route_memory(on.cfg)
+    assert plan.route_memory(off.cfg) is None
+    assert r is not None
+    per_token = 58 * 8 * 1 + 1  # MoE layers x top-k x uint8, plus the validity flag
+    assert (r.moe_layers, r.width, r.bytes_per_token) == (58, 1, 465) == (58, 1, per_token)
+    assert r.per_trajectory == 465 * 131072 == 60_948_480
+    assert r.per_batch == 128 * 60_948_480
+    assert r.per_actor_rank == 16 * 60_948_480  # 128 trajectories over DP 8
+    assert r.device == 131072 * 58 * 8 * 8  # one micro-batch's ids as int64
+    actor_off, actor_on = off.roles[0], on.roles[0]
+    assert actor_on.total - actor_off.total == r.device
+    assert on.roles[1].total == off.roles[1].total  # the critic never replays
+    assert "465 B/token; 58.1 MB per 131,072-token trajectory; 7.3 GB per batch of 128" in plan.render(on)
+
+
+@pytest.mark.parametrize(
+    "path,per_token",
+    [
+        ("configs/qwen3_30b_a3b_math.yaml", 48 * 8 * 1 + 1),  # 128 experts: uint8
+        ("configs/moe_750b_a40b.yaml", 64 * 8 * 1 + 1),  # 256 experts: still uint8
+        ("configs/kimi_k2_1t_math.yaml", 60 * 8 * 2 + 1),  # 384 experts: int16; layer 0 dense
+    ],
+)
+def test_routing_replay_bytes_per_token(path, per_token):
+    r = plan.route_memory(load_config(path, ["rollout.routing_replay=on"]))
+    assert r is not None and r.bytes_per_token == per_token

@@ -22,9 +22,11 @@ from sao_megatron.plan.memory import (
     EngineMemory,
     GiB,
     RoleMemory,
+    RouteMemory,
     activation_bytes_per_layer,
     engine_memory,
     role_memory,
+    route_memory,
 )
 from sao_megatron.plan.meta import MetaJob, meta_parameters
 from sao_megatron.plan.params import StageParams, analytic_parameters, stage_parameters
@@ -39,6 +41,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "RoleMemory",
+    "RouteMemory",
     "StageParams",
     "activation_bytes_per_layer",
     "analytic_parameters",
@@ -47,6 +50,7 @@ __all__ = [
     "meta_parameters",
     "render",
     "role_memory",
+    "route_memory",
     "role_nodes",
     "stage_parameters",
     "to_json",

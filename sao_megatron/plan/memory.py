@@ -20,6 +20,8 @@ activations     tensors saved for backward per layer and micro-batch (training d
 logits          last stage of the actor: ``LOGIT_COPIES`` logits-sized tensors ``[s*b/CP, V/TP]`` in the
                 training dtype plus the logprob function's float32 chunk work; the peak holds the
                 larger of this and ``scores`` (unfused attention's workspace, which comes earlier)
+routes          actor, with ``rollout.routing_replay`` not ``off``: one micro-batch's engine routes as
+                int64 on the GPU while it runs (:class:`RouteMemory`, transient)
 reserved        4 GiB: CUDA context, NCCL buffers, allocator fragmentation
 ==============  ============================================================================
 
@@ -185,6 +187,8 @@ class RoleMemory:
     """Unfused attention's score workspace while one layer computes its softmax (local spec), with the
     earlier layers' activations; before the logits exist, so the peak holds the larger of the two."""
     reserved: float
+    routes: float = 0.0
+    """Routing replay: one micro-batch's routes as int64 on the actor's GPU (:attr:`RouteMemory.device`)."""
 
     @property
     def total(self) -> float:
@@ -194,6 +198,7 @@ class RoleMemory:
             + self.optimizer
             + self.activations
             + max(self.logits, self.scores)
+            + self.routes
             + self.reserved
         )
 
@@ -257,6 +262,7 @@ def stage_memory(cfg: SAOConfig, role: str, stage: int, params: StageParams, spe
     in_flight = min(pp - stage, micro)
     full = sum(layers) * in_flight
     recompute = layer_input * per_stage * in_flight + max(layers)
+    routes = route_memory(cfg) if role == "actor" else None
     logits = 0.0
     if stage == pp - 1 and role == "actor":
         elements = micro_tokens(p, seq) / p.context_parallel * m.vocab_size / p.tensor_parallel
@@ -278,6 +284,56 @@ def stage_memory(cfg: SAOConfig, role: str, stage: int, params: StageParams, spe
         logits=logits,
         scores=SCORE_WORKSPACE * score,
         reserved=RESERVED_GIB * GiB,
+        routes=routes.device if routes else 0.0,
+    )
+
+
+ROUTE_FLAG_BYTES = 1
+"""Routing replay: one byte per position saying whether its routes are known."""
+
+
+@dataclass
+class RouteMemory:
+    """Routing replay's routes (``rollout.routing_replay`` not ``off``): for every position of a trajectory the
+    top-k expert ids of every MoE layer, plus a validity flag. Bytes; host memory except :attr:`device`."""
+
+    moe_layers: int
+    """Layers with a router (leading dense layers and ``moe_layer_freq`` gaps excluded)."""
+    topk: int
+    width: int
+    """Bytes per expert id: 1 (uint8) up to 256 experts, else 2 (int16)."""
+    bytes_per_token: int
+    """``moe_layers x topk x width + ROUTE_FLAG_BYTES``."""
+    per_trajectory: float
+    """One trajectory at ``rollout.loop.max_context_tokens``."""
+    per_batch: float
+    """``algo.batch_size`` trajectories: what the driver holds."""
+    per_actor_rank: float
+    """One actor DP rank's shard of the batch, ``ceil(batch_size / DP)`` trajectories."""
+    device: float
+    """One actor micro-batch's routes expanded to int64 on its GPU, transient: micro-batch tokens x MoE
+    layers x top-k x 8 (the whole micro-batch and every MoE layer, before any CP, SP or PP slicing)."""
+
+
+def route_memory(cfg: SAOConfig) -> RouteMemory | None:
+    """Routing replay's memory, or None when ``rollout.routing_replay`` is ``off`` or the model is dense."""
+    m = cfg.model
+    if cfg.rollout.routing_replay == "off" or not m.num_experts:
+        return None
+    moe_layers = sum(moe_layer_pattern(m))
+    width = 1 if m.num_experts <= 256 else 2
+    per_token = moe_layers * m.moe_router_topk * width + ROUTE_FLAG_BYTES
+    seq = cfg.rollout.loop.max_context_tokens
+    p = cfg.actor.parallel
+    return RouteMemory(
+        moe_layers=moe_layers,
+        topk=m.moe_router_topk,
+        width=width,
+        bytes_per_token=per_token,
+        per_trajectory=float(per_token * seq),
+        per_batch=float(per_token * seq * cfg.algo.batch_size),
+        per_actor_rank=float(per_token * seq * math.ceil(cfg.algo.batch_size / p.data_parallel)),
+        device=float(micro_tokens(p, seq) * moe_layers * m.moe_router_topk * 8),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from sao_megatron.plan.fit import Plan, role_nodes
-from sao_megatron.plan.memory import RESERVED_GIB, GiB
+from sao_megatron.plan.memory import RESERVED_GIB, GiB, route_memory
 
 
 def _gb(x: float) -> str:
@@ -56,6 +56,7 @@ def render(plan: Plan) -> str:
         f"{_gb(e.kv_budget)} | {e.kv_bytes_per_token / 1024:,.1f} | {e.tokens_per_engine:,} | "
         f"{e.tokens_per_engine / seq:,.1f} | {_gb(e.sync_bytes)} | "
         f"{e.sync_bytes / (cfg.rollout.weight_sync_gb_per_s * 1e9):,.1f} |",
+        *_routes_line(plan),
         "",
         f"GPU memory {c.gpu_memory_gb:g} GB (GiB) per GPU, {c.gpus_per_node} GPUs per node; "
         f"{RESERVED_GIB:g} GB reserved per training GPU; optimizer/activations in parentheses: the "
@@ -68,6 +69,29 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _size(x: float) -> str:
+    return f"{x / GiB:,.1f} GB" if x >= GiB else f"{x / 2**20:,.1f} MB"
+
+
+def _routes_line(plan: Plan) -> list[str]:
+    """Routing replay's bytes (nothing when ``rollout.routing_replay`` is off)."""
+    cfg = plan.cfg
+    r = route_memory(cfg)
+    if r is None:
+        return []
+    dp = cfg.actor.parallel.data_parallel
+    kind = "uint8" if r.width == 1 else "int16"
+    return [
+        "",
+        f"routing replay (rollout.routing_replay={cfg.rollout.routing_replay}): {r.moe_layers} MoE layers x "
+        f"top-{r.topk} x {r.width} B ({kind}) + 1 B flag = {r.bytes_per_token:,} B/token; "
+        f"{_size(r.per_trajectory)} per {cfg.rollout.loop.max_context_tokens:,}-token trajectory; "
+        f"{_size(r.per_batch)} per batch of {cfg.algo.batch_size} (driver, host memory); "
+        f"{_size(r.per_actor_rank)} per actor DP rank (DP {dp}, host memory); "
+        f"{_size(r.device)} per micro-batch as int64 on each actor GPU (transient, in the actor's total).",
+    ]
+
+
 def to_json(plan: Plan) -> dict:
     return {
         "counts": plan.counts,
@@ -75,6 +99,7 @@ def to_json(plan: Plan) -> dict:
         "mismatches": plan.mismatches,
         "roles": [dataclasses.asdict(r) | {"total": r.total} for r in plan.roles],
         "engine": dataclasses.asdict(plan.engine) | {"tokens_per_engine": plan.engine.tokens_per_engine},
+        "routes": dataclasses.asdict(r) if (r := route_memory(plan.cfg)) else None,
         "nodes": role_nodes(plan.cfg),
         "failures": plan.failures(),
     }
