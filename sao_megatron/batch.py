@@ -43,7 +43,7 @@ class TrainBatch:
     """Routing replay: ``[B, T, moe layers, top-k]`` uint8/int16 expert ids the engine chose for the
     token at each position (``records.Trajectory.routes``); None when not captured."""
     route_mask: torch.Tensor | None = None
-    """``[B, T]`` float 1 where ``routes`` holds the engine's routes (0: padding, missing positions)."""
+    """``[B, T]`` bool, True where ``routes`` holds the engine's routes (False: padding, missing positions)."""
 
     @property
     def size(self) -> int:
@@ -183,7 +183,7 @@ class MicroBatch:
     returns: torch.Tensor | None = None  # [b, t] float value targets; the critic's update
     old_values: torch.Tensor | None = None  # [b, t] float V(s) before the update; the critic's update
     routes: torch.Tensor | None = None  # [b, t, moe layers, top-k] uint8/int16 engine routes; routing replay
-    route_mask: torch.Tensor | None = None  # [b, t] float 1 where ``routes`` is known
+    route_mask: torch.Tensor | None = None  # [b, t] bool, True where ``routes`` is known
     spans: list[tuple[int, int]] | None = None
     """Packed: (offset, length) of each row in the packed row."""
     segment_ids: torch.Tensor | None = None  # packed: [1, t] int64 segment of each position
@@ -341,7 +341,7 @@ def _routes(trajectories: list[Trajectory], width: int) -> tuple[torch.Tensor | 
         return None, None
     first = shaped[0]
     routes = torch.zeros(len(trajectories), width, *first.shape[1:], dtype=torch.from_numpy(first[:0]).dtype)
-    known = torch.zeros(len(trajectories), width)
+    known = torch.zeros(len(trajectories), width, dtype=torch.bool)
     for i, t in enumerate(trajectories):
         if t.routes is None:
             continue
@@ -351,9 +351,9 @@ def _routes(trajectories: list[Trajectory], width: int) -> tuple[torch.Tensor | 
             )
         n = len(t.routes)
         routes[i, :n] = torch.from_numpy(t.routes)
-        known[i, :n] = 1.0
+        known[i, :n] = True
         for span in t.routes_missing:
-            known[i, span.start : span.end] = 0.0
+            known[i, span.start : span.end] = False
     return routes, known
 
 

@@ -161,6 +161,8 @@ def cmd_train(args) -> int:
 
 def cmd_check(args) -> int:
     cfg = _load(args)
+    if args.mismatch:
+        return _check_mismatch(cfg, args.episodes)
     run_dir = _run_dir(cfg)
     save_config(cfg, run_dir)
     print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})")
@@ -184,6 +186,27 @@ def cmd_check(args) -> int:
         "(attention frozen)"
     )
     print(f"done in {report['wall_s']:.1f} s; report: {run_dir / 'foundation_check.json'}")
+    return 0
+
+
+def _check_mismatch(cfg, episodes: int) -> int:
+    """``sao check --mismatch`` (:mod:`sao_megatron.driver.mismatch`)."""
+    if not cfg.model.num_experts:
+        raise ConfigError("sao check --mismatch needs an MoE model, but model.num_experts=0; drop --mismatch")
+    if episodes < 1:
+        raise ConfigError(f"sao check --mismatch --episodes {episodes}: give at least 1")
+    import asyncio
+
+    from sao_megatron.driver.mismatch import mismatch_check, render
+
+    run_dir = _run_dir(cfg)
+    save_config(cfg, run_dir)
+    print(f"run directory: {run_dir}")
+    print("mismatch check: engine vs trainer logprobs and routes at the same weights, before any training")
+    report = asyncio.run(mismatch_check(cfg, run_dir, episodes))
+    (run_dir / "mismatch_check.json").write_text(json.dumps(report, indent=2))
+    print(render(report))
+    print(f"done in {report['wall_s']:.1f} s; report: {run_dir / 'mismatch_check.json'}")
     return 0
 
 
@@ -342,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
                 "a fresh run there (what sao submit's jobs do, so a requeued job resumes)",
             )
             p.add_argument("--report", action="store_true", help="write plots and the summary at the end")
+        if name == "check":
+            p.add_argument(
+                "--mismatch",
+                action="store_true",
+                help="instead: generate on the engines and compare their logprobs and MoE routes with the "
+                "actor's at the same weights, with and without routing replay (docs/training.md)",
+            )
+            p.add_argument("--episodes", type=int, default=16, help="episodes the mismatch check generates")
         if name == "plan":
             p.add_argument(
                 "--analytic",

@@ -261,6 +261,13 @@ class ActorGroup(RoleGroup[ActorWorker]):
         parts = await self._all(ActorWorker.logprobs, self.place(batch))
         return assemble_rows(parts, batch.size, batch.tokens.shape[1])
 
+    async def routed_logprobs(self, batch: TrainBatch, replay: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """:meth:`logprobs` with the routers replaying ``batch.routes`` or routing themselves, and route
+        agreement (``ActorWorker.routed_logprobs``)."""
+        parts = await self._all(ActorWorker.routed_logprobs, self.place(batch), replay)
+        rows = assemble_rows([p[0] for p in parts], batch.size, batch.tokens.shape[1])
+        return rows, parts[0][1]
+
     async def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         return await self._reported(ActorWorker.sft_step, self.place(batch))
 

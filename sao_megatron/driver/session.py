@@ -39,6 +39,7 @@ from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineClient, EngineError
 from sao_megatron.rollout.env_workers import EnvFactory, local_env_factory
 from sao_megatron.rollout.manager import EnginesLost, EngineStates, PromptCursor, RolloutManager
+from sao_megatron.routing import RouteShape
 from sao_megatron.tokenizer import load_tokenizer
 from sao_megatron.weight_sync import sync_from_disk
 
@@ -197,6 +198,7 @@ class Session:
                     self.cfg.rollout.loop,
                     engine_name=f"engine{i}",
                     update_policy=self.cfg.rollout.update_policy,
+                    routes=RouteShape.of(self.cfg.model) if self.cfg.rollout.routing_replay != "off" else None,
                 )
             )
         self.engine_states = EngineStates(len(self.engines), on_failure=self._episode_failed)

@@ -130,7 +130,7 @@ class RoutingReplay:
         lag0 = (
             (micro.action_mask > 0) & (micro.lag == 0) if micro.lag is not None else torch.zeros_like(micro.route_mask)
         )
-        per_token = [micro.route_mask > 0, lag0.bool()]  # [b, t] each
+        per_token = [micro.route_mask.bool(), lag0.bool()]  # [b, t] each
         routes = micro.routes.transpose(0, 1)  # [t, b, L, k]: Megatron's sequence-first token order
         per_token = [m.transpose(0, 1) for m in per_token]
         if self.sequence_parallel and self.tp_size > 1:
@@ -143,6 +143,11 @@ class RoutingReplay:
         known, lag0 = (m.reshape(tokens) for m in per_token)
         for slot in self.slots:
             slot.prepare(routes[:, slot.moe_index].long(), known, lag0, training)
+
+    def set_replay(self, replay: bool) -> None:
+        """Route by the engine's ids (``on``) or only count agreement (``record``) from the next forward."""
+        for slot in self.slots:
+            slot.replay = replay
 
     def take_counts(self) -> torch.Tensor:
         """``[moe layers, 4]`` this rank's counts since the last call (see :attr:`ReplaySlot.counts`),

@@ -63,12 +63,15 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from sao_megatron.config import AgentLoopConfig, UpdatePolicy
 from sao_megatron.envs.base import Env, Sample, StepResult
 from sao_megatron.envs.format import ChatFormat, ChatTemplateError, ToolFormat, tool_format_of
 from sao_megatron.records import OBSERVATION_VERSION, EndCause, EpisodeStats, Status, Trajectory, Turn
 from sao_megatron.rollout.client import EngineClient, EngineError, Generation, SamplingParams
 from sao_megatron.rollout.env_workers import EnvWorkerError, environment_failure
+from sao_megatron.routing import RouteShape
 
 __all__ = ["AgentLoop", "AgentLoopConfig"]  # AgentLoopConfig: the run config's ``rollout.loop`` section
 
@@ -91,6 +94,29 @@ class _Episode:
     resubmitted: int = 0
     prefill_recomputed: int = 0
     stale_kv: list[Turn] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
+    """Routing replay: route rows of positions ``[0, routed)`` in order (``routes_missing`` spans zeros)."""
+    routed: int = 0
+    routes_missing: list[Turn] = field(default_factory=list)
+    routes_recomputed: int = 0
+
+    def add_routes(self, shape: RouteShape, end: int, rows: np.ndarray | None) -> None:
+        """Rows of positions ``[routed, end)``; None or a wrong count: recorded as missing."""
+        n = end - self.routed
+        if rows is None or len(rows) != n:
+            self.routes_missing.append(Turn(self.routed, end))
+            rows = shape.empty(n)
+        self.routes.append(rows)
+        self.routed = end
+
+    def trajectory_routes(self, shape: RouteShape | None, positions: int) -> tuple[np.ndarray | None, list[Turn]]:
+        """The episode's routes over all ``positions`` (the unrun tail, at least the last position,
+        recorded as missing), or None without capture or before any generation."""
+        if shape is None or not self.routes:
+            return None, []
+        if positions > self.routed:
+            self.add_routes(shape, positions, None)
+        return np.concatenate(self.routes), self.routes_missing
 
     def stats(self, end: EndCause) -> EpisodeStats:
         return EpisodeStats(
@@ -102,6 +128,7 @@ class _Episode:
             clipped_tokens=self.clipped_tokens,
             resubmitted=self.resubmitted,
             prefill_recomputed=self.prefill_recomputed,
+            routes_recomputed=self.routes_recomputed,
         )
 
     def add_action(self, action: _Action) -> None:
@@ -199,9 +226,12 @@ class AgentLoop:
         cfg: AgentLoopConfig,
         engine_name: str = "",
         update_policy: UpdatePolicy = "retract",
+        routes: RouteShape | None = None,
     ):
-        """``update_policy``: ``rollout.update_policy``, what the weight syncs do to the requests."""
+        """``update_policy``: ``rollout.update_policy``, what the weight syncs do to the requests;
+        ``routes``: capture the engine's routes of every position (``rollout.routing_replay``), this shape."""
         self.client = client
+        self.routes = routes
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.engine_name = engine_name or client.url
@@ -264,6 +294,7 @@ class AgentLoop:
             status, reason, reward, correct, details = "failed", environment_failure(err), 0.0, None, {}
         finally:
             await _close(env, sample, self.cfg.env_step_timeout_s)
+        routes, missing = ep.trajectory_routes(self.routes, len(prompt_ids) + len(ep.response_ids))
         return Trajectory(
             prompt_id=sample.prompt_id,
             prompt_ids=prompt_ids,
@@ -285,6 +316,8 @@ class AgentLoop:
             engine=on[0].engine_name,
             stats=ep.stats("failed" if status == "failed" else end),
             stale_kv=ep.stale_kv,
+            routes=routes,
+            routes_missing=missing,
         )
 
     async def _turns(
@@ -349,8 +382,11 @@ class AgentLoop:
                 max_new_tokens=sampling.max_new_tokens - len(action.ids),
                 min_new_tokens=max(0, sampling.min_new_tokens - len(action.ids)),
             )
+            routes_from = ep.routed if self.routes is not None else None
             try:
-                gen = await client.generate(context + action.ids, asked, timeout_s=self.cfg.generate_timeout_s)
+                gen = await client.generate(
+                    context + action.ids, asked, timeout_s=self.cfg.generate_timeout_s, routes_from=routes_from
+                )
             except EngineError as err:
                 if reroute is None:
                     raise
@@ -361,6 +397,8 @@ class AgentLoop:
                     self._count_recomputed(ep, len(context) + len(action.ids), versions)
                     action.extend(gen, versions, self._stale_from(gen, versions, client))
                 if gen.finish_reason != "abort":
+                    if self.routes is not None:
+                        self._take_routes(ep, gen, len(context) + len(action.ids) - 1, len(action.ids), versions)
                     return action
                 empty_aborts = 0 if gen.output_ids else empty_aborts + 1
                 if self.update_policy == "abort" and empty_aborts < MAX_EMPTY_ABORTS:
@@ -375,6 +413,24 @@ class AgentLoop:
             if nxt is None:
                 return failure
             on[0] = nxt
+
+    def _take_routes(self, ep: _Episode, gen: Generation, end: int, action_tokens: int, versions: list[int]) -> None:
+        """Keep the final request's routes, positions up to ``end`` (an aborted piece's are dropped: the
+        continuation computed its context again and returns routes for all of it). Tokens sampled
+        before a sync recomputed the context (earlier pieces; under ``retract`` those before a version
+        change) are counted in ``routes_recomputed``."""
+        assert self.routes is not None
+        earlier = action_tokens - len(gen.output_ids)  # from aborted pieces
+        if self.update_policy == "retract":
+            earlier += next((i for i in range(len(versions) - 1, 0, -1) if versions[i] != versions[i - 1]), 0)
+        ep.routes_recomputed += earlier
+        rows = None
+        if gen.routes is not None:
+            try:
+                rows = self.routes.decode(gen.routes)
+            except ValueError as err:
+                log.warning("engine %s: %s; positions %d-%d recorded as missing", self.engine_name, err, ep.routed, end)
+        ep.add_routes(self.routes, end, rows)
 
     def _count_recomputed(self, ep: _Episode, context_tokens: int, versions: list[int]) -> None:
         """Under ``retract``, a version change inside a generation is a sync that retracted the request

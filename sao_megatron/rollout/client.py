@@ -89,6 +89,10 @@ class Generation:
     latency_s: float
     cached_tokens: int = 0
     """Prompt tokens whose KV the engine took from its prefix cache instead of computing it."""
+    routes: str | None = None
+    """With ``routes_from`` asked: SGLang's ``meta_info.routed_experts`` (base64 int32 ``[positions,
+    layers, top-k]`` for positions ``[routes_from, prompt + output - 1)``; ``routing.RouteShape.decode``),
+    None when the engine returned none (an aborted request, or an engine without the capture flag)."""
 
 
 def expand_versions(spans: list[dict] | None, n: int, default: str) -> list[str]:
@@ -117,6 +121,7 @@ def parse_generation(body: dict, latency_s: float = 0.0) -> Generation:
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         latency_s=latency_s,
         cached_tokens=int(meta.get("cached_tokens") or 0),
+        routes=meta.get("routed_experts"),
     )
 
 
@@ -242,14 +247,25 @@ class EngineClient:
             return {"text": text}
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None, timeout_s: float | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str | None = None,
+        timeout_s: float | None = None,
+        routes_from: int | None = None,
     ) -> Generation:
+        """Sample from ``input_ids``; ``routes_from``: also return the routed experts of positions
+        ``[routes_from, len(input_ids) + new tokens - 1)`` (an engine started with
+        ``--enable-return-routed-experts``; ``Generation.routes``)."""
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling.to_json(),
             "return_logprob": True,
             "logprob_start_len": -1,
         }
+        if routes_from is not None:
+            payload["return_routed_experts"] = True
+            payload["routed_experts_start_len"] = routes_from
         if rid is not None:
             payload["rid"] = rid
         loop = asyncio.get_running_loop()

@@ -66,6 +66,9 @@ class EngineSpec:
     dist_init_addr: str = ""
     """``host:port`` where the engine's nodes meet (node 0's address) when ``nnodes`` > 1."""
     random_seed: int = 0
+    return_routed_experts: bool = False
+    """``--enable-return-routed-experts``: requests may ask for the experts each position was routed to
+    (``rollout.routing_replay``)."""
     load_format: str = "auto"
     """SGLang ``--load-format``; ``dummy``: random weights from ``config.json`` alone (a weight
     sync gives the real ones), so the server starts without waiting for an export."""
@@ -123,6 +126,8 @@ def _command(spec: EngineSpec, cpu: bool) -> list[str]:
     ]
     if spec.load_format != "auto":
         cmd += ["--load-format", spec.load_format]
+    if spec.return_routed_experts:
+        cmd += ["--enable-return-routed-experts"]
     if spec.api_key:
         cmd += ["--api-key", spec.api_key]
     if spec.mem_fraction_static is not None:
@@ -174,6 +179,7 @@ MANAGED_FLAGS = {
     "--dist-init-addr": "the placement",
     "--device": "cluster.gpus_per_node",
     "--api-key": "the run (a key drawn per run, sent by every client)",
+    "--enable-return-routed-experts": "rollout.routing_replay",
 }
 """SGLang flags :func:`_command` sets from the config: ``rollout.engine_args`` may not set them."""
 

@@ -136,6 +136,27 @@ class ActorWorker:
     @torch.no_grad()
     def logprobs(self, shard: BatchShard) -> RowOutputs | None:
         """``[b, T]`` logprobs of each position's label under the current policy (reporting ranks)."""
+        out = self._logprob_pass(shard)
+        if self.role.replay is not None:
+            self.role.replay.take_counts()  # the update's forward reports agreement
+        return out
+
+    @torch.no_grad()
+    def routed_logprobs(self, shard: BatchShard, replay: bool) -> tuple[RowOutputs | None, dict[str, float]]:
+        """:meth:`logprobs` with the routers replaying the batch's routes (``replay``) or routing
+        themselves, and their agreement with those routes (``routing/agreement``, a collective over the
+        world). For ``sao check --mismatch``; needs ``rollout.routing_replay`` other than ``off``."""
+        if self.role.replay is None:
+            raise RuntimeError("routed_logprobs needs an actor built with rollout.routing_replay record or on")
+        mode = self.cfg.routing_replay == "on"
+        self.role.replay.set_replay(replay)
+        try:
+            rows = self._logprob_pass(shard)
+            return rows, self._routing_metrics()
+        finally:
+            self.role.replay.set_replay(mode)
+
+    def _logprob_pass(self, shard: BatchShard) -> RowOutputs | None:
         collected: list[torch.Tensor] = []
 
         def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -145,8 +166,6 @@ class ActorWorker:
 
         micro = micro_batches(shard, self._micro)
         self.role.forward_backward(micro, loss_fn, forward_only=True)
-        if self.role.replay is not None:
-            self.role.replay.take_counts()  # the update's forward reports agreement
         return row_outputs(collected, micro, shard)
 
     def _routing_metrics(self) -> dict[str, float]:

@@ -81,6 +81,7 @@ def test_an_engine_still_starting_at_its_timeout_names_the_setting(tmp_path, mon
         (["--chunked-prefill-size", "many"], "refuses them"),
         (["--tp-size", "4"], "sets --tp-size, which the project sets from rollout.tensor_parallel"),
         (["--enable-dp-attention"], "cluster.engine_dp_attention"),
+        (["--enable-return-routed-experts"], "which the project sets from rollout.routing_replay"),
     ],
 )
 def test_bad_engine_args_fail_before_any_engine_starts(tmp_path, started, args, message):
@@ -107,8 +108,10 @@ def test_the_projects_own_command_parses_under_the_installed_sglang(cpu):
         node_rank=1,
         dist_init_addr="10.0.0.1:5000",
         load_format="dummy",
+        return_routed_experts=True,
     )
     cmd = engine_mod._command(spec, cpu=cpu)
+    assert "--enable-return-routed-experts" in cmd
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(cmd)
     assert "--attn-dp-size 2" in joined and "--enable-dp-attention" not in joined and "--dp-size" not in joined

@@ -18,17 +18,20 @@ import os
 import secrets
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
+from sao_megatron.config import load_config
 from sao_megatron.driver.observer import episode_metrics
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.envs.registry import make_env
 from sao_megatron.envs.safe_eval import calculator
 from sao_megatron.envs.tool_parse import Parallel, ToolCall, parse_action
-from sao_megatron.records import OBSERVATION_VERSION
+from sao_megatron.records import OBSERVATION_VERSION, Turn
 from sao_megatron.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_megatron.rollout.client import API_KEY_ENV, EngineClient, EngineError, SamplingParams
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec, RouterProcess, RouterSpec
+from sao_megatron.routing import RouteShape
 from sao_megatron.spawn import free_port
 from sao_megatron.tokenizer import load_tokenizer
 from tests.rollout.engine_fixtures import make_tiny_hf, squatter
@@ -84,6 +87,7 @@ def engine(checkpoints, taken_port, api_key, tmp_path_factory):
         max_total_tokens=16384,
         log_path=str(log),
         api_key=api_key,
+        return_routed_experts=True,  # rollout.routing_replay (asked for by the routing tests only)
     )
     with EngineProcess(spec) as proc:
         yield proc
@@ -185,12 +189,14 @@ class Recording:
     def __init__(self, client: EngineClient, regex: str = ""):
         self.client, self.regex, self.url = client, regex, client.url
         self.inputs: list[list[int]] = []
+        self.starts: list[int | None] = []
 
-    async def generate(self, input_ids, sampling, rid=None, timeout_s=None):
+    async def generate(self, input_ids, sampling, rid=None, timeout_s=None, routes_from=None):
         self.inputs.append(list(input_ids))
+        self.starts.append(routes_from)
         if self.regex:
             sampling = RegexSampling(**dataclasses.asdict(sampling), regex=self.regex)
-        return await self.client.generate(input_ids, sampling, rid=rid, timeout_s=timeout_s)
+        return await self.client.generate(input_ids, sampling, rid=rid, timeout_s=timeout_s, routes_from=routes_from)
 
 
 TWO_CALLS = r"<tool>[1-9][+*][1-9]</tool><tool>[1-9][+*][1-9]</tool>"
@@ -275,6 +281,48 @@ def test_a_150_turn_episode_through_the_engine(engine):
     metrics = episode_metrics([traj])
     assert metrics["rollout/end/max_turns"] == 1.0 and metrics["rollout/end_turn/max_turns"] == 150.0
     assert metrics["rollout/context_tokens"] == traj.num_context_tokens <= 1024
+
+
+class ThreeTurns(Ticker):
+    """The Ticker, done after its third action: prompt, three actions, two observations."""
+
+    def step(self, action: str) -> StepResult:
+        self.turns += 1
+        return StepResult(str(self.turns), self.turns >= 3)
+
+
+def test_routes_of_a_multi_turn_episode_equal_a_prefill_of_its_ids(engine):
+    """rollout.routing_replay: each turn asks for the routes of the positions new to it; the episode's routes
+    (one row per position, the last never run: missing) equal those of one prefill of the whole sequence,
+    computed afresh (cache flushed) and from the prefix cache (the routes of the KV it reuses)."""
+    tokenizer = load_tokenizer()
+    shape = RouteShape.of(load_config().model)
+    cfg = AgentLoopConfig(max_turns=5, max_new_tokens=4, max_response_tokens=400)
+    once = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+    async def go():
+        async with EngineClient(engine.url) as client:
+            recording = Recording(client)
+            loop = AgentLoop(recording, tokenizer, cfg, routes=shape)  # type: ignore[arg-type]
+            traj = await loop.run(ThreeTurns(), Sample("routes", "Count.", ""))
+            ids = traj.prompt_ids + traj.response_ids
+            await client.flush_cache()
+            fresh = await client.generate(ids, once, routes_from=0)
+            cached = await client.generate(ids, once, routes_from=0)
+            return traj, recording.starts, fresh, cached
+
+    traj, starts, fresh, cached = run(go())
+    n = traj.num_context_tokens
+    assert (traj.status, traj.num_turns, traj.num_observation_tokens > 0) == ("finished", 3, True), traj.status_reason
+    assert starts == [0] + [traj.num_prompt_tokens + t.start - 1 for t in traj.turns[1:]]  # new positions only
+    assert traj.routes is not None and traj.routes.shape == (n, len(shape.moe_layers), shape.topk)
+    assert traj.routes.dtype == np.uint8 and traj.routes_missing == [Turn(n - 1, n)]
+    assert fresh.cached_tokens == 0 and cached.cached_tokens > 0
+    for prefill in (fresh, cached):
+        assert prefill.routes is not None
+        rows = shape.decode(prefill.routes)
+        assert rows.shape[0] == n  # positions [0, n + 1 - 1)
+        np.testing.assert_array_equal(np.sort(traj.routes[: n - 1], -1), np.sort(rows[: n - 1], -1))
 
 
 def test_weight_update_mid_generation_gives_two_versions(engine, checkpoints):

@@ -25,6 +25,9 @@ LAYOUTS = {  # name: (world size, overrides, add the 23-token row)
     "ep2": (2, _both(expert_parallel=2), True),
     "tp2_sp_packed": (2, {**_both(tensor_parallel=2), **PACK}, False),
     "pp2_packed_budget": (2, {**_both(pipeline_parallel=2, max_tokens_per_micro_batch=16), **PACK}, False),
+    # full activation recompute: each layer runs again in the backward, where the replayed routes come
+    # from a queue in forward order (models/replay.py); PP2's 1F1B interleaves the micro-batches
+    "pp2_recompute": (2, _both(pipeline_parallel=2, recompute_activations=True), False),
     "dp2_budget": (2, {**_both(max_tokens_per_micro_batch=24), "actor.parallel.pack_sequences": True}, True),
     "tp2_pp2_ep2": (4, _both(tensor_parallel=2, pipeline_parallel=2, expert_parallel=2), False),
     "tp2_dp2_ep2_packed_budget": (
