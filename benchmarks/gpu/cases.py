@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -549,4 +550,56 @@ def memory_case(rank: int, world: int, spec: dict) -> dict:
         )
         out[role] = {"measured_bytes": got["total"], "plan_bytes": plan.total - plan.reserved, **got}
         _release()
+    return out
+
+
+def random_routes(batch: TrainBatch, num_moe_layers: int, topk: int, num_experts: int, seed: int = 0) -> TrainBatch:
+    """``batch`` with a random routing of every real position (distinct experts per token, as an
+    engine routes), the compact dtype of ``routing.RouteShape`` and padding unrouted."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = batch.tokens.shape
+    ids = torch.rand(b, t, num_moe_layers, num_experts, generator=g).argsort(-1)[..., :topk]
+    known = torch.arange(t)[None, :] < batch.lengths[:, None]
+    dtype = torch.uint8 if num_experts <= 256 else torch.int16
+    return dataclasses.replace(batch, routes=ids.to(dtype), route_mask=known)
+
+
+def replay_case(rank: int, world: int, spec: dict) -> dict:
+    """Routing replay's cost, side by side in one process: seconds per actor update and per logprob
+    pass with the batch's routes replayed and without routes (the same role; the routers route
+    themselves), interleaved; the bytes the routes add to the batch the driver ships each step."""
+    from sao_megatron.routing import RouteShape
+    from sao_megatron.workers.actor import ActorWorker
+
+    cfg = run_config(spec, bf16=spec["bf16"])
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, routing_replay="on"))
+    batch, advantages = _batch(spec)
+    shape = RouteShape.of(cfg.model)
+    routed = random_routes(batch, len(shape.moe_layers), shape.topk, shape.num_experts)
+    actor = ActorWorker(ActorRankConfig.of(cfg))
+    shards = {"replay": _shard(routed), "plain": _shard(batch)}
+    adv = shards["plain"].take(advantages)
+    steps: dict[str, list[float]] = {"replay": [], "plain": []}
+    passes: dict[str, list[float]] = {"replay": [], "plain": []}
+    for shard in shards.values():  # warm-up
+        _timed(lambda s=shard: actor.update(s, adv, 1))
+    for _ in range(spec["steps"]):
+        for name, shard in shards.items():
+            steps[name].append(_timed(lambda s=shard: actor.update(s, adv, 1)))
+            passes[name].append(_timed(lambda s=shard: actor.logprobs(s)))
+    agreement = actor.update(shards["replay"], adv, 1)  # replay took effect: routing/replayed is 1
+    tensors = [v for v in dataclasses.asdict(batch).values() if isinstance(v, torch.Tensor)]
+    out = {
+        "tokens": int(batch.lengths.sum()),
+        "update_s": steps,
+        "logprobs_s": passes,
+        "update_ratio": statistics.median(steps["replay"]) / statistics.median(steps["plain"]),
+        "logprobs_ratio": statistics.median(passes["replay"]) / statistics.median(passes["plain"]),
+        "route_bytes": routed.routes.nbytes + routed.route_mask.nbytes,  # pyright: ignore[reportOptionalMemberAccess]
+        "batch_bytes": sum(v.nbytes for v in tensors),
+        "bytes_per_token": shape.bytes_per_token,
+        "replayed": agreement.get("routing/replayed"),
+        "peak_gib": _memory_gib(),
+    }
+    actor.role.close()
     return out

@@ -44,12 +44,12 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-SECTIONS = ("environment", "memory", "matmul_peak", "layout", "te_vs_local", "moe_1b", "gpu_tests")
+SECTIONS = ("environment", "memory", "matmul_peak", "layout", "te_vs_local", "moe_1b", "replay", "gpu_tests")
 MIN_SECONDS = {  # what a section needs at the least (start-up of a spawned world included)
-    "gpu": {"environment": 1, "memory": 60, "matmul_peak": 10, "layout": 60, "te_vs_local": 45, "moe_1b": 90, "gpu_tests": 60},
-    "cpu-smoke": {"environment": 1, "memory": 20, "matmul_peak": 0, "layout": 20, "te_vs_local": 0, "moe_1b": 20, "gpu_tests": 0},
+    "gpu": {"environment": 1, "memory": 60, "matmul_peak": 10, "layout": 60, "te_vs_local": 45, "moe_1b": 90, "replay": 60, "gpu_tests": 60},
+    "cpu-smoke": {"environment": 1, "memory": 20, "matmul_peak": 0, "layout": 20, "te_vs_local": 0, "moe_1b": 20, "replay": 20, "gpu_tests": 0},
 }  # fmt: skip
-MAX_SECONDS = {"memory": 150, "layout": 150, "te_vs_local": 90, "moe_1b": 300, "gpu_tests": 180}
+MAX_SECONDS = {"memory": 150, "layout": 150, "te_vs_local": 90, "moe_1b": 300, "replay": 120, "gpu_tests": 180}
 PLAN_TOL = 0.15
 """|sao plan / measured - 1| a role's step may show (tests/test_plan_measured.py holds it on CPU)."""
 LOGPROB_BYTES_MAX = 8.0
@@ -398,6 +398,27 @@ def moe_1b_section(ctx: Context) -> Section:
     return Section("measured", data=data, checks=checks)
 
 
+def replay_section(ctx: Context) -> Section:
+    """Routing replay's cost (``rollout.routing_replay: on``): the actor's update and logprob pass with a
+    random routing replayed vs without routes, interleaved in one process on the moe_1b workload (tiny
+    on CPU), and the bytes the routes add to each step's batch. Checks that replay took effect."""
+    from benchmarks.gpu import cases, workload
+
+    gpu = ctx.gpu
+    model = workload.MOE_1B if gpu else None
+    shape = workload.THROUGHPUT_GPU if gpu else workload.THROUGHPUT_CPU
+    spec = {
+        "model": dataclasses.asdict(model) if model else {"num_layers": 2},
+        "batch": dataclasses.asdict(shape),
+        "micro_batch_size": 2,
+        "bf16": gpu,
+        "steps": ctx.steps,
+    }
+    data = _spawn(cases.replay_case, spec, ctx, "replay")
+    checks = {"replayed": {"ok": data["replayed"] == 1.0, "value": data["replayed"], "limit": "== 1"}}
+    return Section("measured", data=data, checks=checks)
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -526,6 +547,12 @@ def summary_line(name: str, s: Section) -> str:
         return f"{d['passed']} passed, {d['failed']} failed, {d['errors']} errors, {d['skipped']} skipped ({len(d['files'])} files)"
     if name == "te_vs_local":
         return "; ".join(f"{k}: rel logits diff {v['logits_rel_diff']:.2g}" for k, v in d.items())
+    if name == "replay":
+        return (
+            f"{d['tokens']} tok, replay/plain: update {d['update_ratio']:.3f}, logprobs {d['logprobs_ratio']:.3f}; "
+            f"routes {d['route_bytes'] / 2**20:.2f} MiB of a {d['batch_bytes'] / 2**20:.2f} MiB batch "
+            f"({d['bytes_per_token']} B/token), replayed {d['replayed']}"
+        )
     r = d["rates"]
     return (
         f"{d['model']['name']} {_count(d['parameters']['total'])} ({_count(d['parameters']['active'])} active), {d['tokens']} tok: "

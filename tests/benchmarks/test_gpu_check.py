@@ -276,12 +276,14 @@ def test_cpu_smoke_writes_every_section_measured_or_skipped_with_a_reason(smoke)
         "memory_rank0.log",
         "layout_rank0.log",
         "moe_1b_rank0.log",
+        "replay_rank0.log",
     }
     for line in (
         "environment   measured",
         "memory        measured",
         "layout        measured",
         "moe_1b        measured",
+        "replay        measured",
         "JSON:",
     ):
         assert line in out.stdout, line
