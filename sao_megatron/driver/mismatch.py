@@ -8,7 +8,8 @@ computes the logprobs of the same tokens twice: its routers routing themselves, 
 engine's routes. Reported for each, over every action token (all at version 0, so all lag 0): mean and
 max |trainer logprob - engine logprob|, the k3 KL estimate, ratio quantiles
 (:func:`~sao_megatron.algo.mismatch_metrics`), and the share of routed tokens whose router top-k set
-equals the engine's (``routing/agreement``; 1 on every replayed token). Both passes see the same
+equals the engine's (``routing/agreement``), and the share whose experts used are the engine's
+(``routing/replayed``: 1 when replaying, the agreement otherwise). Both passes see the same
 tokens, so the difference between them is what replay removes; what remains is kernel and dtype noise.
 """
 
@@ -33,6 +34,7 @@ KEYS = (
     "mismatch/ratio/p50",
     "mismatch/ratio/p99",
     "routing/agreement",
+    "routing/replayed",
 )
 
 

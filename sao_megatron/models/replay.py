@@ -52,9 +52,10 @@ class ReplaySlot(RouterReplay):
         """The next forward's ``(ids [n, k] int64, known [n] bool, lag0 [n] bool)``."""
         self.queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
         """Targets of forwards whose recompute (in the backward) is still to come."""
-        self.counts = torch.zeros(4, dtype=torch.float64)
+        self.counts = torch.zeros(5, dtype=torch.float64)
         """``[tokens with known routes, of which the router's own top-k set agrees with them; the same for
-        the tokens that predict a lag-0 action token]`` (see :meth:`RoutingReplay.feed`)."""
+        the tokens that predict a lag-0 action token (see :meth:`RoutingReplay.feed`); tokens with known
+        routes whose experts used (replayed or the router's) are the engine's]``."""
 
     def prepare(self, ids: torch.Tensor, known: torch.Tensor, lag0: torch.Tensor, training: bool) -> None:
         self.pending = (ids, known, lag0)
@@ -86,15 +87,17 @@ class ReplaySlot(RouterReplay):
                 f"for {ids.shape[0]}; the micro-batch and the model disagree on the tokens this rank holds"
             )
         ids, known = ids.to(own.device), known.to(own.device)
+        chosen = torch.where(known[:, None], ids, own) if self.replay else own
         if lag0 is not None:  # the forward (not a recompute): count agreement once
             with torch.no_grad():
-                same = (own.sort(dim=1).values == ids.sort(dim=1).values).all(dim=1) & known
+                engine = ids.sort(dim=1).values
+                same = (own.sort(dim=1).values == engine).all(dim=1) & known
+                used = (chosen.sort(dim=1).values == engine).all(dim=1) & known
                 lag0 = lag0.to(own.device) & known
-                parts = [known.sum(), same.sum(), lag0.sum(), (same & lag0).sum()]
+                parts = [known.sum(), same.sum(), lag0.sum(), (same & lag0).sum(), used.sum()]
                 self.counts += torch.stack(parts).double().cpu()
         if not self.replay:
             return own_scores, own
-        chosen = torch.where(known[:, None], ids, own)
         return scores.gather(1, chosen), chosen
 
 
@@ -150,9 +153,9 @@ class RoutingReplay:
             slot.replay = replay
 
     def take_counts(self) -> torch.Tensor:
-        """``[moe layers, 4]`` this rank's counts since the last call (see :attr:`ReplaySlot.counts`),
+        """``[moe layers, 5]`` this rank's counts since the last call (see :attr:`ReplaySlot.counts`),
         then reset; a leftover target (a forward that never ran) is dropped."""
-        out = torch.zeros(self.num_moe_layers, 4, dtype=torch.float64)
+        out = torch.zeros(self.num_moe_layers, 5, dtype=torch.float64)
         for slot in self.slots:
             out[slot.moe_index] += slot.counts
             slot.counts.zero_()
@@ -165,15 +168,17 @@ def routing_metrics(counts: torch.Tensor) -> dict[str, float]:
     """Metrics from :meth:`RoutingReplay.take_counts` summed over the role's world (a layer's counts come
     from the ranks that hold its tokens; ranks holding the same tokens scale both counts alike):
     ``routing/agreement`` the share of tokens with engine routes whose router top-k set equals the
-    engine's, ``routing/agreement/lag0`` the same over the positions predicting lag-0 action tokens
+    engine's, ``routing/replayed`` the share whose experts used are the engine's (1 under replay: the
+    hook took effect; the agreement without it), ``routing/agreement/lag0`` the same over the positions predicting lag-0 action tokens
     (same weights in engine and trainer), and per MoE layer ``routing/agreement/lag0/layer{i}``."""
     out: dict[str, float] = {}
     total = counts.sum(0)
     if total[0] > 0:
         out["routing/agreement"] = float(total[1] / total[0])
+        out["routing/replayed"] = float(total[4] / total[0])
     if total[2] > 0:
         out["routing/agreement/lag0"] = float(total[3] / total[2])
-        for i, (_, _, n, same) in enumerate(counts.tolist()):
+        for i, (_, _, n, same, _) in enumerate(counts.tolist()):
             if n > 0:
                 out[f"routing/agreement/lag0/layer{i}"] = same / n
     return out
