@@ -36,7 +36,7 @@ from sao_megatron.envs.format import tool_format_of
 from sao_megatron.envs.registry import make_task
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
-from sao_megatron.rollout.client import EngineClient, EngineError
+from sao_megatron.rollout.client import EngineClient, EngineError, require_route_capture
 from sao_megatron.rollout.env_workers import EnvFactory, local_env_factory
 from sao_megatron.rollout.manager import EnginesLost, EngineStates, PromptCursor, RolloutManager
 from sao_megatron.routing import RouteShape
@@ -191,6 +191,8 @@ class Session:
         for i, engine in enumerate(self.engines):
             client = await EngineClient(engine.url).__aenter__()
             self.clients.append(client)
+            if self.cfg.rollout.routing_replay != "off":
+                await require_route_capture([client], self.cfg.rollout.routing_replay)
             self.loops.append(
                 AgentLoop(
                     client,

@@ -299,6 +299,10 @@ class EngineClient:
         except EngineError:
             return False
 
+    async def server_info(self, timeout_s: float | None = 30.0) -> dict:
+        """The server's resolved arguments (SGLang ``/server_info``)."""
+        return await self._call("GET", "/server_info", timeout_s=timeout_s)
+
     async def model_info(self, timeout_s: float | None = None) -> dict:
         return await self._call("GET", "/model_info", timeout_s=timeout_s)
 
@@ -462,3 +466,20 @@ class EngineClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> dict:
         return await self._update("/destroy_weights_update_group", {"group_name": group_name})
+
+
+async def require_route_capture(clients: Sequence[EngineClient], setting: str) -> None:
+    """Every engine returns routed experts (``--enable-return-routed-experts``), as
+    ``rollout.routing_replay`` (``setting``) needs; else :class:`~sao_megatron.config.ConfigError` in one
+    line naming the engine. Our launcher always passes the flag; this catches an engine started another
+    way (or an SGLang that dropped it) before any episode records no routes."""
+    from sao_megatron.config import ConfigError
+
+    for client in clients:
+        info = await client.server_info()
+        if not info.get("enable_return_routed_experts"):
+            raise ConfigError(
+                f"rollout.routing_replay={setting}: the engine at {client.url} does not return routed experts "
+                "(started without --enable-return-routed-experts); start it with the flag or set "
+                "rollout.routing_replay=off"
+            )
