@@ -52,10 +52,11 @@ class ReplaySlot(RouterReplay):
         """The next forward's ``(ids [n, k] int64, known [n] bool, lag0 [n] bool)``."""
         self.queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
         """Targets of forwards whose recompute (in the backward) is still to come."""
-        self.counts = torch.zeros(5, dtype=torch.float64)
+        self.counts: torch.Tensor | None = None
         """``[tokens with known routes, of which the router's own top-k set agrees with them; the same for
         the tokens that predict a lag-0 action token (see :meth:`RoutingReplay.feed`); tokens with known
-        routes whose experts used (replayed or the router's) are the engine's]``."""
+        routes whose experts used (replayed or the router's) are the engine's]``, on the router's device
+        (no host sync per layer; :meth:`RoutingReplay.take_counts` moves them)."""
 
     def prepare(self, ids: torch.Tensor, known: torch.Tensor, lag0: torch.Tensor, training: bool) -> None:
         self.pending = (ids, known, lag0)
@@ -72,7 +73,6 @@ class ReplaySlot(RouterReplay):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert default_compute_topk is not None  # Megatron always passes its own top-k
         own_scores, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        self.record_indices(own)
         lag0 = None
         if self.pending is not None:
             ids, known, lag0 = self.pending
@@ -94,8 +94,8 @@ class ReplaySlot(RouterReplay):
                 same = (own.sort(dim=1).values == engine).all(dim=1) & known
                 used = (chosen.sort(dim=1).values == engine).all(dim=1) & known
                 lag0 = lag0.to(own.device) & known
-                parts = [known.sum(), same.sum(), lag0.sum(), (same & lag0).sum(), used.sum()]
-                self.counts += torch.stack(parts).double().cpu()
+                parts = torch.stack([known.sum(), same.sum(), lag0.sum(), (same & lag0).sum(), used.sum()])
+                self.counts = parts.double() if self.counts is None else self.counts + parts
         if not self.replay:
             return own_scores, own
         return scores.gather(1, chosen), chosen
@@ -157,8 +157,9 @@ class RoutingReplay:
         then reset; a leftover target (a forward that never ran) is dropped."""
         out = torch.zeros(self.num_moe_layers, 5, dtype=torch.float64)
         for slot in self.slots:
-            out[slot.moe_index] += slot.counts
-            slot.counts.zero_()
+            if slot.counts is not None:
+                out[slot.moe_index] += slot.counts.cpu()
+            slot.counts = None
             slot.pending = None
             slot.queue.clear()
         return out
