@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,17 +40,29 @@ class EngineHost:
         spec.host = ray.util.get_node_ip_address()
         spec.port = spec.port or free_port()  # chosen on the node that binds it
         self.spec = spec
+        self.log_path = spec.log_path
         self.proc: EngineProcess | None = None
 
     def init_address(self) -> str:
-        """``host:port`` on this node where the engine's nodes meet (node 0 only)."""
+        """``host:port`` on this node where the engine's nodes meet (node 0 only). The port was free a
+        moment ago (probe-and-release): :meth:`RemoteEngine.wait_healthy` retries a clash on new ports."""
         return f"{self.spec.host}:{free_port()}"
 
-    def launch(self, node_rank: int, nnodes: int, dist_init_addr: str) -> None:
+    def launch(self, node_rank: int, nnodes: int, dist_init_addr: str, fresh_port: bool = False) -> None:
+        """Start this node's server; ``fresh_port``: on a new HTTP port (a retry after a clash)."""
+        if fresh_port:
+            self.spec.port = free_port()
         self.spec.node_rank, self.spec.nnodes, self.spec.dist_init_addr = node_rank, nnodes, dist_init_addr
-        if node_rank and self.spec.log_path:  # the run directory is shared: one log per node
-            self.spec.log_path = self.spec.log_path.removesuffix(".log") + f".node{node_rank}.log"
-        self.proc = EngineProcess(self.spec).start()
+        if node_rank and self.log_path:  # the run directory is shared: one log per node
+            self.spec.log_path = self.log_path.removesuffix(".log") + f".node{node_rank}.log"
+        proc = EngineProcess(self.spec)
+        if nnodes > 1:  # a clash needs every node started again, meeting elsewhere: RemoteEngine does it
+            proc.port_retries = 0
+        self.proc = proc.start()
+
+    def port_clash(self) -> bool:
+        """This node's server exited because a port it binds (HTTP, or the nodes' meeting port) was taken."""
+        return self.proc is not None and not self.proc.alive() and self.proc._port_clash()
 
     def wait_healthy(self) -> str:
         assert self.proc is not None, "launch() first"
@@ -88,7 +101,7 @@ class RemoteEngine:
 
             remove_placement_group(self.group)
             raise placement_error(f"an engine over {nodes} node(s)", bundle, placement_timeout_s) from None
-        self.hosts: list[Any] = [
+        hosts = [
             EngineHost.options(
                 num_cpus=0.1,
                 num_gpus=per_node,
@@ -97,14 +110,43 @@ class RemoteEngine:
             ).remote(spec)
             for n in range(nodes)
         ]
-        address = ray.get(self.hosts[0].init_address.remote()) if nodes > 1 else ""
-        ray.get([h.launch.remote(n, nodes, address) for n, h in enumerate(self.hosts)])
-        self.host = self.hosts[0]
-        self.url: str = ""
+        self._launch_on(hosts)
+
+    port_retries = 3
+    """Times a multi-node engine is started again on new ports after node 0 found one taken."""
+
+    def _launch_on(self, hosts: list[Any]) -> None:
+        """Start the engine's server on ``hosts`` (their :class:`EngineHost` s, node 0 first)."""
+        self.hosts, self.host, self.url = hosts, hosts[0], ""
+        self._launch(fresh_port=False)
+
+    def _launch(self, fresh_port: bool) -> str:
+        nodes = len(self.hosts)
+        address = str(ray.get(self.host.init_address.remote())) if nodes > 1 else ""
+        ray.get([h.launch.remote(n, nodes, address, fresh_port) for n, h in enumerate(self.hosts)])
+        return address
 
     def wait_healthy(self) -> float:
-        self.url = str(ray.get(self.host.wait_healthy.remote()))
-        return 0.0
+        """Until node 0 serves. Node 0 of a multi-node engine that died on a port clash (its HTTP port
+        or the nodes' meeting port, both probe-and-release) is started again with every other node,
+        meeting at a new address, up to :attr:`port_retries` times: restarting it alone would retry
+        the taken meeting port, and the other nodes wait on the old one."""
+        retries = self.port_retries if len(self.hosts) > 1 else 0
+        while True:
+            try:
+                self.url = str(ray.get(self.host.wait_healthy.remote()))
+                return 0.0
+            except Exception:
+                if not retries or not ray.get(self.host.port_clash.remote()):
+                    raise
+            retries -= 1
+            ray.get([h.stop.remote() for h in self.hosts], timeout=60)
+            address = self._launch(fresh_port=True)
+            logging.getLogger(__name__).warning(
+                "an engine over %d nodes: node 0 found a port taken; every node started again, meeting at %s",
+                len(self.hosts),
+                address,
+            )
 
     def alive(self) -> bool:
         try:
@@ -201,7 +243,6 @@ def launch_engines(
             mem_fraction_static=c.engine_mem_fraction if c.gpus_per_node else None,
             random_seed=cfg.run.seed + i,
             load_format=load_format,
-            return_routed_experts=r.routing_replay != "off",
             log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
             env=engine_env(cfg, i, parent_visible),
             cpu=not c.gpus_per_node,
