@@ -289,6 +289,8 @@ CASES: list[tuple[str, Build, str]] = [
      r"cluster\.gpus_per_node=8; use 2 or more nodes, or 0 \(derived\)$"),
     ("zero-sync-bucket", _overrides("rollout.weight_sync_bucket_mb=0"),
      r"^rollout\.weight_sync_bucket_mb=0 must be >= 1 \(MiB\), e\.g\. 1024$"),
+    ("zero-sync-timeout", _overrides("rollout.weight_sync_timeout_s=0"),
+     r"^rollout\.weight_sync_timeout_s=0\.0 must be > 0 \(seconds\), e\.g\. 120$"),
     ("bad-update-policy", _overrides("rollout.update_policy=keep"),
      r"^override 'rollout\.update_policy=keep': rollout\.update_policy: 'keep' is not one of 'retract', 'in_place', "
      r"'abort'$"),

@@ -446,6 +446,8 @@ def validate_rollout(r: RolloutConfig) -> None:
             raise ConfigError(f"rollout.{name} must be >= 1 (got {getattr(r, name)})")
     if r.weight_sync_bucket_mb < 1:
         raise ConfigError(f"rollout.weight_sync_bucket_mb={r.weight_sync_bucket_mb} must be >= 1 (MiB), e.g. 1024")
+    if not r.weight_sync_timeout_s > 0:
+        raise ConfigError(f"rollout.weight_sync_timeout_s={r.weight_sync_timeout_s} must be > 0 (seconds), e.g. 120")
     if r.weight_sync == "disk" and r.update_policy != "retract":
         raise ConfigError(
             f"rollout.update_policy={r.update_policy} has no effect with rollout.weight_sync=disk (the disk sync does "

@@ -36,6 +36,8 @@ class ActorRankConfig:
     """``rollout.weight_sync_flat`` (None: resolved by the sync's backend)."""
     sync_bucket_mb: int
     """``rollout.weight_sync_bucket_mb``."""
+    sync_timeout_s: float
+    """``rollout.weight_sync_timeout_s``."""
     seed: int
     """``run.seed``."""
     backend: Backend = "auto"
@@ -62,6 +64,7 @@ class ActorRankConfig:
             engine_tp=r.tensor_parallel,
             sync_flat=r.weight_sync_flat,
             sync_bucket_mb=r.weight_sync_bucket_mb,
+            sync_timeout_s=r.weight_sync_timeout_s,
             seed=cfg.run.seed,
             backend=cfg.run.backend,
             export_timeout_s=cfg.run.export_timeout_s,

@@ -371,6 +371,12 @@ class RolloutConfig:
     weight_sync_gb_per_s: float = 10.0
     """Trainer -> engines bandwidth ``sao plan`` assumes for its predicted sync time per step;
     measure yours with ``benchmarks/bench_weight_sync.py`` (the protocol's GB/s on your fabric)."""
+    weight_sync_timeout_s: float = 120.0
+    """How long a broadcast weight sync's sender waits for one bucket's broadcast to complete (every
+    engine received it). Past it, or when the broadcast fails, the sender aborts its group, the sync
+    fails and the run restarts every engine of that group and syncs again (docs/training.md, "When a
+    weight sync fails"). Under NCCL a dead or refusing engine shows up only as this timeout: keep it
+    well above one bucket's transfer and the first bucket's communicator set-up."""
 
 
 @dataclass

@@ -37,8 +37,17 @@ receive-and-load is serial. The ranks coordinate through keys in the trainer wor
 (:class:`SyncGate`), not collectives: a sender says it holds bucket j (or why it never will)
 before the coordinator posts it, and broadcasts it only once the coordinator released it. On an
 error the coordinator stops every sender at its next bucket, and the engines end the update and
-resume. An engine that refuses a bucket without receiving it, or dies mid-broadcast, still holds
-that broadcast's other members until the group's timeout (300 s).
+resume.
+
+Failure semantics (the same code under gloo and NCCL; docs/training.md, "When a weight sync fails"):
+a sender enqueues a bucket's broadcasts and waits on each ``Work`` for at most
+``rollout.weight_sync_timeout_s``. An engine that dies mid-broadcast or refuses a bucket without
+receiving it makes that wait raise (gloo: at once when a peer's connection closes; NCCL: a broadcast
+only enqueues, so at the timeout); the sender then aborts its group (:meth:`WeightSync.abort`) and
+the sync raises :class:`SyncAborted` on rank 0. The groups are built with NCCL's async error
+handling off (:func:`new_group`), so torch's watchdog never takes a trainer rank down for them.
+Engines of an aborted group may still hold its collective, so the driver restarts all of them and
+syncs again (``Session.sync_weights``; the run's ``sync/recovered`` counts those recoveries).
 
 In-flight episodes continue under the new version; their later tokens carry it (under
 ``in_place`` those tokens were sampled on KV of the old weights: the trajectory's ``stale_kv``). When the
@@ -55,6 +64,7 @@ from sao_megatron.weight_sync.streams import GatherStreams
 from sao_megatron.weight_sync.transport import (
     BucketSpec,
     EngineControl,
+    SyncAborted,
     SyncReport,
     WeightSync,
     new_group,
@@ -68,6 +78,7 @@ __all__ = [
     "BucketSpec",
     "EngineControl",
     "GatherStreams",
+    "SyncAborted",
     "SyncGate",
     "SyncReport",
     "WeightSync",

@@ -17,6 +17,7 @@ from sao_megatron.weight_sync.streams import GatherStreams
 from sao_megatron.weight_sync.transport import (
     BucketSpec,
     EngineControl,
+    SyncAborted,
     WeightSync,
     prefetched,
     resolve_flat,
@@ -40,7 +41,10 @@ class BroadcastSync:
     may have sent its stage's sender unacknowledged (``run.export_inflight_mb``); ``timeout_s``:
     the gather group's timeout (``run.export_timeout_s``; 0: sized from the model's HF bytes at
     ``gb_per_s``, ``run.export_gb_per_s``); ``policy``: what a sync does to the engines' running
-    requests (``rollout.update_policy``, :class:`~sao_megatron.weight_sync.EngineControl`)."""
+    requests (``rollout.update_policy``, :class:`~sao_megatron.weight_sync.EngineControl`);
+    ``bucket_timeout_s``: how long a sender waits for one bucket's broadcast before it aborts its
+    group (``rollout.weight_sync_timeout_s``, :meth:`WeightSync.send
+    <sao_megatron.weight_sync.WeightSync.send>`)."""
 
     def __init__(
         self,
@@ -54,8 +58,10 @@ class BroadcastSync:
         timeout_s: float = 0.0,
         gb_per_s: float = 0.5,
         policy: str = "retract",
+        bucket_timeout_s: float = 120.0,
     ):
         self.module, self.model_cfg, self.policy = module, model_cfg, policy
+        self.bucket_timeout_s = bucket_timeout_s
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.engine_tp, self.flat, self.bucket_bytes = engine_tp, resolve_flat(flat, self.backend), bucket_mb << 20
         self.inflight_bytes, self.timeout_s, self.gb_per_s = inflight_mb << 20, timeout_s, gb_per_s
@@ -81,8 +87,9 @@ class BroadcastSync:
 
         The groups are re-formed (new names; the old ones destroyed on the engines still
         listed) when ``engine_urls`` differ from the last call's (an engine restarted or
-        dropped), and after a failed update (an engine died during it), which raises on rank 0.
-        Rank 0 returns the timing; the others ``{}``."""
+        dropped), and after a failed update (an engine died during it), which raises on rank 0:
+        :class:`~sao_megatron.weight_sync.SyncAborted` when a sender aborted its group (a bucket's
+        broadcast failed or timed out), else RuntimeError. Rank 0 returns the timing; the others ``{}``."""
         from sao_megatron.models import hf_io
         from sao_megatron.models.hf_weights import EXPORT_FLOOR_S, HFWeightStream, hf_bytes
 
@@ -107,34 +114,37 @@ class BroadcastSync:
         t0 = time.perf_counter()
         paused, kept = 0.0, 0
         if any(formed):  # skipped everywhere: an engine would wait for that sender's buckets forever
-            results = [(0, 0, error) for error in formed]
+            results = [(0, 0, error, False) for error in formed]
         elif rank == 0:
             try:
-                nbytes, tensors, error, paused, kept = asyncio.run(self._coordinate(stream, gate, engine_urls, version))
+                nbytes, tensors, error, aborted, paused, kept = asyncio.run(
+                    self._coordinate(stream, gate, engine_urls, version)
+                )
             except Exception as err:  # a bug: the other ranks still get their word below
-                nbytes, tensors, error = 0, 0, f"{type(err).__name__}: {err}"
+                nbytes, tensors, error, aborted = 0, 0, f"{type(err).__name__}: {err}", False
             gate.done()  # the engines were resumed
-            dist.all_gather_object(results, (nbytes, tensors, error))
+            dist.all_gather_object(results, (nbytes, tensors, error, aborted))
         else:
             mine = self._data_plane(stream, gate)
             gate.wait_done()  # not in the collective: the coordinator may take longer than its timeout
             dist.all_gather_object(results, mine)
-        errors = [f"trainer rank {r}: {e}" for r, (_, _, e) in enumerate(results) if e]
-        if errors:  # the groups are broken: the next call forms new ones
+        errors = [f"trainer rank {r}: {e}" for r, (_, _, e, _) in enumerate(results) if e]
+        if errors:  # the groups are broken (an aborted one on this side already): the next call forms new ones
             self.close()
             if rank == 0:
-                raise RuntimeError(f"weight sync to version {version} failed: {'; '.join(errors)}")
+                failed = SyncAborted if any(a for *_, a in results) else RuntimeError
+                raise failed(f"weight sync to version {version} failed: {'; '.join(errors)}")
             return {}
         if rank != 0:
             return {}
         seconds = time.perf_counter() - t0
-        total = sum(b for b, _, _ in results)
+        total = sum(b for b, *_ in results)
         return {
             "sync_s": seconds,
             "sync_pause_s": paused,
             "sync_caches_kept": float(kept),
             "sync_gb_per_s": total / max(seconds, 1e-9) / 1e9,
-            "sync_tensors": float(sum(t for _, t, _ in results)),
+            "sync_tensors": float(sum(t for _, t, *_ in results)),
             "sync_senders": float(len(stream.senders)),
         }
 
@@ -171,6 +181,7 @@ class BroadcastSync:
                     master_port=port,
                     group_name=name,
                     flat=self.flat,
+                    timeout_s=self.bucket_timeout_s,
                 )
                 try:
                     asyncio.run(sync.connect())  # bounded by the engines' HTTP and the group's timeouts
@@ -189,11 +200,12 @@ class BroadcastSync:
 
     async def _coordinate(
         self, stream: HFWeightStream, gate: SyncGate, engine_urls: list[str], version: int
-    ) -> tuple[int, int, str | None, float, int]:
+    ) -> tuple[int, int, str | None, bool, float, int]:
         """Rank 0: pause the engines, start the update, then for every bucket in the global order wait
         until its sender holds it, release and post it (while sending its own stage's); end, flush
-        the caches and resume. ``(bytes, tensors, error, paused_s, caches_kept)``. On an error the senders are stopped at their
-        next bucket and the engines resumed before this rank's own sending is awaited."""
+        the caches and resume. ``(bytes, tensors, error, aborted, paused_s, caches_kept)`` (``aborted``:
+        this rank's group). On an error the senders are stopped at their next bucket and the engines
+        resumed before this rank's own sending is awaited."""
         control = EngineControl(engine_urls, self.policy)
         try:
             plan = [
@@ -204,7 +216,7 @@ class BroadcastSync:
         except Exception as err:  # nothing was sent: the other ranks are told to skip the update
             error = f"{type(err).__name__}: {err}"
             gate.start(error)
-            return 0, 0, error, control.paused_s, 0
+            return 0, 0, error, False, control.paused_s, 0
         gate.start()
         sending = asyncio.ensure_future(asyncio.to_thread(self._data_plane, stream, gate))
         released = [0] * len(plan)  # per stage: buckets released so far
@@ -221,6 +233,8 @@ class BroadcastSync:
             gate.stop((s, k) for s, k in enumerate(released) if k < len(plan[s]))
             await control.__aexit__(type(err), err, None)  # resumes
             sent = await sending
+            if sent[2] is not None:  # this rank's own sender failed too (e.g. it aborted its group)
+                error += f"; this rank's sender: {sent[2]}"
         else:
             sent = await sending
             if sent[2] is not None:  # a sender failed after its last bucket's request was answered
@@ -229,31 +243,34 @@ class BroadcastSync:
                 await control.__aexit__(RuntimeError if error else None, None, None)
             except Exception as err:
                 error = error or f"{type(err).__name__}: {err}"
-        return sent[0], sent[1], error, control.paused_s, control.caches_kept
+        return sent[0], sent[1], error, sent[3], control.paused_s, control.caches_kept
 
     def _group_name(self, stage: int, stages: int) -> str:
         return (
             "sao_weight_sync" + (f"_{self._groups}" if self._groups > 1 else "") + (f"_pp{stage}" if stages > 1 else "")
         )
 
-    def _data_plane(self, stream: HFWeightStream, gate: SyncGate) -> tuple[int, int, str | None]:
+    def _data_plane(self, stream: HFWeightStream, gate: SyncGate) -> tuple[int, int, str | None, bool]:
         """This rank's part of an update: gather its stage's buckets and, on the stage's sender, say
         it holds each and broadcast it once the coordinator releases it, while the next is
         gathered (:class:`~sao_megatron.weight_sync.streams.GatherStreams`: on a GPU the gathers
         queue on a side stream, and each bucket's broadcast waits for its event). Ranks other than
-        0 first wait for the coordinator's start (and skip the update if it reports an error). Never raises; a sender's error reaches the coordinator at once
-        (its next bucket "failed"), then the stream is drained (the stage's other ranks are inside
-        the gathers)."""
+        0 first wait for the coordinator's start (and skip the update if it reports an error).
+        ``(bytes, tensors, error, aborted)``: ``aborted``, this sender aborted its group
+        (:class:`~sao_megatron.weight_sync.SyncAborted`). Never raises; a sender's error reaches the
+        coordinator at once (its next bucket "failed"), then the stream is drained (the stage's
+        other ranks are inside the gathers)."""
         rank = dist.get_rank()
         try:
             if rank != 0 and gate.started() is not None:
-                return 0, 0, None  # rank 0 reports it
+                return 0, 0, None, False  # rank 0 reports it
         except Exception as err:  # the store is gone with rank 0
-            return 0, 0, f"waiting for the coordinator's start: {type(err).__name__}: {err}"
+            return 0, 0, f"waiting for the coordinator's start: {type(err).__name__}: {err}", False
         sender = rank == stream.sender
         plan = stream.bucket_plan(self.bucket_bytes)[stream.stage] if sender else []
         nbytes = tensors = declared = 0  # declared: buckets this sender said it holds
         error: str | None = None
+        aborted = False
         stopped = not sender  # a sender sends until an error or the coordinator's stop
 
         def fail(reason: str) -> None:
@@ -287,9 +304,10 @@ class BroadcastSync:
                         continue
                     nbytes += cast(WeightSync, self.sender).send(bucket)
                     tensors += len(bucket)
-                except Exception as err:  # a broadcast failed (an engine died) or the store is gone
+                except Exception as err:  # a broadcast failed or timed out (SyncAborted), or the store is gone
+                    aborted = aborted or isinstance(err, SyncAborted)
                     fail(f"{type(err).__name__}: {err}")
         except Exception as err:  # a gather failed: the stream cannot be drained
             if error is None:
                 fail(f"{type(err).__name__}: {err}")
-        return nbytes, tensors, error
+        return nbytes, tensors, error, aborted

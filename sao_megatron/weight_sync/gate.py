@@ -22,9 +22,10 @@ class SyncGate:
       will (:meth:`failed`); the coordinator waits for that word (:meth:`wait_ready`), then
       :meth:`release` s the bucket and posts its request. A sender broadcasts only a released
       bucket, and the coordinator posts only a bucket whose sender holds it, so neither the
-      engines nor a sender wait in a broadcast the other side never joins (short of a process
-      dying mid-broadcast). On an error the coordinator :meth:`stop` s every sender at its next
-      bucket.
+      engines nor a sender wait in a broadcast the other side never joins (short of an engine
+      dying or refusing mid-broadcast: the sender's wait ends at ``rollout.weight_sync_timeout_s``
+      and it aborts its group). On an error the coordinator :meth:`stop` s every sender at its
+      next bucket.
     - The coordinator says :meth:`done` after the engines resumed; the others wait for it
       (:meth:`wait_done`) before the final all-gather of every rank's result.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,26 +43,53 @@ class SyncReport:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
+class SyncAborted(RuntimeError):
+    """A bucket's broadcast failed or did not complete within ``rollout.weight_sync_timeout_s``; the
+    sender aborted its group. Every engine of that group may still wait in (NCCL: hold a kernel of)
+    a collective that never completes, so the run restarts them all (docs/training.md)."""
+
+
+_UNWATCHED = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+"""What a weight-sync group's ``ProcessGroupNCCL`` reads from the environment when it is built: no
+async error handling (its watchdog does not take the process down on a timeout or an error, which
+the sender handles: :meth:`WeightSync.send`) and no flight-recorder dump signal (which the default
+group's heartbeat monitor would act on). Other groups, built before or after, keep the defaults."""
+_env_lock = threading.Lock()
+
+
 def new_group(
     backend: str, store: Store, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
 ) -> dist.ProcessGroup:
     """A process group outside the default world (SGLang engines join it from their side).
 
     torch has no public API for a second, independent world in one process; this builds it
-    from a TCP store the same way ``init_process_group`` does, under a prefix of its own.
+    from a TCP store the same way ``init_process_group`` does, under a prefix of its own. Under
+    NCCL it is built with :data:`_UNWATCHED` set: torch reads those per group, at construction,
+    and has no per-group option for them (``ProcessGroupNCCL.Options`` carries none).
     """
     from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
 
     prefixed = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        dist.Backend(backend),
-        prefixed,
-        group_name=GroupName(group_name),
-        timeout=timedelta(seconds=timeout_s),
-    )
+    with _env_lock:
+        saved = {k: os.environ.get(k) for k in _UNWATCHED}
+        if backend == "nccl":
+            os.environ.update(_UNWATCHED)
+        try:
+            group, _ = _new_process_group_helper(
+                world_size,
+                rank,
+                [],
+                dist.Backend(backend),
+                prefixed,
+                group_name=GroupName(group_name),
+                timeout=timedelta(seconds=timeout_s),
+            )
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     # No global ranks given: the default-group path, which never returns the non-member sentinel.
     group = cast(dist.ProcessGroup, group)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
@@ -244,10 +272,13 @@ class WeightSync:
         group_name: str = "sao_weight_sync",
         flat: bool = False,
         policy: str = "retract",
+        timeout_s: float = 120.0,
     ):
         """``master_port`` 0 (the default): any free port on ``master_address``, bound at connect().
         ``flat``: send a bucket of one dtype as one byte buffer (:class:`BucketSpec`); ``policy``:
-        what :meth:`update` does to the engines' running requests (:class:`EngineControl`)."""
+        what :meth:`update` does to the engines' running requests (:class:`EngineControl`);
+        ``timeout_s``: how long :meth:`send` waits for a bucket (``rollout.weight_sync_timeout_s``)."""
+        self.timeout_s = timeout_s
         self.engine_urls = engine_urls
         self.flat = flat
         self.policy = policy
@@ -271,7 +302,12 @@ class WeightSync:
         store = open_store(self.master_address, self.world_size, self.master_port, timeout_s=300.0)
         self.master_port = store.port
         loop = asyncio.get_running_loop()
-        local = loop.run_in_executor(None, lambda: new_group(self.backend, store, self.world_size, 0, self.group_name))
+        # The group's own timeout (gloo: its connection set-up and each collective's; NCCL: the
+        # watchdog's) is the bucket's: a timed-out gloo collective frees its worker thread, which the
+        # group's destructor joins after an abort.
+        local = loop.run_in_executor(
+            None, lambda: new_group(self.backend, store, self.world_size, 0, self.group_name, self.timeout_s)
+        )
 
         async def join(i: int, url: str):
             async with EngineClient(url) as client:
@@ -288,16 +324,46 @@ class WeightSync:
         self.group = await local
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Broadcast one bucket (blocks until the engines have received it); its bytes."""
+        """Broadcast one bucket and wait until every engine received it; its bytes.
+
+        The broadcasts are enqueued and their ``Work`` s waited on with ``timeout_s``: under NCCL a
+        broadcast only enqueues, and a peer that died or never joins shows up only as that timeout
+        (gloo raises at once when a peer's connection closes). Either way the group is aborted
+        (:meth:`abort`) and :class:`SyncAborted` raised; the next sync forms a new group."""
         if self.group is None:
-            raise RuntimeError("WeightSync.send before connect()")
+            raise RuntimeError("WeightSync.send before connect() or after abort()")
         tensors = [t.contiguous() for _, t in bucket]
         if BucketSpec.of(bucket, self.flat).flat:
-            dist.broadcast(torch.cat([t.view(-1).view(torch.uint8) for t in tensors]), src=0, group=self.group)
+            sent = [torch.cat([t.view(-1).view(torch.uint8) for t in tensors])]
         else:
-            for tensor in tensors:
-                dist.broadcast(tensor, src=0, group=self.group)
+            sent = tensors
+        timeout = timedelta(seconds=self.timeout_s)
+        try:
+            works = [cast(dist.Work, dist.broadcast(t, src=0, group=self.group, async_op=True)) for t in sent]
+            for work in works:
+                work.wait(timeout=timeout)
+        except Exception as err:
+            self.abort()
+            raise SyncAborted(
+                f"{self.backend} group {self.group_name}: a broadcast failed or did not complete within "
+                f"rollout.weight_sync_timeout_s={self.timeout_s:g}; the group was aborted: {type(err).__name__}: "
+                f"{str(err)[:300]}"
+            ) from err
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def abort(self) -> None:
+        """Abort this side of the group: its pending collectives end here (NCCL: the communicator is
+        aborted, so no kernel of it stays on this GPU) and it leaves torch's registry. The engines'
+        side is theirs: see :class:`SyncAborted`."""
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            _abort_process_group(group)
+        except Exception as err:  # aborted already (NCCL's wait aborts on its timeout) or half torn down
+            log.info("aborting weight-sync group %s: %s", self.group_name, err)
 
     async def update(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> SyncReport:
         """Pause engines, stream every bucket (this process sends and posts), resume."""

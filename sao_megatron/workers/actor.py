@@ -63,6 +63,7 @@ class ActorWorker:
             timeout_s=cfg.export_timeout_s,
             gb_per_s=cfg.export_gb_per_s,
             policy=cfg.update_policy,
+            bucket_timeout_s=cfg.sync_timeout_s,
         )
         """This rank's part of the broadcast weight sync (:meth:`sync_weights`)."""
 

@@ -60,7 +60,8 @@ class Faults:
     and :attr:`message` (once)."""
     refuse_update: tuple[str, str] | None = None
     """``(group_name, first tensor name)``: answer that bucket with success false without receiving
-    it (once). Its sender then waits in the broadcast until the group's timeout; no test uses it."""
+    it (once). Its sender's broadcast stays pending (as under NCCL for a dead engine) until the
+    sender's wait times out (``rollout.weight_sync_timeout_s``) and it aborts its group."""
     message: str = "cannot load"
 
 

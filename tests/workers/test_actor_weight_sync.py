@@ -4,10 +4,11 @@
 Covered: the control plane rank 0 runs (pause in retract mode, begin, every bucket's request in
 ``sync_order`` over each stage's own group without a cache flush, end, one flush, continue), the data plane (every tensor reaches every engine
 with its values; a sender broadcasts only the buckets released to it), the groups' reuse and
-re-formation, and the error paths (an engine failing a bucket, an engine refusing the session):
-rank 0 raises with the engine's message, the other rank returns ``{}``, the engines end the
-session and resume, nothing waits for the 300 s group timeout, and the next call succeeds. The
-store gate alone: ``tests/test_weight_sync.py``.
+re-formation, and the error paths (an engine failing a bucket, an engine refusing the session, an
+engine refusing a bucket without receiving it, which leaves its sender's broadcast pending as NCCL
+does for a dead engine): rank 0 raises with the engine's message, the other rank returns ``{}``,
+the engines end the session and resume, nothing waits for the 300 s group timeout, and the next
+call succeeds. The store gate alone: ``tests/test_weight_sync.py``.
 
 Why fake engines: they log every call in order and inject failures at a chosen bucket, which a
 real SGLang engine cannot; they still form real gloo groups and receive real broadcasts. The
@@ -38,6 +39,8 @@ SHAPES = [  # per pipeline stage, per bucket: its tensors' shapes (ragged stages
 ORDER = sync_order([len(stage) for stage in SHAPES])
 TENSORS = sum(len(bucket) for stage in SHAPES for bucket in stage)
 BUCKET_MB = 1
+SYNC_TIMEOUT_S = 10.0
+"""``rollout.weight_sync_timeout_s`` of the trainer ranks: a sender's wait for one bucket."""
 WORLD_TIMEOUT_S = 60.0  # a world takes ~8 s (~25 s on a busy host); a hang fails before 300 s
 PAUSE, BEGIN, END, FLUSH, RESUME = (
     ("/pause_generation",),
@@ -92,7 +95,7 @@ def _worker() -> Any:
     import sao_megatron.workers.actor as actor
 
     actor.init_rank = lambda parallel, seed: None  # type: ignore[assignment]  # the world is up already
-    actor.build_actor_role = lambda model, cfg: SimpleNamespace(module=None)  # type: ignore[assignment]
+    actor.build_actor_role = lambda model, cfg, **kw: SimpleNamespace(module=None)  # type: ignore[assignment]
     cfg = SimpleNamespace(
         model=None,
         seed=0,
@@ -100,10 +103,12 @@ def _worker() -> Any:
         engine_tp=1,
         sync_flat=False,
         sync_bucket_mb=BUCKET_MB,
+        sync_timeout_s=SYNC_TIMEOUT_S,
         export_inflight_mb=1024,
         export_timeout_s=300.0,  # the gather group's (no model here to size it from)
         export_gb_per_s=0.5,
         update_policy="retract",
+        routing_replay="off",
     )
     return actor.ActorWorker(cfg)  # type: ignore[arg-type]
 
@@ -116,7 +121,7 @@ def _trainer(
     the ``[group, first tensor]`` of each bucket this rank broadcast. At the end each sender
     destroys its group, as a finished run leaves the engines."""
     import sao_megatron.models.hf_weights as hf_weights
-    from sao_megatron.weight_sync import WeightSync
+    from sao_megatron.weight_sync import SyncAborted, WeightSync
 
     hf_weights.HFWeightStream = FakeStream  # type: ignore[misc]  # BroadcastSync.sync imports it at call time
     sent: list[list[str]] = []
@@ -133,12 +138,15 @@ def _trainer(
         FakeStream.broken = broken if call == 0 else None
         before, t0 = len(sent), time.perf_counter()
         result: dict[str, float] | None = None
-        error = None
+        error, aborted = None, False
         try:
             result = w.sync_weights(urls, version, "127.0.0.1")
         except RuntimeError as err:
-            error = str(err)
-        outcomes.append({"result": result, "error": error, "seconds": time.perf_counter() - t0, "sent": sent[before:]})
+            error, aborted = str(err), isinstance(err, SyncAborted)
+        seconds = time.perf_counter() - t0
+        outcomes.append(
+            {"result": result, "error": error, "aborted": aborted, "seconds": seconds, "sent": sent[before:]}
+        )
     w.broadcast.close()
     return outcomes
 
@@ -357,3 +365,35 @@ def test_a_sender_whose_gather_fails_stops_the_sync_before_its_bucket_is_posted(
         assert brief[: len(first)] == first
         assert all(x["success"] for x in log), log
         _assert_clean_updates(log)
+
+
+def test_a_bucket_an_engine_never_receives_aborts_its_group_at_the_timeout_and_the_next_sync_reforms(
+    engines: list[EngineProcess],
+) -> None:
+    """Engine 1 refuses stage 1's first bucket without joining its broadcast: the sender's broadcast
+    stays pending, as every broadcast to a dead engine does under NCCL (which only enqueues). The
+    sender's wait ends at ``rollout.weight_sync_timeout_s`` (not the group's 300 s), it aborts its
+    group, and rank 0 raises :class:`SyncAborted` naming the key; the engines ended the session and
+    resumed. The next call forms new groups and syncs every bucket."""
+    refused = ("sao_weight_sync_pp1", weight_name(1, 0, 0))
+    ranks, logs = _run(engines, [Faults(), Faults(refuse_update=refused, message="refused")], [1, 2])
+    zero, one = ranks[0][0], ranks[1][0]
+    assert zero["result"] is None and zero["aborted"], zero
+    assert f"rollout.weight_sync_timeout_s={SYNC_TIMEOUT_S:g}" in zero["error"], zero["error"]
+    assert f"{engines[1].url}/update_weights_from_distributed: " in zero["error"] and "refused" in zero["error"]
+    assert "trainer rank 1: SyncAborted: gloo group sao_weight_sync_pp1: " in zero["error"]
+    assert "the group was aborted" in zero["error"]
+    assert one["result"] == {} and one["error"] is None
+    assert SYNC_TIMEOUT_S <= one["seconds"] < SYNC_TIMEOUT_S + 20, one["seconds"]
+    released = ORDER[: ORDER.index((1, 0)) + 1]
+    assert one["sent"] == _sent("sao_weight_sync", 1, released)
+    _assert_synced([ranks[0][1], ranks[1][1]], "sao_weight_sync_2")
+    for e, log in enumerate(logs):
+        brief = [_brief(x) for x in log]
+        first = [*_groups("/init_weights_update_group", "sao_weight_sync"), *_session("sao_weight_sync", 1, released)]
+        assert brief[: len(first)] == first  # end, flush and continue right after the refused bucket
+        assert all(x["success"] for x in log[len(first) - 3 : len(first)]), log
+        if e == 1:
+            assert log[len(first) - 4]["success"] is False  # refused, never received
+        assert brief[-2 - len(_session("sao_weight_sync_2", 2)) : -2] == _session("sao_weight_sync_2", 2)
+        assert all(x["success"] for x in log[-2 - len(_session("sao_weight_sync_2", 2)) :]), log
