@@ -9,9 +9,12 @@ prompt):
    the injected faults exactly, every prompt is accounted for once;
 2. three more: engine logprobs equal the actor's before and after the syncs, the version
    advances, trajectories span updates, nothing is trained twice;
-3. last, because it kills the engine: RL goes on while the engine is SIGKILLed twice; it is
+3. because it kills the engine: RL goes on while the engine is SIGKILLed twice; it is
    restarted, re-synced and its episodes retried, and every prompt is accounted for exactly once
-   over the three stages.
+   over the three stages;
+4. last: the engine is SIGKILLed mid-broadcast of a weight sync; the sender aborts its group, the
+   driver restarts the engine and syncs again, ``sync/recovered`` counts it, and the run goes on
+   with every prompt accounted for once.
 
 A SIGKILLed run resumes with the same prompt sequence and a SIGTERM checkpoints it:
 ``tests/test_kill_resume.py`` (every fault point in-process: ``tests/test_kill_points.py``).
@@ -30,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import torch
+from aiohttp import web
 
 from sao_megatron.batch import build_batch
 from sao_megatron.config import SAOConfig, load_config
@@ -45,6 +50,7 @@ from sao_megatron.pipeline import run_stage
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.rollout.client import SamplingParams
 from sao_megatron.rollout.manager import RolloutManager
+from sao_megatron.weight_sync import SyncAborted
 from tests.rollout.test_fault_injection import RATES, TIMEOUT_S, expected_reason
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
@@ -301,7 +307,7 @@ def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(started)
         return await engine_vs_actor(s, [2, 50, 51, 52, 3]), elapsed
 
     after, elapsed = started.run(go())
-    engine_states, finished = s.engine_states, started.finished
+    engine_states = s.engine_states
     print(
         f"run with {KILLS} kills: {elapsed:.0f} s, {state.step} steps; kills (pid, step) {kills}; "
         f"served (label, version) {served}; retries {engine_states.episode_retries}"
@@ -310,8 +316,19 @@ def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(started)
     assert len(kills) == KILLS and len({pid for pid, _ in kills}) == KILLS  # a new server each time
     assert all(label == str(version) for label, version in served), served  # current policy once up
     assert after[0] <= 1e-4 and after[2] == {str(state.version)}, after  # engine == actor after the restarts
-    # Every prompt exactly once over the session's stages: trained or failed (with a reason: an
-    # injected fault, or an engine's after its retries), waiting, or to be resubmitted.
+    assert_each_prompt_once(started)
+    rl = [r for r in read_metrics(started.run_dir) if r["stage"] == "rl"]
+    assert len(rl) == state.step
+    assert rl[-1]["rollout/engine_restarts"] == KILLS == sum(engine_states.restarts)
+    assert rl[-1]["rollout/engine_dropped"] == 0
+    assert rl[-1]["rollout/episode_retries"] >= KILLS  # every kill hit episodes in flight
+    assert rl[-1]["rollout/episode_retries"] <= engine_states.episode_retries
+
+
+def assert_each_prompt_once(started: Started) -> None:
+    """Every prompt exactly once over the session's stages: trained or failed (with a reason: an
+    injected fault, or an engine's after its retries), waiting, or to be resubmitted."""
+    state, finished = started.state, started.finished
     keys = [(t.split, t.sample_index, t.reward_details.get("group_index", 0)) for t in finished]
     assert len(keys) == len(set(keys)), "a submission finished twice"
     trained = [tuple(k[1:]) for k in state.trained_prompts]
@@ -322,9 +339,98 @@ def test_a_killed_engine_is_restarted_resynced_and_its_episodes_retried(started)
     resubmit = {tuple(x) for x in state.cursor["resubmit"]}
     assert resubmit.isdisjoint(keys)
     assert set(keys) | resubmit == {("train", i, 0) for i in range(state.cursor["next_index"])}
-    rl = [r for r in read_metrics(started.run_dir) if r["stage"] == "rl"]
-    assert len(rl) == state.step
-    assert rl[-1]["rollout/engine_restarts"] == KILLS == sum(engine_states.restarts)
-    assert rl[-1]["rollout/engine_dropped"] == 0
-    assert rl[-1]["rollout/episode_retries"] >= KILLS  # every kill hit episodes in flight
-    assert rl[-1]["rollout/episode_retries"] <= engine_states.episode_retries
+
+
+class KillingProxy:
+    """Stands between the actor's weight sync and engine ``i``: forwards every call, except that on
+    the first ``/update_weights_from_distributed`` it SIGKILLs the engine first. The coordinator
+    releases a bucket to its sender as it posts the bucket's request, so the engine dies while the
+    sender broadcasts that bucket to it."""
+
+    def __init__(self, session: Session, i: int = 0):
+        self.session, self.i, self.target = session, i, session.engines[i].url
+        self.killed: int | None = None  # the engine's PID, once killed
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _forward(self, request: web.Request) -> web.Response:
+        if request.path == "/update_weights_from_distributed" and self.killed is None:
+            self.killed = kill_engine(self.session, self.i)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.request(
+                    request.method, self.target + request.path_qs, data=await request.read(), headers=headers
+                ) as answer,
+            ):
+                return web.Response(
+                    body=await answer.read(),
+                    status=answer.status,
+                    headers={"Content-Type": answer.headers.get("Content-Type", "application/json")},
+                )
+        except aiohttp.ClientError as err:  # the engine is gone
+            return web.Response(status=502, text=f"{type(err).__name__}: {err}")
+
+
+def test_an_engine_killed_mid_broadcast_aborts_the_group_and_the_run_recovers(started):
+    """Last on the shared session, continuing its run state: two more steps, the first step's weight
+    sync routed to the engine through a :class:`KillingProxy`, which SIGKILLs it as its first
+    bucket is broadcast. The sender's wait on the broadcast raises (gloo at once; NCCL, where a
+    broadcast only enqueues, at ``rollout.weight_sync_timeout_s``: the same code), it aborts its
+    group and the actor raises :class:`SyncAborted`; the driver restarts the engine (every engine
+    of the group) and syncs again. Both steps train, ``sync/recovered`` counts the recovery in the
+    run's metrics, the restarted engine serves the actor's weights, and every prompt is accounted
+    for once: no trajectory lost or trained twice."""
+    s, state = started.session, started.state
+    step0, restarts0, recovered0 = state.step, s.engine_states.restarts[0], s.sync_recoveries
+    proxy = KillingProxy(s)
+    raised: list[BaseException] = []
+    sync = s.actor.sync_weights
+
+    async def through_proxy(urls: list[str], version: int, addresses, port: int = 0) -> dict[str, float]:
+        if proxy.killed is None:
+            urls = [proxy.url if u == proxy.target else u for u in urls]
+        try:
+            return await sync(urls, version, addresses, port)
+        except BaseException as err:
+            raised.append(err)
+            raise
+
+    async def go():
+        await proxy.start()
+        s.actor.sync_weights = through_proxy  # type: ignore[method-assign]
+        try:
+            stage = dataclasses.replace(stages.rl(started.cfg, s.critic is not None), steps=step0 + 2)
+            await run_stage(s, state, started.log, stage)
+        finally:
+            del s.actor.sync_weights  # the class's again
+            await proxy.stop()
+        return await engine_vs_actor(s, [2, 60, 61, 62, 3])
+
+    after = started.run(go())
+    assert proxy.killed is not None, "the sync never reached the proxy"
+    assert len(raised) == 1 and isinstance(raised[0], SyncAborted), raised  # through Ray, typed
+    assert "rollout.weight_sync_timeout_s" in str(raised[0]) and "the group was aborted" in str(raised[0])
+    assert state.step == step0 + 2 and state.version == state.step  # both steps trained
+    assert s.engine_states.restarts[0] == restarts0 + 1 and s.engine_states.up == [True]
+    assert s.engines[0].proc.pid != proxy.killed  # type: ignore[attr-defined]  # a new server
+    assert s.sync_recoveries == recovered0 + 1
+    assert after[0] <= 1e-4 and after[2] == {str(state.version)}, after  # engine == actor after the recovery
+    rl = [r for r in read_metrics(started.run_dir) if r["stage"] == "rl" and r["step"] > step0]
+    assert [r["sync/recovered"] for r in rl] == [recovered0 + 1.0] * 2  # counted in the run's metrics
+    assert rl[-1]["rollout/engine_restarts"] == float(sum(s.engine_states.restarts))
+    assert_each_prompt_once(started)

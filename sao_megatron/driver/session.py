@@ -6,8 +6,12 @@ new episodes; the managers retry its failed ones elsewhere) and restarted: same 
 port, from random weights (``<run_dir>/hf/engine``; the last export ``<run_dir>/hf/policy`` with the
 disk weight sync), then a weight sync of the current version to every engine (the
 broadcast group re-formed with the new URL) before it is marked up again. A sync that fails
-because an engine died restarts that engine and syncs again. After ``rollout.engine_max_restarts``
-restarts an engine is dropped; with none left the run stops (:class:`EnginesLost`).
+because an engine died restarts that engine and syncs again; one whose broadcast group was aborted
+(:class:`~sao_megatron.weight_sync.SyncAborted`: an engine died or refused mid-broadcast, seen under
+NCCL only as ``rollout.weight_sync_timeout_s`` passing) restarts every engine of the group, since
+each may still hold the aborted collective (docs/training.md, "When a weight sync fails"). After
+``rollout.engine_max_restarts`` restarts an engine is dropped; with none left the run stops
+(:class:`EnginesLost`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from sao_megatron.rollout.env_workers import EnvFactory, local_env_factory
 from sao_megatron.rollout.manager import EnginesLost, EngineStates, PromptCursor, RolloutManager
 from sao_megatron.routing import RouteShape
 from sao_megatron.tokenizer import load_tokenizer
-from sao_megatron.weight_sync import sync_from_disk
+from sao_megatron.weight_sync import SyncAborted, sync_from_disk
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,8 @@ class Session:
     env_pool: EnvWorkerPool | None = None
     """The env workers holding the episodes' environments (``rollout.env_workers`` > 0), once
     :meth:`start_rollouts` ran; None: environments run in this process."""
+    sync_recoveries: int = 0
+    """Failed weight syncs recovered by restarting engines and syncing again (``sync/recovered``)."""
 
     def __init__(self, cfg: SAOConfig, run_dir: Path, actor: ActorGroup, state: RunState):
         self.cfg = cfg
@@ -209,27 +215,34 @@ class Session:
         self._watchdog = asyncio.create_task(self._watch())
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        """Engines serve the actor's current weights under ``version``; timing metrics. The caller
-        holds :attr:`weights_lock`. An engine that died (before or during the sync) is restarted
-        and the sync repeated; engines serving ``version`` afterwards are marked up."""
+        """Engines serve the actor's current weights under ``version``; timing metrics and
+        ``sync/recovered`` (failed syncs recovered since the run started). The caller holds
+        :attr:`weights_lock`. An engine that died (before or during the sync) is restarted and the
+        sync repeated; after an aborted broadcast group every engine of it is; engines serving
+        ``version`` afterwards are marked up."""
         states = self.engine_states
         while True:
             try:
                 metrics = await self._sync_once(version)
                 break
             except Exception as err:
-                dead = [i for i in states.live() if not await self._responsive(i)]
-                if not dead:
+                if isinstance(err, SyncAborted):  # each engine of the group may hold the aborted collective
+                    lost = states.live()
+                else:
+                    lost = [i for i in states.live() if not await self._responsive(i)]
+                if not lost:
                     raise
                 log.warning(
                     "weight sync to version %d failed (%s: %s); restarting engine(s) %s",
                     version,
                     type(err).__name__,
                     str(err)[:300],
-                    dead,
+                    lost,
                 )
-                for i in dead:
+                self.sync_recoveries += 1
+                for i in lost:
                     await self._restart(i)
+        metrics["sync/recovered"] = float(self.sync_recoveries)
         self.served_version = version
         for i in states.live():
             try:

@@ -20,6 +20,7 @@ from sao_megatron.driver.session import Session
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineClient
 from sao_megatron.rollout.manager import EnginesLost, EngineStates, RolloutManager
+from sao_megatron.weight_sync import SyncAborted
 from tests.rollout.fakes import CountingTask, make_trajectory
 
 
@@ -220,5 +221,48 @@ def test_a_dead_engine_is_restarted_and_synced_then_dropped_after_max_restarts(t
         with pytest.raises(EnginesLost):
             await states.wait_up()
         s._watchdog.cancel()
+
+    asyncio.run(go())
+
+
+def test_an_aborted_sync_group_restarts_every_engine_of_it_and_counts_the_recovery(tmp_path, monkeypatch):
+    """A sync whose sender aborted its broadcast group (:class:`SyncAborted`: under NCCL an engine
+    that died mid-broadcast shows up only as the sender's timeout) restarts every engine of the
+    group, live ones included (each may still hold the aborted collective), and syncs again to the
+    new servers; ``sync/recovered`` counts it. Any other failure with every engine answering is
+    raised, as before."""
+    s = fake_session(tmp_path, monkeypatch, max_restarts=2)
+    synced = s.actor.sync_weights
+    calls: list[list[str]] = []
+
+    async def aborted_once(urls, version, address):
+        calls.append(list(urls))
+        if len(calls) == 1:
+            raise SyncAborted(
+                "weight sync to version 1 failed: trainer rank 0: SyncAborted: nccl group sao_weight_sync: "
+                "a broadcast failed or did not complete within rollout.weight_sync_timeout_s=120"
+            )
+        return await synced(urls, version, address)
+
+    s.actor = SimpleNamespace(sync_weights=aborted_once)  # type: ignore[assignment]
+
+    async def go():
+        async with s.weights_lock:
+            metrics = await s.sync_weights(1)
+        assert metrics["sync/recovered"] == 1.0
+        assert calls == [["http://e0", "http://e1"], ["http://e0.r1", "http://e1.r1"]]  # both restarted
+        assert s.engine_states.restarts == [1, 1] and s.engine_states.up == [True, True]
+        assert [await c.weight_version() for c in s.clients] == ["1", "1"]
+        async with s.weights_lock:  # the count is the run's: the next (clean) sync reports it again
+            assert (await s.sync_weights(2))["sync/recovered"] == 1.0
+
+        async def refused(urls, version, address):
+            raise RuntimeError("weight sync to version 3 failed: an engine refused the session")
+
+        s.actor = SimpleNamespace(sync_weights=refused)  # type: ignore[assignment]
+        async with s.weights_lock:
+            with pytest.raises(RuntimeError, match="refused the session"):
+                await s.sync_weights(3)
+        assert s.engine_states.restarts == [1, 1] and s.sync_recoveries == 1
 
     asyncio.run(go())
