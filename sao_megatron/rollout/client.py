@@ -148,8 +148,8 @@ _NOT_FLUSHED = "cache was not flushed"
 
 API_KEY_ENV = "SAO_ENGINE_API_KEY"
 """The run's engine API key: the driver draws one per run (``driver/roles.py:init_ray``) and hands it
-to every Ray worker; engines are started with ``--api-key`` and refuse any other request but health
-and metrics (SGLang's own rule), and every :class:`EngineClient` sends it."""
+to every Ray worker; engines get it on stdin (``rollout.engine_main``: on no command line) and refuse
+any other request but health and metrics (SGLang's own rule), and every :class:`EngineClient` sends it."""
 
 
 def run_api_key() -> str:

@@ -17,6 +17,7 @@ session's leader): a SIGKILLed ``sao train`` leaves no engine behind, even one s
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -81,7 +82,8 @@ class EngineSpec:
     69 -> 404 tokens/s, and identical rounds no longer vary 10x+)."""
     api_key: str | None = None
     """``--api-key``: requests other than health and metrics must carry it (``EngineClient`` sends the
-    run's key); None: an open server."""
+    run's key); None: an open server. It reaches SGLang on stdin (``rollout.engine_main``), so it is
+    on no command line and in no log."""
     cpu: bool | None = None
     """Run SGLang's CPU engine. ``None``: whatever the starting process sees (no CUDA: CPU); a run sets
     it from ``cluster.gpus_per_node`` so an engine never lands on a GPU, or on the CPU, by accident."""
@@ -100,10 +102,12 @@ def sglang_version() -> str:
 
 
 def _command(spec: EngineSpec, cpu: bool) -> list[str]:
+    """The engine's command line. With an API key, ``engine_main`` runs SGLang and the key goes to
+    it on stdin (:meth:`EngineProcess._stdin_secret`), never on the command line (``ps``) or in the log."""
     cmd = [
         sys.executable,
         "-m",
-        "sglang.launch_server",
+        "sao_megatron.rollout.engine_main" if spec.api_key else "sglang.launch_server",
         "--model-path",
         spec.model_path,
         "--host",
@@ -128,8 +132,6 @@ def _command(spec: EngineSpec, cpu: bool) -> list[str]:
         cmd += ["--load-format", spec.load_format]
     if spec.return_routed_experts:
         cmd += ["--enable-return-routed-experts"]
-    if spec.api_key:
-        cmd += ["--api-key", spec.api_key]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.dp_attention > 1:  # SGLang 0.5.23's spelling; `--dp-size N --enable-dp-attention` is deprecated
@@ -256,20 +258,30 @@ class _ServerProcess:
     def _check(self) -> None:
         """Raise before launching if this server cannot run here."""
 
+    def _stdin_secret(self) -> str | None:
+        """A secret the server reads as one line on stdin (else stdin is ``/dev/null``)."""
+        return None
+
     def start(self):
         self._check()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115  (owned by the child for its lifetime)
+        secret = self._stdin_secret()
         self.proc = subprocess.Popen(
             led(self._command()),
             stdout=log,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if secret else subprocess.DEVNULL,
             env=self._environment(),
             start_new_session=True,
             preexec_fn=die_with_parent(signal.SIGTERM),
         )
         log.close()
+        if secret and self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):  # died at once: the health wait reports it, with its log
+                self.proc.stdin.write(f"{secret}\n".encode())
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
         return self
 
     def alive(self) -> bool:
@@ -397,6 +409,9 @@ class EngineProcess(_ServerProcess):
 
     def _command(self) -> list[str]:
         return _command(self.spec, self.cpu)
+
+    def _stdin_secret(self) -> str | None:
+        return self.spec.api_key or None
 
     def _use_port(self, port: int) -> None:
         self.port = self.spec.port = port

@@ -166,8 +166,9 @@ def test_a_tp2_cpu_engine_gets_them_unless_the_user_set_them(tmp_path, started, 
 
 
 def test_engines_get_the_runs_api_key_and_clients_send_it(tmp_path, started, monkeypatch):
-    """One key per run: drawn once into the environment, on every engine's command line (and the
-    router's), and sent by every EngineClient as a bearer token unless told otherwise."""
+    """One key per run: drawn once into the environment, given to every engine on stdin (on no
+    command line: ``ps`` shows those to every user), on the router's command line, and sent by every
+    EngineClient as a bearer token unless told otherwise."""
     import aiohttp.web
 
     from sao_megatron.rollout.client import API_KEY_ENV, EngineClient, run_api_key
@@ -177,7 +178,9 @@ def test_engines_get_the_runs_api_key_and_clients_send_it(tmp_path, started, mon
     assert len(key) == 64 and run_api_key() == key  # drawn once
     engines_mod.launch_engines(_cfg(num_engines=2), tmp_path, tmp_path)
     for spec, _, cmd in started:
-        assert spec.api_key == key and cmd[cmd.index("--api-key") + 1] == key
+        assert spec.api_key == key and cmd[1:3] == ["-m", "sao_megatron.rollout.engine_main"]
+        assert key not in " ".join(cmd) and "--api-key" not in cmd
+        assert engine_mod.EngineProcess(spec, cpu=True)._stdin_secret() == key
     router = engine_mod._router_command(engine_mod.RouterSpec(worker_urls=["u"], port=1, api_key=key), 2)
     assert router[router.index("--api-key") + 1] == key
 

@@ -17,11 +17,12 @@ import http.server
 import os
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sao_megatron.config import ConfigError, load_config
+from sao_megatron.config import load_config
 from sao_megatron.driver.observer import episode_metrics
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.envs.registry import make_env
@@ -29,13 +30,7 @@ from sao_megatron.envs.safe_eval import calculator
 from sao_megatron.envs.tool_parse import Parallel, ToolCall, parse_action
 from sao_megatron.records import OBSERVATION_VERSION, Turn
 from sao_megatron.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from sao_megatron.rollout.client import (
-    API_KEY_ENV,
-    EngineClient,
-    EngineError,
-    SamplingParams,
-    require_route_capture,
-)
+from sao_megatron.rollout.client import API_KEY_ENV, EngineClient, EngineError, SamplingParams
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec, RouterProcess, RouterSpec
 from sao_megatron.routing import RouteShape
 from sao_megatron.spawn import free_port
@@ -135,6 +130,23 @@ def test_a_request_without_the_runs_key_is_refused(engine):
     refused = run(go())
     assert refused == {(k, c): 401 for k in ("none", "wrong") for c in ("generate", "flush", "model_info")}
     assert engine.healthy()
+
+
+def test_the_key_is_on_no_command_line_and_in_no_log(engine, api_key):
+    """Every user of the node sees command lines (``ps``), and the engine's log goes where the run's
+    logs go: the key reaches SGLang on stdin, and SGLang's log of its arguments shows it redacted
+    (the test above shows the engine took it)."""
+    import psutil
+
+    from sao_megatron.rollout.engine_main import REDACTED
+
+    assert engine.proc is not None
+    session = [engine.proc.pid, *(p.pid for p in psutil.Process(engine.proc.pid).children(recursive=True))]
+    assert len(session) >= 3, session  # the session's leader, SGLang's server, its scheduler
+    for pid in session:
+        assert api_key not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"), pid
+    log = engine.log_path.read_text(errors="replace")
+    assert f"'api_key': '{REDACTED}'" in log and api_key not in log
 
 
 def test_generate_returns_logprobs_and_versions(engine):
@@ -312,7 +324,6 @@ def test_routes_of_a_multi_turn_episode_equal_a_prefill_of_its_ids(engine):
             loop = AgentLoop(recording, tokenizer, cfg, routes=shape)  # type: ignore[arg-type]
             traj = await loop.run(ThreeTurns(), Sample("routes", "Count.", ""))
             ids = traj.prompt_ids + traj.response_ids
-            await require_route_capture([client], "on")  # this engine has the flag: no error
             await client.flush_cache()
             fresh = await client.generate(ids, once, routes_from=0)
             cached = await client.generate(ids, once, routes_from=0)
@@ -330,19 +341,6 @@ def test_routes_of_a_multi_turn_episode_equal_a_prefill_of_its_ids(engine):
         rows = shape.decode(prefill.routes)
         assert rows.shape[0] == n  # positions [0, n + 1 - 1)
         np.testing.assert_array_equal(np.sort(traj.routes[: n - 1], -1), np.sort(rows[: n - 1], -1))
-
-
-def test_routing_replay_refuses_an_engine_without_route_capture():
-    class NoCapture:  # /server_info of an engine started without --enable-return-routed-experts
-        url = "http://127.0.0.1:1"
-
-        async def server_info(self):
-            return {"enable_return_routed_experts": False}
-
-    with pytest.raises(
-        ConfigError, match=r"^rollout\.routing_replay=on: the engine at http://127\.0\.0\.1:1 does not "
-    ):
-        run(require_route_capture([NoCapture()], "on"))  # type: ignore[list-item]
 
 
 def test_weight_update_mid_generation_gives_two_versions(engine, checkpoints):
