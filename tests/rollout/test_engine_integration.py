@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sao_megatron.config import load_config
+from sao_megatron.config import ConfigError, load_config
 from sao_megatron.driver.observer import episode_metrics
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.envs.registry import make_env
@@ -30,7 +30,13 @@ from sao_megatron.envs.safe_eval import calculator
 from sao_megatron.envs.tool_parse import Parallel, ToolCall, parse_action
 from sao_megatron.records import OBSERVATION_VERSION, Turn
 from sao_megatron.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from sao_megatron.rollout.client import API_KEY_ENV, EngineClient, EngineError, SamplingParams
+from sao_megatron.rollout.client import (
+    API_KEY_ENV,
+    EngineClient,
+    EngineError,
+    SamplingParams,
+    require_route_capture,
+)
 from sao_megatron.rollout.engine import EngineProcess, EngineSpec, RouterProcess, RouterSpec
 from sao_megatron.routing import RouteShape
 from sao_megatron.spawn import free_port
@@ -324,6 +330,7 @@ def test_routes_of_a_multi_turn_episode_equal_a_prefill_of_its_ids(engine):
             loop = AgentLoop(recording, tokenizer, cfg, routes=shape)  # type: ignore[arg-type]
             traj = await loop.run(ThreeTurns(), Sample("routes", "Count.", ""))
             ids = traj.prompt_ids + traj.response_ids
+            await require_route_capture([client], "on")  # this engine has the flag: no error
             await client.flush_cache()
             fresh = await client.generate(ids, once, routes_from=0)
             cached = await client.generate(ids, once, routes_from=0)
@@ -341,6 +348,19 @@ def test_routes_of_a_multi_turn_episode_equal_a_prefill_of_its_ids(engine):
         rows = shape.decode(prefill.routes)
         assert rows.shape[0] == n  # positions [0, n + 1 - 1)
         np.testing.assert_array_equal(np.sort(traj.routes[: n - 1], -1), np.sort(rows[: n - 1], -1))
+
+
+def test_routing_replay_refuses_an_engine_without_route_capture():
+    class NoCapture:  # /server_info of an engine started without --enable-return-routed-experts
+        url = "http://127.0.0.1:1"
+
+        async def server_info(self):
+            return {"enable_return_routed_experts": False}
+
+    with pytest.raises(
+        ConfigError, match=r"^rollout\.routing_replay=on: the engine at http://127\.0\.0\.1:1 does not "
+    ):
+        run(require_route_capture([NoCapture()], "on"))  # type: ignore[list-item]
 
 
 def test_weight_update_mid_generation_gives_two_versions(engine, checkpoints):
