@@ -243,6 +243,7 @@ def launch_engines(
             mem_fraction_static=c.engine_mem_fraction if c.gpus_per_node else None,
             random_seed=cfg.run.seed + i,
             load_format=load_format,
+            return_routed_experts=r.routing_replay != "off",
             log_path=str(run_dir / "logs" / f"engine{i}{suffix}.log"),
             env=engine_env(cfg, i, parent_visible),
             cpu=not c.gpus_per_node,
