@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -382,18 +383,19 @@ class AgentLoop:
                 max_new_tokens=sampling.max_new_tokens - len(action.ids),
                 min_new_tokens=max(0, sampling.min_new_tokens - len(action.ids)),
             )
-            routes_from = ep.routed if self.routes is not None else None
+            # routes_from only when capturing: a client (or fake) that predates capture still fits
+            generate = (
+                client.generate if self.routes is None else functools.partial(client.generate, routes_from=ep.routed)
+            )
             try:
-                gen = await client.generate(
-                    context + action.ids, asked, timeout_s=self.cfg.generate_timeout_s, routes_from=routes_from
-                )
+                gen = await generate(context + action.ids, asked, timeout_s=self.cfg.generate_timeout_s)
             except EngineError as err:
                 if reroute is None:
                     raise
                 failure = f"engine: {err}"
             else:
+                versions = [_version(v) for v in gen.weight_versions]
                 if gen.finish_reason != "abort" or self.update_policy == "abort":  # else: its tokens are dropped
-                    versions = [_version(v) for v in gen.weight_versions]
                     self._count_recomputed(ep, len(context) + len(action.ids), versions)
                     action.extend(gen, versions, self._stale_from(gen, versions, client))
                 if gen.finish_reason != "abort":
