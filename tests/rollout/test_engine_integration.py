@@ -339,7 +339,8 @@ def test_routes_of_a_multi_turn_episode_equal_a_prefill_of_its_ids(engine):
     traj, starts, fresh, cached = run(go())
     n = traj.num_context_tokens
     assert (traj.status, traj.num_turns, traj.num_observation_tokens > 0) == ("finished", 3, True), traj.status_reason
-    assert starts == [0] + [traj.num_prompt_tokens + t.start - 1 for t in traj.turns[1:]]  # new positions only
+    # each turn asks from the last position the previous one ran: its action's last token, never run until now
+    assert starts == [0] + [traj.num_prompt_tokens + t.end - 1 for t in traj.turns[:-1]]
     assert traj.routes is not None and traj.routes.shape == (n, len(shape.moe_layers), shape.topk)
     assert traj.routes.dtype == np.uint8 and traj.routes_missing == [Turn(n - 1, n)]
     assert fresh.cached_tokens == 0 and cached.cached_tokens > 0
