@@ -367,21 +367,27 @@ def throughput_figures(m, data: dict, peak_tflops: float | None) -> dict:
     }
 
 
+def _moe_1b_spec(ctx: Context) -> dict:
+    """The 1B MoE's throughput workload on a GPU (bf16), the tiny MoE's on CPU (float32)."""
+    from benchmarks.gpu import workload
+
+    model = workload.MOE_1B if ctx.gpu else None
+    shape = workload.THROUGHPUT_GPU if ctx.gpu else workload.THROUGHPUT_CPU
+    return {
+        "model": dataclasses.asdict(model) if model else {"num_layers": 2},
+        "batch": dataclasses.asdict(shape),
+        "micro_batch_size": 2,
+        "bf16": ctx.gpu,
+        "steps": ctx.steps,
+    }
+
+
 def moe_1b_section(ctx: Context) -> Section:
     from benchmarks.gpu import cases, workload
 
     gpu = ctx.gpu
     model = workload.MOE_1B if gpu else None
-    shape = workload.THROUGHPUT_GPU if gpu else workload.THROUGHPUT_CPU
-    spec = {
-        "model": dataclasses.asdict(model) if model else {"num_layers": 2},
-        "batch": dataclasses.asdict(shape),
-        "micro_batch_size": 2,
-        "bf16": gpu,
-        "steps": ctx.steps,
-        "profile": True,
-        "deadline": time.time() + ctx.timeout_s - 15,
-    }
+    spec = {**_moe_1b_spec(ctx), "profile": True, "deadline": time.time() + ctx.timeout_s - 15}
     data = _spawn(cases.throughput_case, spec, ctx, "moe_1b")
     m = model or cases.run_config(spec, bf16=False).model
     data.update(throughput_figures(m, data, ctx.peak_tflops))
@@ -402,19 +408,9 @@ def replay_section(ctx: Context) -> Section:
     """Routing replay's cost (``rollout.routing_replay: on``): the actor's update and logprob pass with a
     random routing replayed vs without routes, interleaved in one process on the moe_1b workload (tiny
     on CPU), and the bytes the routes add to each step's batch. Checks that replay took effect."""
-    from benchmarks.gpu import cases, workload
+    from benchmarks.gpu import cases
 
-    gpu = ctx.gpu
-    model = workload.MOE_1B if gpu else None
-    shape = workload.THROUGHPUT_GPU if gpu else workload.THROUGHPUT_CPU
-    spec = {
-        "model": dataclasses.asdict(model) if model else {"num_layers": 2},
-        "batch": dataclasses.asdict(shape),
-        "micro_batch_size": 2,
-        "bf16": gpu,
-        "steps": ctx.steps,
-    }
-    data = _spawn(cases.replay_case, spec, ctx, "replay")
+    data = _spawn(cases.replay_case, _moe_1b_spec(ctx), ctx, "replay")
     checks = {"replayed": {"ok": data["replayed"] == 1.0, "value": data["replayed"], "limit": "== 1"}}
     return Section("measured", data=data, checks=checks)
 
