@@ -317,7 +317,7 @@ def test_plan_cli_meta_build_of_the_large_configs_matches_the_closed_form(capsys
 def test_routing_replay_bytes_by_hand_for_deepseek_v3():
     """DeepSeek-V3: 61 layers, the first 3 dense (``first_k_dense_replace``), 256 experts (uint8 ids), top-8;
     128 trajectories of 131,072 tokens; actor DP 8; micro-batches of one 131,072-token budget."""
-    off = _plan("configs/deepseek_v3_671b_math.yaml")
+    off = _plan("configs/deepseek_v3_671b_math.yaml", "rollout.routing_replay=off")
     on = _plan("configs/deepseek_v3_671b_math.yaml", "rollout.routing_replay=on")
     r = plan.route_memory(on.cfg)
     assert plan.route_memory(off.cfg) is None
