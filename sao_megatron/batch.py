@@ -59,7 +59,8 @@ class TrainBatch:
         return mask
 
     def select(self, rows: slice | list[int]) -> TrainBatch:
-        return TrainBatch(**{k: None if v is None else v[rows] for k, v in self.__dict__.items()})
+        fields: dict = {k: None if v is None else v[rows] for k, v in self.__dict__.items()}
+        return TrainBatch(**fields)
 
     def shard(self, dp_size: int) -> list[BatchShard]:
         """One shard per data-parallel replica, balanced by tokens (:func:`balanced_split`)."""

@@ -116,6 +116,7 @@ class RoutingReplay:
         self.slots: list[ReplaySlot] = []
         for module in model.modules():
             if isinstance(module, TopKRouter):
+                assert module.layer_number is not None  # set by its TransformerLayer when built
                 slot = ReplaySlot(index[module.layer_number - 1], replay, recompute)
                 module.router_replay = slot
                 self.slots.append(slot)
