@@ -94,18 +94,21 @@ def _check_lambda(name: str, lam: Lam, shape: tuple[int, int]) -> None:
         )
 
 
-def _check_bootstrap(bootstrap: Tensor, shape: tuple[int, ...], segment_ids: Tensor | None) -> None:
-    check_tensor("bootstrap", bootstrap)
-    if bootstrap.dim() == 1:
-        check_shape("bootstrap", bootstrap, shape[:1], like="action_mask rows ([B])")
+def _check_per_row_or_token(name: str, x: Tensor, shape: tuple[int, ...], segment_ids: Tensor | None, fix: str) -> None:
+    """``x`` is ``[B]`` (one value per row; not with packed rows, where ``fix`` says what to pass) or ``[B, T]``."""
+    check_tensor(name, x)
+    if x.dim() == 1:
+        check_shape(name, x, shape[:1], like="action_mask rows ([B])")
         if segment_ids is not None:
-            raise ValueError(
-                "`bootstrap` of shape [B] cannot be used with `segment_ids` (packed rows); pass [B, T] with each "
-                "trajectory's bootstrap value on its last action token."
-            )
+            raise ValueError(f"`{name}` of shape [B] cannot be used with `segment_ids` (packed rows); {fix}")
     else:
-        check_shape("bootstrap", bootstrap, shape)
-    check_finite("bootstrap", bootstrap)
+        check_shape(name, x, shape)
+    check_finite(name, x)
+
+
+def _check_bootstrap(bootstrap: Tensor, shape: tuple[int, ...], segment_ids: Tensor | None) -> None:
+    fix = "pass [B, T] with each trajectory's bootstrap value on its last action token."
+    _check_per_row_or_token("bootstrap", bootstrap, shape, segment_ids, fix)
 
 
 def _validate(
@@ -122,17 +125,8 @@ def _validate(
     shape = tuple(mask.shape)
     check_shape("values", values, shape)
     check_finite("values", values)
-    check_tensor("rewards", rewards)
-    if rewards.dim() == 1:
-        check_shape("rewards", rewards, shape[:1], like="action_mask rows ([B])")
-        if segment_ids is not None:
-            raise ValueError(
-                "`rewards` of shape [B] cannot be used with `segment_ids` (packed rows); pass per-token "
-                "rewards [B, T] with each trajectory's reward on its last action token."
-            )
-    else:
-        check_shape("rewards", rewards, shape)
-    check_finite("rewards", rewards)
+    fix = "pass per-token rewards [B, T] with each trajectory's reward on its last action token."
+    _check_per_row_or_token("rewards", rewards, shape, segment_ids, fix)
     if isinstance(gamma, Tensor):
         raise ValueError("`gamma` must be a python float in [0, 1].")
     check_unit_interval("gamma", gamma)
