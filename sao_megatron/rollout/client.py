@@ -314,8 +314,12 @@ class EngineClient:
     async def flush_cache(self, retry_s: float | None = None) -> None:
         """Drop the engine's prefix cache. Refused (HTTP 400) while requests sit in its batch, which a
         request the engine has just answered may still do for a moment: a refusal is repeated for up to
-        ``retry_s`` (default ``FLUSH_RETRY_S``; 0: once), then raised."""
-        await self._while_refused(lambda: self._call("POST", "/flush_cache"), lambda err: err.status == 400, retry_s)
+        ``retry_s`` (default ``FLUSH_RETRY_S``; 0: once), then raised. Through a router the refusal is
+        HTTP 206 (``partial_success``: a worker answered 400), retried the same way: the router's
+        health checks are such requests (SGLang's ``/health`` runs a one-token generation)."""
+        await self._while_refused(
+            lambda: self._call("POST", "/flush_cache"), lambda err: err.status in (400, 206), retry_s
+        )
 
     async def pause(self, mode: str = "retract") -> None:
         if mode not in ("abort", "retract", "in_place"):

@@ -17,7 +17,7 @@ from sao_megatron.driver.observer import episode_metrics
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.rollout.agent_loop import MAX_EMPTY_ABORTS, AgentLoop
-from sao_megatron.rollout.client import EngineClient, Generation
+from sao_megatron.rollout.client import EngineClient, EngineError, Generation
 from sao_megatron.tokenizer import load_tokenizer
 from sao_megatron.weight_sync import BucketSpec, EngineControl
 from tests.rollout.fakes import CountingTask
@@ -183,10 +183,11 @@ def test_the_batch_metrics_of_the_syncs():
 
 class ControlFake:
     """The control endpoints of one engine in process: logs every call; ``/flush_cache`` answers 400
-    (SGLang's refusal while requests run) for the first ``busy`` calls."""
+    (SGLang's refusal while requests run; a router answers 206, ``partial_success``) for the first
+    ``busy`` calls."""
 
-    def __init__(self, busy: int = 0):
-        self.busy = busy
+    def __init__(self, busy: int = 0, refusal: int = 400):
+        self.busy, self.refusal = busy, refusal
         self.log: list[tuple] = []
         self.flushes = 0
 
@@ -197,23 +198,27 @@ class ControlFake:
             self.flushes += 1
             self.log.append((endpoint,))
             if self.flushes <= self.busy:
-                return web.Response(status=400, text="Cache not flushed: requests are running")
+                return web.Response(status=self.refusal, text="Cache not flushed: requests are running")
             return web.Response(text="Cache flushed.\n")
         detail = body.get("mode") if endpoint == "/pause_generation" else body.get("flush_cache")
         self.log.append((endpoint, detail) if detail is not None else (endpoint,))
         return web.json_response({"success": True, "message": ""})
 
 
-async def _sync(fake: ControlFake, policy: str) -> EngineControl:
+async def _serve(fake: ControlFake) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_post("/{control}", fake.control)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _sync(fake: ControlFake, policy: str) -> EngineControl:
+    runner, url = await _serve(fake)
     try:
-        async with EngineControl([f"http://127.0.0.1:{port}"], policy) as control:
+        async with EngineControl([url], policy) as control:
             for k in range(3):  # three buckets
                 await control.load("g", BucketSpec([f"w{k}"], ["float32"], [[1]]), 7)
         return control
@@ -255,6 +260,28 @@ def test_retract_retries_a_refused_flush(monkeypatch):
     fake = ControlFake(busy=2)
     control = asyncio.run(_sync(fake, "retract"))
     assert fake.flushes == 3 and control.caches_kept == 0
+
+
+@pytest.mark.parametrize("refusal", [400, 206])
+def test_a_refused_flush_is_retried_from_an_engine_and_through_a_router(monkeypatch, refusal):
+    """A router answers 206 when a worker refused the flush (its own health checks are one-token
+    generations): retried like the engine's 400; a refusal that lasts past ``FLUSH_RETRY_S`` raises."""
+    monkeypatch.setattr(EngineClient, "FLUSH_RETRY_S", 5.0)
+
+    async def flush(busy: int, retry_s: float | None) -> int:
+        fake = ControlFake(busy=busy, refusal=refusal)
+        runner, url = await _serve(fake)
+        try:
+            async with EngineClient(url) as client:
+                await client.flush_cache(retry_s)
+        finally:
+            await runner.cleanup()
+        return fake.flushes
+
+    assert asyncio.run(flush(2, None)) == 3
+    with pytest.raises(EngineError) as refused:
+        asyncio.run(flush(2, 0))
+    assert refused.value.status == refusal
 
 
 def test_an_unknown_policy_is_refused():
