@@ -22,10 +22,13 @@ from sao_megatron.cli import main
 from sao_megatron.config import ConfigError, load_config
 from sao_megatron.config import hf as hf_config
 from sao_megatron.config.cluster import one_node_gpus
+from sao_megatron.config.loop import AgentLoopConfig
 from sao_megatron.config.schema import DEFAULT_RUN_CONFIG, DataConfig
 from sao_megatron.tokenizer import TOKENIZER_DIR
+from tests.rollout.gateway_fakes import CALCULATOR, MODEL, bad_request
 
 Call = Callable[[], object]
+USER = [{"role": "user", "content": "What is 2+3?"}]
 Build = Callable[[Path], Call]
 
 
@@ -446,6 +449,38 @@ CASES: list[tuple[str, Build, str]] = [
      r"set rollout\.routing_replay=off$"),
     ("routing-replay-unknown-mode", _overrides("rollout.routing_replay=replay"),
      r"^override 'rollout\.routing_replay=replay': rollout\.routing_replay: 'replay' is not one of 'off', 'record', 'on'$"),
+    # ---- the OpenAI-compatible gateway (rollout.env=openai_agent): config, then requests (OpenAI error JSON)
+    ("openai-agent-without-an-agent", _overrides("rollout.env=openai_agent"),
+     r"^rollout\.env=openai_agent needs exactly one of rollout\.agent\.entry_point \(got ''\) and rollout\.agent\.command "),
+    ("gateway-port-out-of-range", _overrides("rollout.gateway.port=70000"),
+     r"^rollout\.gateway\.port=70000 must be in \[0, 65535\] \(0: a free port\)$"),
+    ("gateway-unknown-model", lambda tmp: bad_request({"model": "gpt-4o", "messages": USER}),
+     r"^404 model_not_found model: the model 'gpt-4o' does not exist; this gateway serves 'sao-policy'$"),
+    ("gateway-message-role", lambda tmp: bad_request({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}),
+     r"^400 invalid_value messages\[0\]\.role: messages\[0\]\.role='robot': use one of system, developer, user, "),
+    ("gateway-undeclared-tool-call", lambda tmp: bad_request({"model": MODEL, "tools": [CALCULATOR], "messages": [
+        *USER, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "shell", "arguments": "{}"}}]}]}),
+     r"^400 unknown_tool messages\[1\]\.tool_calls\[0\]\.function\.name: a call of 'shell', which tools does not declare$"),
+    ("gateway-tool-result-without-its-call", lambda tmp: bad_request({"model": MODEL, "messages": [
+        *USER, {"role": "tool", "tool_call_id": "c9", "content": "5"}]}),
+     r"^400 invalid_value messages\[1\]\.tool_call_id: tool_call_id 'c9' answers no earlier tool call$"),
+    ("gateway-context-too-long", lambda tmp: bad_request({"model": MODEL, "messages": USER},
+                                                         cfg=AgentLoopConfig(max_context_tokens=4)),
+     r"^400 context_length_exceeded messages: the conversation is \d+ tokens, beyond rollout\.loop\.max_context_tokens=4"),
+    ("gateway-unknown-session", lambda tmp: bad_request({"model": MODEL, "messages": USER}, path="unknown"),
+     r"^404 session_not_found session: unknown session 'nosuchsession'$"),
+    ("gateway-closed-session", lambda tmp: bad_request({"model": MODEL, "messages": USER}, path="closed"),
+     r"^409 session_closed session: session '[0-9a-f]+' is closed \(rewarded or ended\)$"),
+    ("gateway-missing-key", lambda tmp: bad_request({"model": MODEL, "messages": USER}, key=None),
+     r"^401 missing_api_key Authorization: no API key: send the session's key as 'Authorization: Bearer <key>'$"),
+    ("gateway-wrong-key", lambda tmp: bad_request({"model": MODEL, "messages": USER}, key="sk-other"),
+     r"^401 invalid_api_key Authorization: the API key is not session '[0-9a-f]+''s$"),
+    ("gateway-no-session", lambda tmp: bad_request({"model": MODEL, "messages": USER}, path="header"),
+     r"^400 missing_session X-SAO-Session: no session: use /sessions/\{id\}/v1 as base_url or send X-SAO-Session$"),
+    ("gateway-two-choices", lambda tmp: bad_request({"model": MODEL, "messages": USER, "n": 2}),
+     r"^400 invalid_value n: n=2: the gateway samples one choice per request \(n=1\)$"),
+    ("gateway-temperature-out-of-range", lambda tmp: bad_request({"model": MODEL, "messages": USER, "temperature": 3}),
+     r"^400 invalid_value temperature: temperature=3 is outside \[0\.0, 2\.0\]$"),
 ]
 # fmt: on
 

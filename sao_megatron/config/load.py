@@ -446,6 +446,8 @@ def validate_rollout(r: RolloutConfig) -> None:
             raise ConfigError(f"rollout.{name} must be >= 1 (got {getattr(r, name)})")
     if r.weight_sync_bucket_mb < 1:
         raise ConfigError(f"rollout.weight_sync_bucket_mb={r.weight_sync_bucket_mb} must be >= 1 (MiB), e.g. 1024")
+    if r.weight_sync_senders < 1:
+        raise ConfigError(f"rollout.weight_sync_senders={r.weight_sync_senders} must be >= 1, e.g. 8")
     if not r.weight_sync_timeout_s > 0:
         raise ConfigError(f"rollout.weight_sync_timeout_s={r.weight_sync_timeout_s} must be > 0 (seconds), e.g. 120")
     if r.weight_sync == "disk" and r.update_policy != "retract":
@@ -492,3 +494,30 @@ def validate_rollout(r: RolloutConfig) -> None:
         raise ConfigError(f"rollout.env_worker_episodes must be >= 1 (got {r.env_worker_episodes})")
     if not r.env_worker_cpus > 0:
         raise ConfigError(f"rollout.env_worker_cpus={r.env_worker_cpus} must be > 0 (Ray CPUs per worker)")
+    validate_gateway(r)
+
+
+def validate_gateway(r: RolloutConfig) -> None:
+    """``rollout.gateway`` and, with ``rollout.env=openai_agent``, ``rollout.agent``."""
+    g = r.gateway
+    if not 0 <= g.port <= 65535:
+        raise ConfigError(f"rollout.gateway.port={g.port} must be in [0, 65535] (0: a free port)")
+    if not g.session_timeout_s > 0:
+        raise ConfigError(f"rollout.gateway.session_timeout_s={g.session_timeout_s} must be > 0 (seconds), e.g. 600")
+    if not g.served_model_name:
+        raise ConfigError("rollout.gateway.served_model_name is empty; name the model agents ask for, e.g. sao-policy")
+    if r.env != "openai_agent":
+        return
+    a = r.agent
+    if bool(a.entry_point) == bool(a.command):
+        raise ConfigError(
+            f"rollout.env=openai_agent needs exactly one of rollout.agent.entry_point (got {a.entry_point!r}) and "
+            f"rollout.agent.command (got {a.command!r}), e.g. rollout.agent.entry_point=examples.arith_agent:run"
+        )
+    if a.entry_point and ":" not in a.entry_point:
+        raise ConfigError(f"rollout.agent.entry_point={a.entry_point!r} is not 'package.module:function'")
+    if r.env_workers > 0:
+        raise ConfigError(
+            f"rollout.env=openai_agent with rollout.env_workers={r.env_workers}: the agents run beside the gateway "
+            "in the rollout process; set rollout.env_workers=0"
+        )

@@ -255,6 +255,38 @@ class AlgoConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """The OpenAI-compatible gateway (``rollout.env=openai_agent``; docs/rollout.md "The gateway"):
+    a user's agent reaches the engines through it and every session is recorded as trajectories."""
+
+    host: str = "127.0.0.1"
+    """Address the gateway listens on; loopback by default (the agents run beside the rollout
+    process). ``0.0.0.0`` serves agents on other hosts: each session still needs its own key."""
+    port: int = 0
+    """TCP port; 0 picks a free one (the agents get the URL, so a fixed port is rarely needed)."""
+    served_model_name: str = "sao-policy"
+    """The one model ``GET /v1/models`` lists; a request naming another is refused (404)."""
+    session_timeout_s: float = 600.0
+    """Seconds an episode's agent may run (all its requests and tool calls) before the session is
+    dropped, counted in ``gateway/sessions_dropped`` and the episode failed."""
+
+
+@dataclass
+class OpenAIAgentConfig:
+    """The user's agent that ``rollout.env=openai_agent`` runs once per episode (docs/envs.md,
+    "Train an existing agent"). Exactly one of ``entry_point`` and ``command``."""
+
+    entry_point: str = ""
+    """``package.module:function`` called as ``function(task, base_url, api_key)`` (async or sync;
+    a sync one runs in a thread); it returns the episode's reward, or None to leave it to
+    ``POST /sessions/{id}/reward`` or the task's reward function on the final answer."""
+    command: list[str] = field(default_factory=list)
+    """A program run per episode, e.g. ``["python", "my_agent.py"]``: the task on its stdin,
+    ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` in its environment; exit code 0 ends the episode,
+    any other fails it (its stderr's tail in the reason)."""
+
+
+@dataclass
 class RolloutConfig:
     """Environment, engines and the agent loop."""
 
@@ -322,6 +354,10 @@ class RolloutConfig:
     ``sao_<group>``); locally they share the one node."""
     loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """Turn and token limits and sampling of every episode."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The OpenAI-compatible gateway that ``rollout.env=openai_agent`` episodes run through."""
+    agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
+    """The agent that ``rollout.env=openai_agent`` runs per episode (entry point or command)."""
     routing_replay: RoutingReplayMode = "off"
     """MoE models: ``on`` starts the engines with ``--enable-return-routed-experts``, keeps the top-k
     expert ids the engine chose at every position of a trajectory (every MoE layer, compact) and
@@ -361,6 +397,15 @@ class RolloutConfig:
     at 512, and the sender holds ~4 GiB (5 GiB flat) against 2 GiB (2.5 GiB). 2048 would halve the
     requests again for 8-10 GiB per sender and a 2 GiB receive buffer on every engine GPU, beside
     its KV cache. Must be >= 1."""
+    weight_sync_senders: int = 8
+    """Trainer ranks that broadcast weights to the engines, at most, in all (at least one per pipeline
+    stage: ``max(1, n // pipeline_parallel)`` per stage, the largest divisor of the actor's
+    expert_parallel not above it). Sender j of a stage gathers the experts of its share of the EP
+    ranks and a share of the dense tensors (each split over TP from its own TP group), every gather
+    one collective over a process group of its own, and broadcasts its buckets over a group of its
+    own with every engine: each engine GPU joins one communicator per sender. More senders spread
+    the gathers (``sao plan`` prints the busiest rank's bytes and the communicators per rank); the
+    engines still load one bucket at a time. Must be >= 1."""
     weight_sync_flat: bool | None = None
     """Broadcast each bucket as one byte buffer (SGLang's ``flattened_bucket``) instead of tensor by
     tensor: one collective per bucket instead of one per tensor (a Qwen3-30B-A3B sync is ~18.9k

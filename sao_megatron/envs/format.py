@@ -189,9 +189,11 @@ class ChatFormat:
 
     def prompt_ids(self, question: str) -> list[int]:
         """The first prompt: system prompt, tool schemas, user turn, generation prompt."""
-        ids = self.tokenizer.apply_chat_template(
-            self.prompt_messages(question), tokenize=True, return_dict=False, **self._kwargs(True)
-        )
+        return self.messages_ids(self.prompt_messages(question))
+
+    def messages_ids(self, messages: Sequence[dict]) -> list[int]:
+        """``messages`` (already escaped) rendered with the tool schemas and the generation prompt."""
+        ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False, **self._kwargs(True))
         return [int(i) for i in ids]
 
     @staticmethod
@@ -232,13 +234,19 @@ class ChatFormat:
         generated (Qwen3 drops empty ``<think>`` blocks of earlier turns): only the part after
         its end marker is used, the trajectory keeps the generated ids.
         """
+        return self.continuation_text(history, self.tool_messages(outputs))
+
+    def continuation_text(self, history: Sequence[dict], new_messages: Sequence[dict]) -> str:
+        """The template's text for ``new_messages`` (tool results, a user turn) after ``history``,
+        which ends with the assistant's last action, up to and including the next generation prompt:
+        the suffix method and checks of :meth:`observation_text`."""
         if not history or history[-1].get("role") != "assistant":
             raise ChatTemplateError("the history must end with the assistant's action")
         if self.end_marker in str(history[-1].get("content", "")):
             raise ChatTemplateError(f"the action's text contains the end marker {self.end_marker!r}")
         before = self.render(history[:-1])
         alone = self.render(history)
-        after = self.render([*history, *self.tool_messages(outputs)], True)
+        after = self.render([*history, *new_messages], True)
         if not alone.startswith(before) or self.end_marker not in alone[len(before) :]:
             raise ChatTemplateError(
                 "the chat template does not render the action as a turn ending with "

@@ -22,6 +22,7 @@ _REGISTRY: dict[str, type[Env] | str] = {
     "faulty": "sao_megatron.envs.faulty:FaultyArithEnv",
     "longtail": "sao_megatron.envs.longtail:LongTailEnv",
     "math_python": "sao_megatron.envs.math_python:MathPythonEnv",
+    "openai_agent": "sao_megatron.envs.openai_agent:OpenAIAgentEnv",
     "swe": "sao_megatron.envs.swe.env:SWEEnv",
     "writing_shift": "sao_megatron.envs.writing_shift:WritingShiftEnv",
 }

@@ -63,6 +63,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -73,6 +74,9 @@ from sao_megatron.records import OBSERVATION_VERSION, EndCause, EpisodeStats, St
 from sao_megatron.rollout.client import EngineClient, EngineError, Generation, SamplingParams
 from sao_megatron.rollout.env_workers import EnvWorkerError, environment_failure
 from sao_megatron.routing import RouteShape
+
+if TYPE_CHECKING:
+    from sao_megatron.rollout.gateway import Gateway
 
 __all__ = ["AgentLoop", "AgentLoopConfig"]  # AgentLoopConfig: the run config's ``rollout.loop`` section
 
@@ -147,6 +151,10 @@ class _Episode:
         self.action_mask += [0] * len(ids)
         self.behavior_logprobs += [0.0] * len(ids)
         self.policy_versions += [OBSERVATION_VERSION] * len(ids)
+
+
+Episode = _Episode
+"""The token record of one episode (or one gateway segment): response ids, masks, logprobs, versions."""
 
 
 @dataclass
@@ -228,10 +236,14 @@ class AgentLoop:
         engine_name: str = "",
         update_policy: UpdatePolicy = "retract",
         routes: RouteShape | None = None,
+        gateway: Gateway | None = None,
     ):
         """``update_policy``: ``rollout.update_policy``, what the weight syncs do to the requests;
-        ``routes``: capture the engine's routes of every position (``rollout.routing_replay``), this shape."""
+        ``routes``: capture the engine's routes of every position (``rollout.routing_replay``), this shape;
+        ``gateway``: where episodes of an environment driven by a user's agent (``rollout.env=openai_agent``)
+        open their session."""
         self.client = client
+        self.gateway = gateway
         self.routes = routes
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -261,7 +273,10 @@ class AgentLoop:
     ) -> Trajectory:
         """One episode. ``reroute(reason)``, when given, is asked for another loop (engine) when a
         generation fails because of the engine: the failed turn is generated again there, with the
-        same environment and tokens so far; None from it ends the episode as failed."""
+        same environment and tokens so far; None from it ends the episode as failed. An episode of
+        a user's agent (:meth:`run_segments`) gives its last segment here."""
+        if getattr(env, "external_agent", False):
+            return (await self.run_segments(env, sample, split, index, submitted_at))[-1]
         started = time.time()
         on: list[AgentLoop] = [self]  # the loop whose engine generates the next turn
         prompt_ids: list[int] = []
@@ -320,6 +335,29 @@ class AgentLoop:
             routes=routes,
             routes_missing=missing,
         )
+
+    async def run_segments(
+        self,
+        env: Env,
+        sample: Sample,
+        split: str = "train",
+        index: int | None = None,
+        submitted_at: float | None = None,
+        reroute: Reroute | None = None,
+    ) -> list[Trajectory]:
+        """One episode as a list of trajectories: an environment driven by a user's agent through the
+        gateway (``env.external_agent``) gives one per segment of its session (at least one, a failed
+        one when nothing was generated); any other environment one (:meth:`run`)."""
+        if not getattr(env, "external_agent", False):
+            return [await self.run(env, sample, split, index, submitted_at, reroute)]
+        if self.gateway is None:
+            raise RuntimeError(f"environment {type(env).__name__} runs a user's agent but this loop has no gateway")
+        return await self.gateway.run_episode(self, env, sample, split=split, index=index, submitted_at=submitted_at)
+
+    async def generate(self, context: list[int], sampling: SamplingParams, ep: _Episode) -> _Action | str:
+        """One action from ``context`` on this loop's engine, recorded as the agent loop records its own
+        (behavior logprobs, versions, abort continuations, routes); or why it failed."""
+        return await self._generate(context, sampling, ep, [self], None)
 
     async def _turns(
         self,

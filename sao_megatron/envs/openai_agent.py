@@ -1,0 +1,167 @@
+"""openai_agent: the episodes of a user's own agent, which talks to the policy through the OpenAI API.
+
+``rollout.env=openai_agent`` trains an existing agent unchanged (docs/envs.md, "Train an existing
+agent"). Per episode the agent loop opens a session on the run's OpenAI-compatible gateway
+(:mod:`sao_megatron.rollout.gateway`) and runs the agent (``rollout.agent``, :func:`run_agent`) with
+the task's question, the session's ``base_url`` and ``api_key``::
+
+    question = env.reset(sample)                       the task env's prompt (``task_env``)
+    reward   = agent(question, base_url, api_key)      entry point: its return value, or None
+               | command < question                    (OPENAI_BASE_URL / OPENAI_API_KEY set)
+    if None: POST /sessions/{id}/reward, else env.grade(last answer)   (the task env's reward)
+
+The prompts and the reward function are those of another registered environment, ``task_env``
+(``rollout.env_kwargs.task_env`` and ``rollout.task_kwargs.task_env``, default ``arith_tool``); the
+agent brings its own tools and prompt. Its exceptions, non-zero exit codes and timeouts fail the
+episode (:class:`AgentError`), never the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sao_megatron.envs.base import Env, RewardResult, Sample, Split, StepResult, Task
+from sao_megatron.envs.format import ToolFormat, Turn, final_answer
+from sao_megatron.envs.registry import make_env, make_task
+from sao_megatron.envs.tool_env import ToolEnv
+
+if TYPE_CHECKING:
+    from sao_megatron.config.schema import OpenAIAgentConfig
+
+
+class AgentError(RuntimeError):
+    """The user's agent failed: it raised, exited non-zero, or returned something not a reward."""
+
+
+class AgentTask(Task):
+    """The prompts of ``task_env``'s task (built with the other keyword arguments)."""
+
+    def __init__(self, task_env: str = "arith_tool", **kwargs: Any) -> None:
+        self.inner = make_task(task_env, **kwargs)
+
+    def get(self, split: Split, index: int) -> Sample:
+        return self.inner.get(split, index)
+
+    def member(self, sample: Sample, group_index: int) -> Sample:
+        return self.inner.member(sample, group_index)
+
+    def size(self, split: Split) -> int | None:
+        return self.inner.size(split)
+
+
+class OpenAIAgentEnv(Env):
+    """An episode driven by the user's agent through the gateway; ``task_env`` gives the question and
+    grades the final answer."""
+
+    task_class = AgentTask
+    external_agent = True
+    """The agent loop runs this env's episodes through the gateway instead of its turn loop."""
+
+    def __init__(self, task_env: str = "arith_tool", **kwargs: Any) -> None:
+        self.inner = make_env(task_env, **kwargs)
+
+    def use_tool_format(self, tool_format: ToolFormat) -> None:
+        super().use_tool_format(tool_format)
+        self.inner.use_tool_format(tool_format)
+
+    def reset(self, sample: Sample) -> str:
+        """The task the agent gets (the task env's question)."""
+        return self.inner.reset(sample)
+
+    def step(self, action: str) -> StepResult:
+        raise RuntimeError("openai_agent episodes are driven by the user's agent through the gateway, not by step()")
+
+    def grade(self, answer: str | None) -> RewardResult:
+        """The task env's reward for ``answer``, the agent's final message (None: no answer, reward 0)."""
+        if answer is None:
+            return RewardResult(0.0, False, {"answer": None})
+        action = self.inner.answer_text(answer) if isinstance(self.inner, ToolEnv) else final_answer(answer)
+        self.inner.step(action)
+        return self.inner.reward()
+
+    async def agrade(self, answer: str | None) -> RewardResult:
+        return self.grade(answer)
+
+    def reward(self) -> RewardResult:
+        return self.inner.reward()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def demonstration(self, sample: Sample) -> list[Turn]:
+        """The task env's demonstrations (SFT before RL teaches its format)."""
+        return self.inner.demonstration(sample)
+
+
+def load_entry_point(spec: str) -> Callable[..., Any]:
+    """``package.module:function`` or ``path/to/file.py:function``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise AgentError(f"agent entry point {spec!r} is not 'package.module:function' nor 'file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).resolve()
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            if module_spec is None or module_spec.loader is None:
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as err:
+        raise AgentError(f"importing the agent {module_name!r} failed: {type(err).__name__}: {err}") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise AgentError(f"agent entry point {spec!r}: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+async def run_agent(cfg: OpenAIAgentConfig, task: str, base_url: str, api_key: str) -> float | None:
+    """Run the agent once; its reward, or None. Anything the agent does wrong is an :class:`AgentError`."""
+    if cfg.command:
+        await _run_command(cfg.command, task, base_url, api_key)
+        return None
+    fn = load_entry_point(cfg.entry_point)
+    try:
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(task, base_url, api_key)
+        else:
+            result = await asyncio.to_thread(fn, task, base_url, api_key)
+            if inspect.isawaitable(result):
+                result = await result
+    except Exception as err:
+        raise AgentError(f"{type(err).__name__}: {err}") from err
+    if result is not None and (isinstance(result, bool) or not isinstance(result, int | float)):
+        raise AgentError(f"the agent returned {result!r}, not a reward (a number) or None")
+    return None if result is None else float(result)
+
+
+async def _run_command(command: list[str], task: str, base_url: str, api_key: str) -> None:
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+    except OSError as err:
+        raise AgentError(f"cannot start {command[0]!r}: {err}") from err
+    try:
+        _, stderr = await proc.communicate(task.encode())
+    except BaseException:  # cancelled (the session timed out): the agent must not outlive its session
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = stderr.decode(errors="replace").strip()[-500:]
+        raise AgentError(f"{command[0]} exited with code {proc.returncode}: {tail}")

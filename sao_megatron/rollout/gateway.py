@@ -1,0 +1,460 @@
+"""The OpenAI-compatible gateway: a user's agent drives the engines, every session is recorded.
+
+An agent written against the OpenAI chat-completions API trains unchanged: its ``base_url`` is its
+session's URL, its ``api_key`` the session's key (:func:`Gateway.run_episode` hands both to it)::
+
+    GET  /v1/models                                   (also under /sessions/{id}/v1/models)
+    POST /sessions/{id}/v1/chat/completions           (or /v1/chat/completions + header X-SAO-Session)
+         messages (system, user, assistant with tool_calls, tool), tools, tool_choice, temperature,
+         top_p, max_tokens / max_completion_tokens, stop, n=1, seed, stream (SSE, stream_options)
+         -> choices[0].message {content, reasoning_content, tool_calls}, finish_reason, usage
+    POST /sessions/{id}/reward   {"reward": float, "details": {...}}   closes the session
+
+Requests are rendered with the checkpoint's chat template and sent token-in/token-out to the engine
+the session is pinned to (the episode's :class:`~sao_megatron.rollout.agent_loop.AgentLoop`: its
+client, the run's API key, its update policy and route capture); tool calls come back parsed from the
+model's native format (:mod:`sao_megatron.envs.tool_parse`, parallel calls included). The token
+bookkeeping (observations, segments) is :mod:`sao_megatron.rollout.gateway_session`'s.
+
+A streamed answer is generated whole, then sent as chunks: the engine call is token-in/token-out.
+``tool_choice`` ``required`` or a named function is accepted but not enforced (the model samples
+freely: training needs its own distribution's logprobs). Bad requests get the OpenAI error JSON
+``{"error": {"message", "type", "code", "param"}}`` with a 4xx naming the field (docs/rollout.md).
+
+The gateway runs on the rollout process's asyncio loop, one per run, listening on
+``rollout.gateway.host:port`` (loopback, a free port by default); it starts with its first session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from sao_megatron.config.schema import GatewayConfig, OpenAIAgentConfig
+from sao_megatron.envs.base import Env, Sample
+from sao_megatron.envs.format import ChatTemplateError
+from sao_megatron.envs.openai_agent import AgentError, run_agent
+from sao_megatron.records import Trajectory
+from sao_megatron.rollout.agent_loop import AgentLoop
+from sao_megatron.rollout.client import EngineError
+from sao_megatron.rollout.gateway_session import GatewaySession, RequestError, declared_tools
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-SAO-Session"
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class GatewayCounts:
+    """Sessions since the run started (``gateway/*`` metrics)."""
+
+    admitted: int = 0
+    finished: int = 0
+    dropped: int = 0
+    """Timed out (``rollout.gateway.session_timeout_s``)."""
+    failed: int = 0
+    """The agent raised, exited non-zero, or the engine failed."""
+    segments: int = 0
+    requests: int = 0
+
+
+class Gateway:
+    """The HTTP server and its open sessions."""
+
+    def __init__(self, cfg: GatewayConfig, agent: OpenAIAgentConfig | None = None):
+        self.cfg = cfg
+        self.agent = agent or OpenAIAgentConfig()
+        self.sessions: dict[str, GatewaySession] = {}
+        self.closed_ids: set[str] = set()
+        self.counts = GatewayCounts()
+        self._runner: web.AppRunner | None = None
+        self._start_lock = asyncio.Lock()
+        self.url = ""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Listen (once); the gateway's URL."""
+        async with self._start_lock:
+            if self._runner is None:
+                app = web.Application(client_max_size=64 * 1024 * 1024)
+                app.add_routes(
+                    [
+                        web.get("/v1/models", self._models),
+                        web.get("/sessions/{sid}/v1/models", self._models),
+                        web.post("/v1/chat/completions", self._chat),
+                        web.post("/sessions/{sid}/v1/chat/completions", self._chat),
+                        web.post("/sessions/{sid}/reward", self._reward),
+                    ]
+                )
+                runner = web.AppRunner(app, access_log=None)
+                await runner.setup()
+                site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+                await site.start()
+                port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # port 0: the one bound
+                self._runner, self.url = runner, f"http://{self.cfg.host}:{port}"
+                log.info("gateway listening on %s", self.url)
+        return self.url
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open(self, loop: AgentLoop, sample: Sample) -> GatewaySession:
+        """A new session for one episode on ``loop``'s engine."""
+        session = GatewaySession(secrets.token_hex(8), loop, sample)
+        self.sessions[session.id] = session
+        self.counts.admitted += 1
+        return session
+
+    def base_url(self, session: GatewaySession) -> str:
+        return f"{self.url}/sessions/{session.id}/v1"
+
+    def finish(self, session: GatewaySession) -> None:
+        session.closed = True
+        self.sessions.pop(session.id, None)
+        self.closed_ids.add(session.id)
+
+    def metrics(self) -> dict[str, float]:
+        """``gateway/sessions_{admitted,finished,dropped,failed}``, ``gateway/segments_per_session``
+        (mean over finished sessions) and ``gateway/requests``, since the run started."""
+        c = self.counts
+        return {
+            "gateway/sessions_admitted": float(c.admitted),
+            "gateway/sessions_finished": float(c.finished),
+            "gateway/sessions_dropped": float(c.dropped),
+            "gateway/sessions_failed": float(c.failed),
+            "gateway/segments_per_session": c.segments / max(1, c.finished),
+            "gateway/requests": float(c.requests),
+        }
+
+    # -- one episode ----------------------------------------------------------------------------
+    async def run_episode(
+        self,
+        loop: AgentLoop,
+        env: Env,
+        sample: Sample,
+        split: str = "train",
+        index: int | None = None,
+        submitted_at: float | None = None,
+    ) -> list[Trajectory]:
+        """Run the agent on ``sample`` through a new session; one trajectory per segment, or one failed
+        trajectory (the agent raised or exited non-zero, the session timed out: dropped, the engine failed)."""
+        await self.start()
+        started = time.time()
+        session = self.open(loop, sample)
+        status, reason = "finished", ""
+        reward, correct, details = 0.0, None, {}
+        timeout = self.cfg.session_timeout_s
+        try:
+            task = await env.areset(sample)
+            try:
+                returned = await asyncio.wait_for(
+                    run_agent(self.agent, task, self.base_url(session), session.key), timeout
+                )
+            except TimeoutError:
+                self.counts.dropped += 1
+                status, reason = (
+                    "failed",
+                    f"gateway: session timed out after {timeout}s (rollout.gateway.session_timeout_s)",
+                )
+            else:
+                if returned is not None:
+                    reward = float(returned)
+                elif session.reward is not None:
+                    reward, details = session.reward, dict(session.reward_details)
+                else:
+                    result = await env.agrade(session.final_answer)  # type: ignore[attr-defined]
+                    reward, correct, details = result.reward, result.correct, dict(result.details)
+                if not math.isfinite(reward):
+                    status, reason = "failed", f"reward: non-finite reward {reward}"
+        except AgentError as err:
+            status, reason = "failed", f"agent: {err}"
+        except Exception as err:  # the env's reset or reward function: a failed episode, never a failed run
+            status, reason = "failed", f"environment: {type(err).__name__}: {err}"
+        finally:
+            self.finish(session)
+            try:
+                await env.aclose()
+            except Exception as err:
+                log.warning("closing the environment of %s failed: %s", sample.prompt_id, err)
+        if session.engine_error and status == "failed" and not reason.startswith("gateway:"):
+            reason = f"engine: {session.engine_error}"  # the manager retries these on another engine
+        common: dict[str, Any] = dict(
+            split=split, sample_index=index, submitted_at=submitted_at or started, started_at=started
+        )
+        trajs = session.trajectories(status, reason, reward, correct, details, finished_at=time.time(), **common)
+        if status == "failed" or not trajs:
+            self.counts.failed += status == "failed" and not reason.startswith("gateway:")
+            reason = reason or "agent: the session generated nothing"
+            empty = Trajectory(
+                sample.prompt_id, [], [], [], [], [], [], 0.0, "failed", reason, finished_at=time.time(), **common
+            )
+            empty.engine = loop.engine_name
+            return [empty]
+        self.counts.finished += 1
+        self.counts.segments += len(trajs)
+        return trajs
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {"id": self.cfg.served_model_name, "object": "model", "created": 0, "owned_by": "sao"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    def _session(self, request: web.Request) -> GatewaySession:
+        sid = request.match_info.get("sid") or request.headers.get(SESSION_HEADER)
+        if not sid:
+            raise RequestError(
+                400,
+                f"no session: use /sessions/{{id}}/v1 as base_url or send {SESSION_HEADER}",
+                "missing_session",
+                SESSION_HEADER,
+            )
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer ") or not auth[7:].strip():
+            raise RequestError(
+                401,
+                "no API key: send the session's key as 'Authorization: Bearer <key>'",
+                "missing_api_key",
+                "Authorization",
+                "authentication_error",
+            )
+        session = self.sessions.get(sid)
+        if session is None:
+            if sid in self.closed_ids:
+                raise RequestError(409, f"session {sid!r} is closed (rewarded or ended)", "session_closed", "session")
+            raise RequestError(404, f"unknown session {sid!r}", "session_not_found", "session")
+        if not secrets.compare_digest(auth[7:].strip(), session.key):
+            raise RequestError(
+                401, f"the API key is not session {sid!r}'s", "invalid_api_key", "Authorization", "authentication_error"
+            )
+        if session.closed:
+            raise RequestError(409, f"session {sid!r} is closed (rewarded or ended)", "session_closed", "session")
+        return session
+
+    async def _json(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError as err:
+            raise RequestError(400, f"the body is not JSON: {err}", "invalid_json") from err
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object", "invalid_json")
+        return body
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        try:
+            session = self._session(request)
+            body = await self._json(request)
+            value = body.get("reward")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise RequestError(400, f"reward must be a finite number, got {value!r}", "invalid_value", "reward")
+            details = body.get("details") or {}
+            if not isinstance(details, dict):
+                raise RequestError(400, "details must be a JSON object", "invalid_type", "details")
+        except RequestError as err:
+            return web.json_response(err.to_json(), status=err.status)
+        session.reward, session.reward_details = float(value), details
+        session.closed = True
+        return web.json_response({"session": session.id, "reward": session.reward})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        session: GatewaySession | None = None
+        try:
+            session = self._session(request)
+            body = await self._json(request)
+            args = parse_request(body, self.cfg.served_model_name)
+            self.counts.requests += 1
+            async with session.lock:
+                reply = await session.complete(*args)
+        except RequestError as err:
+            return web.json_response(err.to_json(), status=err.status)
+        except ChatTemplateError as err:
+            failure = RequestError(
+                400, f"the chat template cannot continue these messages: {err}", "template_error", "messages"
+            )
+            return web.json_response(failure.to_json(), status=400)
+        except EngineError as err:
+            if session is not None:
+                session.engine_error = str(err)
+            failure = RequestError(502, f"the engine failed: {err}", "engine_error", kind="server_error")
+            return web.json_response(failure.to_json(), status=502)
+        completion_id = f"chatcmpl-{secrets.token_hex(12)}"
+        created = int(time.time())
+        usage = {
+            "prompt_tokens": reply.prompt_tokens,
+            "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+        }
+        head = {"id": completion_id, "created": created, "model": self.cfg.served_model_name}
+        if not body.get("stream"):
+            choice = {"index": 0, "message": reply.message(), "finish_reason": reply.finish_reason, "logprobs": None}
+            return web.json_response({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
+        return await _stream(
+            request, head, reply, usage if (body.get("stream_options") or {}).get("include_usage") else None
+        )
+
+
+async def _stream(request: web.Request, head: dict, reply, usage: dict | None) -> web.StreamResponse:
+    """The reply as server-sent ``chat.completion.chunk`` events: role, reasoning, content, each
+    tool call, the finish reason, the usage when asked, then ``[DONE]``."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(delta: dict, finish: str | None = None, extra: dict | None = None) -> None:
+        chunk = {
+            **head,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        await response.write(f"data: {json.dumps({**chunk, **(extra or {})})}\n\n".encode())
+
+    await send({"role": "assistant", "content": ""})
+    if reply.reasoning is not None:
+        await send({"reasoning_content": reply.reasoning})
+    if reply.content:
+        await send({"content": reply.content})
+    for k, call in enumerate(reply.tool_calls):
+        await send({"tool_calls": [{"index": k, **call}]})
+    await send({}, reply.finish_reason)
+    if usage is not None:
+        await response.write(
+            f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n".encode()
+        )
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def parse_request(body: dict, model: str) -> tuple[list[dict], list[dict], dict, bool]:
+    """``(messages, tools, sampling, parse_tools)`` of a chat-completions body, or a
+    :class:`RequestError` naming the field."""
+    if "model" not in body:
+        raise RequestError(400, "model is required", "missing_required_parameter", "model")
+    if body["model"] != model:
+        raise RequestError(
+            404,
+            f"the model {body['model']!r} does not exist; this gateway serves {model!r}",
+            "model_not_found",
+            "model",
+        )
+    tools = _tools(body.get("tools"))
+    messages = _messages(body.get("messages"), declared_tools(tools))
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise RequestError(400, f"n={n!r}: the gateway samples one choice per request (n=1)", "invalid_value", "n")
+    sampling = {
+        "max_tokens": _number(body, "max_completion_tokens", int, 1, None) or _number(body, "max_tokens", int, 1, None),
+        "temperature": _number(body, "temperature", float, 0.0, 2.0),
+        "top_p": _number(body, "top_p", float, 1e-9, 1.0),
+        "seed": _number(body, "seed", int, None, None),
+        "stop": _stop(body.get("stop")),
+    }
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in declared_tools(tools):
+            raise RequestError(
+                400,
+                f"tool_choice names {name!r}, not one of the declared tools",
+                "invalid_value",
+                "tool_choice.function.name",
+            )
+    elif choice not in (None, "auto", "none", "required"):
+        raise RequestError(
+            400, f"tool_choice={choice!r}: use auto, none, required or a function", "invalid_value", "tool_choice"
+        )
+    if not isinstance(body.get("stream", False), bool):
+        raise RequestError(400, "stream must be true or false", "invalid_type", "stream")
+    return messages, tools, sampling, choice != "none"
+
+
+def _number(body: dict, key: str, kind: type, low: float | None, high: float | None) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        raise RequestError(
+            400, f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}", "invalid_type", key
+        )
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise RequestError(400, f"{key}={value} is outside [{low}, {high}]", "invalid_value", key)
+    return kind(value)
+
+
+def _stop(stop: Any) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(400, "stop must be a string or a list of up to 4 non-empty strings", "invalid_value", "stop")
+    return stops
+
+
+def _tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise RequestError(400, "tools must be a list of function tools", "invalid_type", "tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise RequestError(
+                400, 'each tool must be {"type": "function", "function": {...}}', "invalid_value", f"tools[{i}]"
+            )
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(
+                400, "a function tool needs a name", "missing_required_parameter", f"tools[{i}].function.name"
+            )
+    return tools
+
+
+def _messages(messages: Any, declared: dict[str, dict]) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list", "invalid_value", "messages")
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise RequestError(
+                400,
+                f"messages[{i}].role={role!r}: use one of {', '.join(ROLES)}",
+                "invalid_value",
+                f"messages[{i}].role",
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise RequestError(
+                400, "content must be a string or a list of content parts", "invalid_type", f"messages[{i}].content"
+            )
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if m["role"] != "assistant" or not isinstance(fn, dict):
+                raise RequestError(
+                    400,
+                    "only assistant messages carry tool_calls, each with a function",
+                    "invalid_value",
+                    f"messages[{i}].tool_calls[{j}]",
+                )
+            if fn.get("name") not in declared:
+                raise RequestError(
+                    400,
+                    f"a call of {fn.get('name')!r}, which tools does not declare",
+                    "unknown_tool",
+                    f"messages[{i}].tool_calls[{j}].function.name",
+                )
+            calls.add(str(call.get("id")))
+        if m["role"] == "tool" and m.get("tool_call_id") not in calls:
+            raise RequestError(
+                400,
+                f"tool_call_id {m.get('tool_call_id')!r} answers no earlier tool call",
+                "invalid_value",
+                f"messages[{i}].tool_call_id",
+            )
+    return messages
