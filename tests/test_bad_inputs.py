@@ -452,6 +452,8 @@ CASES: list[tuple[str, Build, str]] = [
     # ---- the OpenAI-compatible gateway (rollout.env=openai_agent): config, then requests (OpenAI error JSON)
     ("openai-agent-without-an-agent", _overrides("rollout.env=openai_agent"),
      r"^rollout\.env=openai_agent needs exactly one of rollout\.agent\.entry_point \(got ''\) and rollout\.agent\.command "),
+    ("openai-agent-with-groups", _overrides("rollout.env=openai_agent", "rollout.agent.entry_point=m:f", "algo.group_size=4"),
+     r"^rollout\.env=openai_agent with algo\.group_size=4: a session's segments have no group to share a baseline with; "),
     ("gateway-port-out-of-range", _overrides("rollout.gateway.port=70000"),
      r"^rollout\.gateway\.port=70000 must be in \[0, 65535\] \(0: a free port\)$"),
     ("gateway-unknown-model", lambda tmp: bad_request({"model": "gpt-4o", "messages": USER}),

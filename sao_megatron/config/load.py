@@ -321,6 +321,7 @@ def validate(cfg: SAOConfig) -> None:
     validate_algo(cfg.algo)
     validate_corrections(cfg)
     validate_rollout(cfg.rollout)
+    validate_gateway(cfg.rollout, cfg.algo.group_size)
     validate_routing_replay(cfg)
     validate_data(cfg.data, evaluates=cfg.train.eval_prompts > 0)
     for name in ("eval_prompts", "eval_samples"):
@@ -494,11 +495,10 @@ def validate_rollout(r: RolloutConfig) -> None:
         raise ConfigError(f"rollout.env_worker_episodes must be >= 1 (got {r.env_worker_episodes})")
     if not r.env_worker_cpus > 0:
         raise ConfigError(f"rollout.env_worker_cpus={r.env_worker_cpus} must be > 0 (Ray CPUs per worker)")
-    validate_gateway(r)
 
 
-def validate_gateway(r: RolloutConfig) -> None:
-    """``rollout.gateway`` and, with ``rollout.env=openai_agent``, ``rollout.agent``."""
+def validate_gateway(r: RolloutConfig, group_size: int = 1) -> None:
+    """``rollout.gateway`` and, with ``rollout.env=openai_agent``, ``rollout.agent`` (``group_size``: ``algo.group_size``)."""
     g = r.gateway
     if not 0 <= g.port <= 65535:
         raise ConfigError(f"rollout.gateway.port={g.port} must be in [0, 65535] (0: a free port)")
@@ -520,4 +520,9 @@ def validate_gateway(r: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.env=openai_agent with rollout.env_workers={r.env_workers}: the agents run beside the gateway "
             "in the rollout process; set rollout.env_workers=0"
+        )
+    if group_size > 1:
+        raise ConfigError(
+            f"rollout.env=openai_agent with algo.group_size={group_size}: a session's segments have no group "
+            "to share a baseline with; use algo.group_size=1 (SAO)"
         )

@@ -153,6 +153,9 @@ class StepObserver:
         out |= self.buffer.selection.metrics()  # finished and stale-dropped since the last step
         self.buffer.selection.window.clear()
         out |= self.manager.engines.metrics()  # engine restarts and drops, episode retries (cumulative)
+        gateway = getattr(self.manager, "gateway", None)
+        if gateway is not None:  # rollout.env=openai_agent: sessions admitted / finished / dropped, segments
+            out |= gateway.metrics()
         out |= {
             "time/learner_wait_s": waited_s,
             "rollout/in_flight_at_take": float(in_flight),

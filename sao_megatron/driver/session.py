@@ -42,6 +42,7 @@ from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineClient, EngineError, require_route_capture
 from sao_megatron.rollout.env_workers import EnvFactory, local_env_factory
+from sao_megatron.rollout.gateway import Gateway
 from sao_megatron.rollout.manager import EnginesLost, EngineStates, PromptCursor, RolloutManager
 from sao_megatron.routing import RouteShape
 from sao_megatron.tokenizer import load_tokenizer
@@ -94,6 +95,8 @@ class Session:
         """Set when the engines were launched with the roles (:meth:`start`): done once all are healthy."""
         self.clients: list[EngineClient] = []
         self.loops: list[AgentLoop] = []
+        self.gateway = Gateway(cfg.rollout.gateway, cfg.rollout.agent) if cfg.rollout.env == "openai_agent" else None
+        """The OpenAI-compatible gateway the episodes of ``rollout.env=openai_agent`` run through (one per run)."""
         self.sync_address: str | list[str] = "127.0.0.1"
         self.engine_states = EngineStates(0)
         """Which engines take episodes, and the engine-fault counters (set by :meth:`start_rollouts`)."""
@@ -207,6 +210,7 @@ class Session:
                     engine_name=f"engine{i}",
                     update_policy=self.cfg.rollout.update_policy,
                     routes=RouteShape.of(self.cfg.model) if self.cfg.rollout.routing_replay != "off" else None,
+                    gateway=self.gateway,
                 )
             )
         self.engine_states = EngineStates(len(self.engines), on_failure=self._episode_failed)
@@ -440,7 +444,7 @@ class Session:
         policy = self.cfg.rollout.update_policy
         loops = [
             [
-                AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}", update_policy=policy)
+                AgentLoop(c, self.tokenizer, s, engine_name=f"eval{i}", update_policy=policy, gateway=self.gateway)
                 for i, c in enumerate(clients)
             ]
             for s in settings
@@ -504,6 +508,8 @@ class Session:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+        if self.gateway is not None:
+            await self.gateway.close()
         for client in self.clients:
             await client.close()
         await _stop_engines(self.engines, self._engines_ready)

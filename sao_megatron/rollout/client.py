@@ -53,6 +53,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_new_tokens: int = 0
     """Stop tokens (and EOS) are masked until this many tokens were generated."""
+    regex: str = ""
+    """SGLang's structured decoding: every token that would leave this regular language is masked
+    (the OpenAI gateway passes an agent's ``regex``, SGLang's own extension of the API); empty: none."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -70,6 +73,8 @@ class SamplingParams:
             out["ignore_eos"] = True
         if self.min_new_tokens:
             out["min_new_tokens"] = self.min_new_tokens
+        if self.regex:
+            out["regex"] = self.regex
         return out
 
 

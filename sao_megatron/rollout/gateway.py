@@ -6,7 +6,8 @@ session's URL, its ``api_key`` the session's key (:func:`Gateway.run_episode` ha
     GET  /v1/models                                   (also under /sessions/{id}/v1/models)
     POST /sessions/{id}/v1/chat/completions           (or /v1/chat/completions + header X-SAO-Session)
          messages (system, user, assistant with tool_calls, tool), tools, tool_choice, temperature,
-         top_p, max_tokens / max_completion_tokens, stop, n=1, seed, stream (SSE, stream_options)
+         top_p, max_tokens / max_completion_tokens, stop, n=1, seed, stream (SSE, stream_options),
+         regex (SGLang's extension: constrained decoding)
          -> choices[0].message {content, reasoning_content, tool_calls}, finish_reason, usage
     POST /sessions/{id}/reward   {"reward": float, "details": {...}}   closes the session
 
@@ -357,6 +358,7 @@ def parse_request(body: dict, model: str) -> tuple[list[dict], list[dict], dict,
         "top_p": _number(body, "top_p", float, 1e-9, 1.0),
         "seed": _number(body, "seed", int, None, None),
         "stop": _stop(body.get("stop")),
+        "regex": _regex(body.get("regex")),
     }
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, dict):
@@ -395,6 +397,17 @@ def _stop(stop: Any) -> list[str]:
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
         raise RequestError(400, "stop must be a string or a list of up to 4 non-empty strings", "invalid_value", "stop")
     return stops
+
+
+def _regex(regex: Any) -> str:
+    """SGLang's extension of the API (``extra_body={"regex": ...}``): constrained decoding."""
+    if regex is None:
+        return ""
+    if not isinstance(regex, str):
+        raise RequestError(
+            400, "regex must be a string (a regular expression the output must match)", "invalid_type", "regex"
+        )
+    return regex
 
 
 def _tools(tools: Any) -> list[dict]:

@@ -200,7 +200,7 @@ class GatewaySession:
         """Serve one request: extend or open a segment, generate one action, parse its calls.
 
         ``sampling``: ``max_tokens`` (None: ``rollout.loop.max_new_tokens``), ``temperature``,
-        ``top_p``, ``stop``, ``seed``. A context beyond ``rollout.loop.max_context_tokens`` (or a
+        ``top_p``, ``stop``, ``seed``, ``regex``. A context beyond ``rollout.loop.max_context_tokens`` (or a
         segment beyond ``max_response_tokens``) is refused (400 ``context_length_exceeded``)."""
         cfg = self.loop.cfg
         self.requests += 1
@@ -223,6 +223,7 @@ class GatewaySession:
             stop_token_ids=seg.chat.stop_token_ids,
             stop=tuple(sampling.get("stop") or ()),
             seed=sampling.get("seed"),
+            regex=sampling.get("regex") or "",
         )
         action = await self.loop.generate(context, params, seg.ep)
         if isinstance(action, str):

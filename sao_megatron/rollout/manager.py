@@ -182,6 +182,8 @@ class RolloutManager:
         if not loops:
             raise ValueError("RolloutManager needs at least one engine (AgentLoop)")
         self.loops = loops
+        self.gateway = getattr(loops[0], "gateway", None)
+        """The loops' OpenAI-compatible gateway (``rollout.env=openai_agent``), for its metrics; or None."""
         self.task = task
         self.env_name = env_name
         self.env_kwargs = env_kwargs or {}
@@ -246,7 +248,8 @@ class RolloutManager:
         retries = [0]  # shared with the turn-level reroute of _attempt
         while True:
             i = await self._pick_loop()
-            traj = await self._attempt(sub, i, retries)
+            segments = await self._attempt(sub, i, retries)  # several: a gateway session's segments
+            traj = segments[-1]
             loop = self.loops[self._engine_index(traj, i)]
             if not engine_failure(traj):
                 break
@@ -255,24 +258,27 @@ class RolloutManager:
                 break
             retries[0] += 1
             self.engines.episode_retries += 1
-        traj.group_id = sub.group_id
-        traj.reward_details = {**traj.reward_details, "group_index": sub.group_index}
-        self.stats.finished += 1
-        self.stats.failed += traj.status == "failed"
-        self.stats.generated_tokens += traj.num_action_tokens
-        self.stats.per_engine[loop.engine_name] = self.stats.per_engine.get(loop.engine_name, 0) + 1
-        self._count_failure(traj)
         self._handed.add(sub)  # from here a checkpoint holds it as finished, never as one to re-run
-        self.on_finished(traj)
+        for k, traj in enumerate(segments):
+            # a later segment of a gateway session is a trajectory of its own for the buffer (same prompt id)
+            traj.group_id = sub.group_id if k == 0 else f"{sub.group_id}/segment{k}"
+            traj.reward_details = {**traj.reward_details, "group_index": sub.group_index}
+            self.stats.finished += 1
+            self.stats.failed += traj.status == "failed"
+            self.stats.generated_tokens += traj.num_action_tokens
+            self.stats.per_engine[loop.engine_name] = self.stats.per_engine.get(loop.engine_name, 0) + 1
+            self._count_failure(traj)
+            self.on_finished(traj)
 
     def _engine_index(self, traj: Trajectory, default: int) -> int:
         """The loop whose engine ran the episode's last turn (it may have moved: ``retry_from="turn"``)."""
         names = [loop.engine_name for loop in self.loops]
         return names.index(traj.engine) if traj.engine in names else default
 
-    async def _attempt(self, sub: Submission, i: int, retries: list[int]) -> Trajectory:
+    async def _attempt(self, sub: Submission, i: int, retries: list[int]) -> list[Trajectory]:
         """One run of ``sub`` from scratch (its own environment), starting on loop ``i``; with
-        ``retry_from="turn"`` an engine failure moves it to another engine, mid-episode."""
+        ``retry_from="turn"`` an engine failure moves it to another engine, mid-episode. One
+        trajectory, or one per segment of an episode a user's agent drove through the gateway."""
 
         async def reroute(reason: str) -> AgentLoop | None:
             nonlocal i
@@ -293,12 +299,16 @@ class RolloutManager:
                 if sub.group_index:
                     sample = self.task.member(sample, sub.group_index)
             except Exception as err:  # a bad record must not stop the run: a failed episode
-                return _failed(sub, f"task: {type(err).__name__}: {err}")
+                return [_failed(sub, f"task: {type(err).__name__}: {err}")]
             try:
                 env = await self.env_factory()
             except Exception as err:
-                return _failed(sub, environment_failure(err), sample.prompt_id)
-            return await self.loops[i].run(
+                return [_failed(sub, environment_failure(err), sample.prompt_id)]
+            if getattr(env, "external_agent", False):
+                return await self.loops[i].run_segments(
+                    env, sample, split=sub.split, index=sub.index, submitted_at=sub.submitted_at
+                )
+            traj = await self.loops[i].run(
                 env,
                 sample,
                 split=sub.split,
@@ -306,6 +316,7 @@ class RolloutManager:
                 submitted_at=sub.submitted_at,
                 **({"reroute": reroute} if self.retry_from == "turn" else {}),
             )
+            return [traj]
         finally:
             self._busy(i, -1)
 

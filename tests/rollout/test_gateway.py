@@ -263,3 +263,38 @@ def test_parallel_native_calls_under_the_qwen3_template(qwen3_tokenizer_dir):
         [{"content": "", **m} for m in messages], tools=[CALCULATOR], tokenize=True, return_dict=False
     )
     assert traj.prompt_ids + traj.response_ids + tok.encode("\n") == list(whole)
+
+
+async def _rewriting_agent(task: str, base_url: str, api_key: str) -> float:
+    api = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await api.chat.completions.create(model=MODEL, messages=user(task), tools=[CALCULATOR])
+    await api.chat.completions.create(model=MODEL, messages=user("Compacted: " + task), tools=[CALCULATOR])
+    return 1.0
+
+
+def test_the_manager_hands_on_every_segment_of_a_session():
+    from sao_megatron.buffer import ReadyBuffer
+    from sao_megatron.envs.openai_agent import AgentTask
+    from sao_megatron.rollout.manager import RolloutManager
+
+    gateway = Gateway(GatewayConfig(), OpenAIAgentConfig(entry_point=f"{__name__}:_rewriting_agent"))
+    loop = scripted_loop([TOOL_THEN_ANSWER[0], TOOL_THEN_ANSWER[1]])
+    loop.gateway = gateway
+    got = []
+
+    async def go():
+        manager = RolloutManager([loop], AgentTask(), "openai_agent", got.append, max_concurrent=1)
+        try:
+            await manager.run(asyncio.Event(), max_prompts=1)
+            await manager.drain()
+        finally:
+            await gateway.close()
+        return manager
+
+    manager = asyncio.run(go())
+    assert [t.reward_details["segment"] for t in got] == [0, 1] and manager.stats.finished == 2
+    assert [t.group_id for t in got] == ["train:0", "train:0/segment1"] and all(t.reward == 1.0 for t in got)
+    buffer = ReadyBuffer(batch_size=1, max_policy_lag=None)
+    assert all(buffer.admit(t, 0) for t in got)
+    assert buffer.take() == [got[0]] and buffer.take() == [got[1]]  # one prompt per batch: the segments in turn
+    assert manager.gateway is gateway and gateway.metrics()["gateway/segments_per_session"] == 2.0
