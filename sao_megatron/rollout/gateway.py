@@ -178,8 +178,13 @@ class Gateway:
                     reward, correct, details = result.reward, result.correct, dict(result.details)
                 if not math.isfinite(reward):
                     status, reason = "failed", f"reward: non-finite reward {reward}"
+                elif session.truncated:
+                    status, reason = "truncated", session.truncated
         except AgentError as err:
-            status, reason = "failed", f"agent: {err}"
+            if session.truncated:  # the agent gave up on a refused request: cut at the budget, as the agent loop's
+                status, reason, correct, details = "truncated", session.truncated, False, {"agent_error": str(err)}
+            else:
+                status, reason = "failed", f"agent: {err}"
         except Exception as err:  # the env's reset or reward function: a failed episode, never a failed run
             status, reason = "failed", f"environment: {type(err).__name__}: {err}"
         finally:
@@ -288,6 +293,10 @@ class Gateway:
                 session.engine_error = str(err)
             failure = RequestError(502, f"the engine failed: {err}", "engine_error", kind="server_error")
             return web.json_response(failure.to_json(), status=502)
+        except Exception as err:  # a bug here: the agent still gets the OpenAI error shape
+            log.exception("gateway: a chat completion failed")
+            failure = RequestError(500, f"{type(err).__name__}: {err}", "internal_error", kind="server_error")
+            return web.json_response(failure.to_json(), status=500)
         completion_id = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
         usage = {

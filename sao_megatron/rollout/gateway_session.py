@@ -150,6 +150,9 @@ class GatewaySession:
         """One request at a time: a session is one sequence."""
         self.engine_error = ""
         """The last engine failure a request met (the episode then fails as an engine failure)."""
+        self.truncated = ""
+        """Why a request was refused for the token budget (the episode then ends truncated, as the agent
+        loop's do at its limits, whatever the agent does next)."""
 
     # -- token bookkeeping ----------------------------------------------------------------------
     def _template_message(self, message: dict, tool_format: str) -> dict:
@@ -208,13 +211,15 @@ class GatewaySession:
         context = seg.context
         room = min(cfg.max_context_tokens - len(context), cfg.max_response_tokens - len(seg.ep.response_ids))
         if room <= 0:
-            raise RequestError(
+            error = RequestError(
                 400,
                 f"the conversation is {len(context)} tokens, beyond rollout.loop.max_context_tokens="
                 f"{cfg.max_context_tokens} (or the segment's max_response_tokens={cfg.max_response_tokens})",
                 "context_length_exceeded",
                 "messages",
             )
+            self.truncated = f"token budget exhausted: {error.message}"
+            raise error
         asked = sampling.get("max_tokens") or cfg.max_new_tokens
         params = SamplingParams(
             max_new_tokens=min(asked, room),
@@ -287,7 +292,7 @@ class GatewaySession:
         for k, seg in enumerate(segments):
             ep = seg.ep
             end = max(i for i, m in enumerate(ep.action_mask) if m) + 1
-            end_cause: EndCause = "failed" if status == "failed" else "done"
+            end_cause: EndCause = "failed" if status == "failed" else ("context" if status == "truncated" else "done")
             routes, missing = ep.trajectory_routes(self.loop.routes, len(seg.prompt_ids) + end)
             out.append(
                 Trajectory(

@@ -14,6 +14,7 @@ import json
 import openai
 import pytest
 
+from sao_megatron.config import AgentLoopConfig
 from sao_megatron.config.schema import GatewayConfig, OpenAIAgentConfig
 from sao_megatron.envs import make_env
 from sao_megatron.rollout.gateway import Gateway
@@ -298,3 +299,23 @@ def test_the_manager_hands_on_every_segment_of_a_session():
     assert all(buffer.admit(t, 0) for t in got)
     assert buffer.take() == [got[0]] and buffer.take() == [got[1]]  # one prompt per batch: the segments in turn
     assert manager.gateway is gateway and gateway.metrics()["gateway/segments_per_session"] == 2.0
+
+
+def test_an_agent_stopped_by_the_context_budget_is_a_truncated_episode():
+    """Its second request does not fit ``max_context_tokens``: 400 to the agent, which raises; the
+    episode ends truncated with the action it generated (the observation after it is cut)."""
+    prompt = len(load_tokenizer().apply_chat_template(user(), tokenize=True, return_dict=False))
+    gateway = Gateway(GatewayConfig(), OpenAIAgentConfig(entry_point=f"{__name__}:_arith_agent"))
+    loop = scripted_loop(TOOL_THEN_ANSWER, cfg=AgentLoopConfig(max_context_tokens=prompt + 6 + 3))
+    loop.gateway = gateway
+
+    async def go():
+        try:
+            return await loop.run_segments(make_env("openai_agent"), SAMPLE)
+        finally:
+            await gateway.close()
+
+    [traj] = asyncio.run(go())
+    assert (traj.status, traj.stats.end, traj.reward, traj.correct) == ("truncated", "context", 0.0, False)
+    assert traj.status_reason.startswith("token budget exhausted: the conversation is") and traj.action_mask == [1] * 6
+    assert "BadRequestError" in traj.reward_details["agent_error"] and gateway.counts.failed == 0
