@@ -80,6 +80,9 @@ class Session:
     :meth:`start_rollouts` ran; None: environments run in this process."""
     sync_recoveries: int = 0
     """Failed weight syncs recovered by restarting engines and syncing again (``sync/recovered``)."""
+    gateway: Gateway | None = None
+    """The OpenAI-compatible gateway the episodes of ``rollout.env=openai_agent`` run through (one per
+    run, made in ``__init__``); None for every other environment."""
 
     def __init__(self, cfg: SAOConfig, run_dir: Path, actor: ActorGroup, state: RunState):
         self.cfg = cfg
@@ -95,8 +98,8 @@ class Session:
         """Set when the engines were launched with the roles (:meth:`start`): done once all are healthy."""
         self.clients: list[EngineClient] = []
         self.loops: list[AgentLoop] = []
-        self.gateway = Gateway(cfg.rollout.gateway, cfg.rollout.agent) if cfg.rollout.env == "openai_agent" else None
-        """The OpenAI-compatible gateway the episodes of ``rollout.env=openai_agent`` run through (one per run)."""
+        if cfg.rollout.env == "openai_agent":
+            self.gateway = Gateway(cfg.rollout.gateway, cfg.rollout.agent)
         self.sync_address: str | list[str] = "127.0.0.1"
         self.engine_states = EngineStates(0)
         """Which engines take episodes, and the engine-fault counters (set by :meth:`start_rollouts`)."""

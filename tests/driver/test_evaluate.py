@@ -33,7 +33,7 @@ class ScriptedEvalLoop:
     calls: list[tuple[float, int, str]] = []
     seen: Counter = Counter()
 
-    def __init__(self, client, tokenizer, loop_cfg, engine_name: str = "", update_policy: str = "retract") -> None:
+    def __init__(self, client, tokenizer, loop_cfg, engine_name="", update_policy="retract", gateway=None) -> None:
         self.temperature = loop_cfg.temperature
 
     async def run(self, env, sample, split="train", index=-1, submitted_at=None) -> Result:
