@@ -159,19 +159,22 @@ def _raising_agent(task: str, base_url: str, api_key: str) -> None:
     raise ValueError(f"the agent broke on {task!r}")
 
 
-def episode(entry: str, actions=TOOL_THEN_ANSWER, timeout_s: float = 60.0, sample=SAMPLE):
-    """One ``openai_agent`` episode through the agent loop; its trajectories and the gateway."""
-    gateway = Gateway(GatewayConfig(session_timeout_s=timeout_s), OpenAIAgentConfig(entry_point=f"{__name__}:{entry}"))
-    loop = scripted_loop(actions)
+def episode(agent: str | OpenAIAgentConfig, actions=TOOL_THEN_ANSWER, timeout_s: float = 60.0, cfg=None):
+    """One ``openai_agent`` episode through the agent loop (``agent``: a function of this module, or the
+    agent's config); its trajectories, the gateway and the scripted loop."""
+    if isinstance(agent, str):
+        agent = OpenAIAgentConfig(entry_point=f"{__name__}:{agent}")
+    gateway = Gateway(GatewayConfig(session_timeout_s=timeout_s), agent)
+    loop = scripted_loop(actions, cfg=cfg)
     loop.gateway = gateway
 
     async def go():
         try:
-            return await loop.run_segments(make_env("openai_agent"), sample)
+            return await loop.run_segments(make_env("openai_agent"), SAMPLE)
         finally:
             await gateway.close()
 
-    return asyncio.run(go()), gateway
+    return asyncio.run(go()), gateway, loop
 
 
 @pytest.mark.parametrize(
@@ -183,14 +186,14 @@ def episode(entry: str, actions=TOOL_THEN_ANSWER, timeout_s: float = 60.0, sampl
     ],
 )
 def test_the_reward_comes_from_the_agent_else_the_session_else_the_task(entry, reward, correct, details):
-    [traj], gateway = episode(entry)
+    [traj], gateway, _ = episode(entry)
     assert (traj.status, traj.reward, traj.correct) == ("finished", reward, correct), traj.status_reason
     assert details is None or details in traj.reward_details
     assert gateway.counts.finished == 1 and gateway.counts.segments == 1 and not gateway.sessions
 
 
 def test_a_session_past_its_timeout_is_dropped_and_counted():
-    [traj], gateway = episode("_sleeping_agent", timeout_s=0.2)
+    [traj], gateway, _ = episode("_sleeping_agent", timeout_s=0.2)
     assert traj.status == "failed" and traj.status_reason.startswith("gateway: session timed out after 0.2s")
     assert (gateway.counts.dropped, gateway.counts.finished, gateway.metrics()["gateway/sessions_dropped"]) == (
         1,
@@ -200,7 +203,7 @@ def test_a_session_past_its_timeout_is_dropped_and_counted():
 
 
 def test_an_agent_that_raises_is_a_failed_episode():
-    [traj], gateway = episode("_raising_agent")
+    [traj], gateway, _ = episode("_raising_agent")
     assert traj.status == "failed" and traj.status_reason == "agent: ValueError: the agent broke on 'What is 2+3?'"
     assert gateway.counts.failed == 1 and not traj.response_ids
 
@@ -216,17 +219,7 @@ def test_a_command_agent_gets_the_task_on_stdin_and_the_session_in_its_environme
     )
     import sys
 
-    gateway = Gateway(GatewayConfig(), OpenAIAgentConfig(command=[sys.executable, str(script)]))
-    loop = scripted_loop(["<answer>5</answer><|end|>"])
-    loop.gateway = gateway
-
-    async def go():
-        try:
-            return await loop.run_segments(make_env("openai_agent"), SAMPLE)
-        finally:
-            await gateway.close()
-
-    [traj] = asyncio.run(go())
+    [traj], _, loop = episode(OpenAIAgentConfig(command=[sys.executable, str(script)]), ["<answer>5</answer><|end|>"])
     assert (traj.status, traj.reward, traj.correct) == ("finished", 1.0, True), traj.status_reason
     assert loop.client.inputs[0] == load_tokenizer().apply_chat_template(user(), tokenize=True, return_dict=False)  # type: ignore[attr-defined]
 
@@ -305,17 +298,17 @@ def test_an_agent_stopped_by_the_context_budget_is_a_truncated_episode():
     """Its second request does not fit ``max_context_tokens``: 400 to the agent, which raises; the
     episode ends truncated with the action it generated (the observation after it is cut)."""
     prompt = len(load_tokenizer().apply_chat_template(user(), tokenize=True, return_dict=False))
-    gateway = Gateway(GatewayConfig(), OpenAIAgentConfig(entry_point=f"{__name__}:_arith_agent"))
-    loop = scripted_loop(TOOL_THEN_ANSWER, cfg=AgentLoopConfig(max_context_tokens=prompt + 6 + 3))
-    loop.gateway = gateway
-
-    async def go():
-        try:
-            return await loop.run_segments(make_env("openai_agent"), SAMPLE)
-        finally:
-            await gateway.close()
-
-    [traj] = asyncio.run(go())
+    [traj], gateway, _ = episode("_arith_agent", cfg=AgentLoopConfig(max_context_tokens=prompt + 6 + 3))
     assert (traj.status, traj.stats.end, traj.reward, traj.correct) == ("truncated", "context", 0.0, False)
     assert traj.status_reason.startswith("token budget exhausted: the conversation is") and traj.action_mask == [1] * 6
     assert "BadRequestError" in traj.reward_details["agent_error"] and gateway.counts.failed == 0
+
+
+def test_the_example_agent_solves_a_task_through_the_gateway():
+    """examples/arith_agent.py (only the openai client): lists the model, calls the calculator the model
+    asks for, sends its result, stops at the answer; the task's grader rewards it."""
+    [traj], _, _ = episode(OpenAIAgentConfig(entry_point="examples/arith_agent.py:run"))
+    assert (traj.status, traj.reward, traj.correct, traj.num_turns) == ("finished", 1.0, True, 2), traj.status_reason
+    assert (
+        load_tokenizer().decode(traj.response_ids[traj.turns[0].end : traj.turns[1].start]) == "<|tool|>5<|assistant|>"
+    )
