@@ -12,13 +12,15 @@ logged as ``time/sync_pause_s``).
 
     .venv/bin/python benchmarks/bench_weight_sync.py [--quick] [--rounds 5] [--bucket-mb 64]
 
-``--actor-pp 1 2``: the same through the real actor instead (``ActorWorker.sync_weights`` in a
-2-rank Megatron world built from the checkpoint's config, random weights): at PP=2 each stage's
-sender gathers and broadcasts its own buckets over its own group while rank 0 posts the engine's
-requests in the global order; at PP=1 (DP=2) rank 0 is the one sender. The raw side is the same
-senders broadcasting the same gathered buckets (in the sync's wire format) over same-size groups
-to one plain receiver that takes them in the same global order, so the ratio is what the
-protocol, the gathers and the engine's load keep of those groups' bandwidth.
+``--actor-layout dp2 pp2 ep2``: the same through the real actor instead (``ActorWorker.sync_weights``
+in a 2-rank Megatron world built from the checkpoint's config, random weights, the actor's own
+``rollout.weight_sync_senders``): at PP=2 each stage's sender gathers and broadcasts its own buckets
+over its own group, at EP=2 each EP rank sends its own experts and half the dense tensors (two
+senders in one stage), while rank 0 posts the engine's requests in the global order; at DP=2 rank 0
+is the one sender. The raw side is the same senders broadcasting the same gathered buckets (in the
+sync's wire format) over same-size groups to one plain receiver that takes them in the same global
+order, so the ratio is what the protocol, the gathers and the engine's load keep of those groups'
+bandwidth. (``--actor-pp 1 2`` is ``--actor-layout dp2 pp2``.)
 
 ``--engine-tp 1 2``: one sender (``WeightSync.update``, per tensor) to an engine of each of these
 tensor-parallel sizes, all started at once and measured round by round side by side; each against a
@@ -224,7 +226,7 @@ def _calls_line(xs: list[dict]) -> str:
     )
 
 
-def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, rounds: int) -> list[dict]:
+def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, rounds: int, tag: str) -> list[dict]:
     """One rank of the actor's world: per round, the raw broadcast of its (pre-gathered) stage's
     buckets, then a real ``sync_weights``; rank 0 returns the figures."""
     from sao_megatron.models.hf_weights import HFWeightStream
@@ -233,13 +235,14 @@ def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, r
     worker = ActorWorker(ActorRankConfig.of(cfg))
     bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
     gather_group = cast(dist.ProcessGroup, dist.new_group())  # every rank is a member
-    stream = HFWeightStream(worker.role.module, cfg.model, per_stage=True, group=gather_group)
+    per_stage = max(1, cfg.rollout.weight_sync_senders // cfg.actor.parallel.pipeline_parallel)
+    stream = HFWeightStream(worker.role.module, cfg.model, senders=per_stage, group=gather_group)
     plan = stream.bucket_plan(bucket_bytes)
     flat = resolve_flat(cfg.rollout.weight_sync_flat, "gloo")  # as the actor resolves it on CPU
     mine = [[_flat(b)] if flat else [t.contiguous() for _, t in b] for b in stream.buckets(bucket_bytes) if b]
     store = join_store("127.0.0.1", store_port, 1 + len(plan))
     raw = None
-    if rank == stream.sender:
+    if stream.lane is not None:
         if rank == 0:  # per stage, bucket, broadcast: its byte count, or its shape and dtype
             shapes = [
                 [
@@ -249,7 +252,7 @@ def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, r
                 for stage in plan
             ]
             store.set("plan", json.dumps({"flat": flat, "shapes": shapes}))
-        raw = new_group("gloo", store, 2, 0, f"raw{len(plan)}_{stream.stage}")
+        raw = new_group("gloo", store, 2, 0, f"raw_{tag}_{stream.lane}")
     total = sum(t.nbytes for stage in plan for b in stage for t in b)
     out = []
     for r in range(rounds):
@@ -280,13 +283,13 @@ def _actor_ranks(rank: int, world: int, cfg, engine_url: str, store_port: int, r
     return out
 
 
-def _raw_receiver(store, rounds: int) -> None:
+def _raw_receiver(store, rounds: int, tag: str) -> None:
     """The raw side's one receiver: joins every sender's group, takes their buckets in the global order."""
     from sao_megatron.weight_sync import sync_order
 
     plan = json.loads(store.get("plan"))
     shapes = plan["shapes"]
-    groups = [new_group("gloo", store, 2, 1, f"raw{len(shapes)}_{s}") for s in range(len(shapes))]
+    groups = [new_group("gloo", store, 2, 1, f"raw_{tag}_{s}") for s in range(len(shapes))]
     for _ in range(rounds):
         for s, k in sync_order([len(stage) for stage in shapes]):
             for piece in shapes[s][k]:
@@ -298,33 +301,42 @@ def _raw_receiver(store, rounds: int) -> None:
                 dist.broadcast(buf, src=0, group=groups[s])
 
 
+ACTOR_LAYOUTS = {"dp2": [], "pp2": ["actor.parallel.pipeline_parallel=2"], "ep2": ["actor.parallel.expert_parallel=2"]}
+"""The 2-rank actor layouts ``--actor-layout`` measures: one sender, one per stage, two in one stage."""
+
+
 def actor_main(args, model: Path, engine_url: str, rounds: int) -> dict:
     import threading
 
     from sao_megatron.config import load_config
     from sao_megatron.config.hf import model_config_from_hf, read_hf_config
+    from sao_megatron.plan.sync_traffic import senders_per_stage
     from sao_megatron.spawn import run_world
 
     results = {}
-    for pp in args.actor_pp:
+    for layout in args.actor_layout:
         cfg = load_config(
             None,
             [
                 "actor.parallel.world_size=2",
-                f"actor.parallel.pipeline_parallel={pp}",
+                *ACTOR_LAYOUTS[layout],
                 f"rollout.weight_sync_bucket_mb={args.bucket_mb}",
                 "rollout.dtype=float32",
                 f"rollout.weight_sync_flat={str(args.flat).lower()}",
             ],
         )
         cfg.model = model_config_from_hf(read_hf_config(model))
-        store = open_store("127.0.0.1", 1 + pp)
-        receiver = threading.Thread(target=_raw_receiver, args=(store, rounds), daemon=True)
+        p = cfg.actor.parallel
+        lanes = senders_per_stage(p, cfg.rollout.weight_sync_senders) * p.pipeline_parallel
+        store = open_store("127.0.0.1", 1 + lanes)
+        receiver = threading.Thread(target=_raw_receiver, args=(store, rounds, layout), daemon=True)
         receiver.start()
-        rows = run_world(_actor_ranks, 2, cfg, engine_url, store.port, rounds, backend="gloo", timeout_s=1800)[0]
+        rows = run_world(_actor_ranks, 2, cfg, engine_url, store.port, rounds, layout, backend="gloo", timeout_s=1800)[
+            0
+        ]
         receiver.join(timeout=60)
         ratio = statistics.median(x["sync_gb_per_s"] / x["raw_gb_per_s"] for x in rows)
-        results[f"pp{pp}"] = {
+        results[layout] = {
             "senders": rows[0]["senders"],
             "buckets": rows[0]["buckets"],
             "rounds": rounds,
@@ -334,9 +346,9 @@ def actor_main(args, model: Path, engine_url: str, rounds: int) -> dict:
             "sync_over_raw": ratio,
             "pause_s": statistics.median(x["pause_s"] for x in rows),
         }
-        x = results[f"pp{pp}"]
+        x = results[layout]
         print(
-            f"PP={pp} ({x['senders']:.0f} sender(s), buckets {x['buckets']}): median sync / raw = {ratio:.2f} "
+            f"{layout} ({x['senders']:.0f} sender(s), buckets {x['buckets']}): median sync / raw = {ratio:.2f} "
             f"({x['sync_gb_per_s']:.3f} / {x['raw_gb_per_s']:.3f} GB/s), pause {x['pause_s']:.3f} s",
             flush=True,
         )
@@ -348,14 +360,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a ~40 MB model, 2 rounds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=64)
-    ap.add_argument("--flat", action="store_true", help="with --actor-pp: rollout.weight_sync_flat=true")
+    ap.add_argument("--flat", action="store_true", help="with --actor-layout: rollout.weight_sync_flat=true")
     ap.add_argument(
-        "--actor-pp",
-        type=int,
+        "--actor-layout",
         nargs="*",
         default=[],
-        help="measure through the real actor (2 ranks) at these pipeline sizes (1 and/or 2)",
+        choices=sorted(ACTOR_LAYOUTS),
+        help="measure through the real actor (2 ranks) at these layouts",
     )
+    ap.add_argument("--actor-pp", type=int, nargs="*", default=[], help="--actor-layout dp2 (1) / pp2 (2)")
     ap.add_argument(
         "--engine-tp",
         type=int,
@@ -364,6 +377,7 @@ def main() -> None:
         help="one sender, per tensor, to an engine of each of these tensor-parallel sizes, side by side",
     )
     args = ap.parse_args()
+    args.actor_layout += [{1: "dp2", 2: "pp2"}[pp] for pp in args.actor_pp]
     shape = (2, 256, 8, 512) if args.quick else (4, 512, 16, 640)
     rounds = 2 if args.quick else args.rounds
     tokenizer = load_tokenizer()
@@ -389,7 +403,7 @@ def main() -> None:
             env={"OMP_NUM_THREADS": "1"},
         )
         with EngineProcess(spec) as engine:
-            if args.actor_pp:
+            if args.actor_layout:
                 summary = actor_main(args, model, engine.url, rounds)
                 print(json.dumps(summary))
                 return

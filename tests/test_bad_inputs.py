@@ -294,6 +294,8 @@ CASES: list[tuple[str, Build, str]] = [
      r"^rollout\.weight_sync_bucket_mb=0 must be >= 1 \(MiB\), e\.g\. 1024$"),
     ("zero-sync-timeout", _overrides("rollout.weight_sync_timeout_s=0"),
      r"^rollout\.weight_sync_timeout_s=0\.0 must be > 0 \(seconds\), e\.g\. 120$"),
+    ("zero-sync-senders", _overrides("rollout.weight_sync_senders=0"),
+     r"^rollout\.weight_sync_senders=0 must be >= 1, e\.g\. 8$"),
     ("bad-update-policy", _overrides("rollout.update_policy=keep"),
      r"^override 'rollout\.update_policy=keep': rollout\.update_policy: 'keep' is not one of 'retract', 'in_place', "
      r"'abort'$"),

@@ -38,6 +38,8 @@ class ActorRankConfig:
     """``rollout.weight_sync_bucket_mb``."""
     sync_timeout_s: float
     """``rollout.weight_sync_timeout_s``."""
+    sync_senders: int
+    """``rollout.weight_sync_senders``."""
     seed: int
     """``run.seed``."""
     backend: Backend = "auto"
@@ -65,6 +67,7 @@ class ActorRankConfig:
             sync_flat=r.weight_sync_flat,
             sync_bucket_mb=r.weight_sync_bucket_mb,
             sync_timeout_s=r.weight_sync_timeout_s,
+            sync_senders=r.weight_sync_senders,
             seed=cfg.run.seed,
             backend=cfg.run.backend,
             export_timeout_s=cfg.run.export_timeout_s,

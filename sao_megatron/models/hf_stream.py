@@ -4,11 +4,14 @@
 *writer*) and from which ranks its TP shards come, then moves them bucket by bucket:
 
 - one writer (``dst``): every tensor goes to global rank ``dst`` (``iter_hf_weights``);
-- one writer per pipeline stage (``per_stage``, the parallel weight sync): the stage's lowest
-  global rank; stages run independently of each other;
+- one writer per pipeline stage (``per_stage``): the stage's lowest global rank; stages run
+  independently of each other;
 - many writers (``spread``, the HF export): every tensor is written by one of the ranks that
   hold a shard of it, the least loaded so far; its other TP shards come from that rank's own
   TP group. With TP = 1 (PP / EP / DP layouts) nothing moves between ranks at all.
+- several senders per pipeline stage, gathering by collectives (``senders=n``, the weight sync):
+  see :class:`_FanOut`. No point-to-point operation and no acknowledgement: each gather is one
+  ``dist.gather`` over a small process group of its own (one communicator each, reused).
 
 The schedule is a list of *steps*, one per bucket of a writer (a writer's k-th bucket of at most
 ``bucket_bytes``; tensors an engine fuses on load, :data:`_ENGINE_FUSED`, share one), ordered
@@ -25,14 +28,21 @@ reading it on the host (``.item()``), which waits for the transfer itself, not o
 Deadlock-free: a rank waits only for (a) acknowledgements of earlier steps, whose writers have
 passed them, since every rank passed them; (b) the shards of its own current step, whose senders
 reach that step by (a). Collectives of the stream's group are the caller's (none inside).
+
+The fan-out walks its stage's steps the same way, ``(k, writer)``, each rank joining the gathers of
+the groups it belongs to: the members of a group post its collectives in one order, and each gather
+waits only for members that passed every earlier step. A consumer that holds a writer's bucket back
+(the weight sync until its coordinator releases it) must release the buckets in the steps' order:
+``weight_sync.sync_order`` interleaves the senders of a stage exactly so.
 """
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -40,18 +50,19 @@ import torch.distributed as dist
 from sao_megatron.config import ModelConfig
 from sao_megatron.models import hf_bridge as bridge
 from sao_megatron.models import hf_io, layout
+from sao_megatron.models.hf_fanout import _FanOut, _Gather, _Unit, _unit_buckets
 from sao_megatron.models.hf_io import TensorSpec
+from sao_megatron.models.hf_plan import (  # noqa: F401  (_buckets, _Item: the planners' names, read by tests)
+    _TP,
+    _buckets,
+    _Item,
+    _load_unit,
+    _local_shape,
+    _order_key,
+)
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_INFLIGHT_BYTES = 2 * DEFAULT_BUCKET_BYTES
-
-
-@dataclass(frozen=True)
-class _TP:
-    size: int
-    rank: int
-    dim: int | None
-    glu: bool
 
 
 def _tp(param: torch.Tensor, local_name: str) -> tuple[_TP, tuple[int, ...]]:
@@ -64,105 +75,14 @@ def _tp(param: torch.Tensor, local_name: str) -> tuple[_TP, tuple[int, ...]]:
     return _TP(size, rank, dim if size > 1 else None, layout.is_glu_fc1(local_name) and dim == 0), ranks
 
 
-def _local_shape(full: tuple[int, ...], tp: _TP) -> tuple[int, ...]:
-    if tp.dim is None:
-        return full
-    return tuple(s // tp.size if d == tp.dim else s for d, s in enumerate(full))
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One Megatron full-layout tensor and where its TP shards live (global ranks)."""
-
-    name: str
-    full_shape: tuple[int, ...]
-    dtype: torch.dtype
-    tp: _TP  # size, dim and glu; rank unused
-    sources: tuple[tuple[int, tuple[int, ...]], ...]  # per TP rank: (global rank, local shape)
-    dst: int  # the global rank that receives it whole (its writer)
-    stage: int  # the pipeline stage that holds it (0 when not gathered per stage)
-
-    @property
-    def nbytes(self) -> int:
-        return hf_io._numel(self.full_shape) * self.dtype.itemsize
-
-
 @dataclass(frozen=True)
 class _Step:
     """One bucket of one writer: the unit of the schedule and of acknowledgements."""
 
     writer: int
     items: tuple[_Item, ...]
-
-
-_ENGINE_FUSED = {"self_attention.linear_kv_down_proj.weight": "self_attention.linear_q_down_proj.weight"}
-"""Megatron per-layer tensors an engine fuses on load, each to the set's lead tensor: they travel
-next to each other and in one bucket (:func:`_load_unit`). Each bucket of a weight sync is one
-``/update_weights_from_distributed``, i.e. one ``load_weights`` call of SGLang's model class, and a
-loader that holds a tensor until its partner arrives in the same call drops it otherwise, leaving
-the engine's previous (at start, ``--load-format dummy``: random) weights. SGLang's loaders, read
-for every family we sync (sglang 0.5.x as installed):
-
-- DeepSeek-V3 / Kimi-K2 (``deepseek_common/deepseek_weight_loader.py``): ``q_a_proj`` and
-  ``kv_a_proj_with_mqa`` (Megatron ``linear_q_down_proj``, ``linear_kv_down_proj``) are cached in a
-  dict of the call (``cached_a_proj``) and written as ``fused_qkv_a_proj_with_mqa`` only once both
-  are there (whenever ``q_lora_rank`` is set). The set listed here. (Its other per-call cache,
-  ``pending_indexer_wk``, is DeepSeek-V3.2's indexer, a model we do not map.)
-- Qwen3-MoE (``qwen3_moe.py``), Mixtral (``mixtral.py``), GLM-4.5 (``glm4_moe.py``): none. Their
-  fused parameters (``qkv_proj``, ``gate_up_proj``, the experts' ``w13_weight`` / ``w2_weight``) are
-  written shard by shard as each HF tensor arrives (``weight_loader(param, w, shard_id)``), in any
-  call. DeepSeek's experts and shared experts load the same way; its ``post_load_weights`` splits
-  ``kv_b_proj`` into ``w_kc`` / ``w_vc`` for the layers whose ``kv_b_proj`` came in that call, one
-  tensor.
-"""
-
-
-def _load_unit(name: str) -> str:
-    """The Megatron tensor whose place and bucket ``name`` shares: its fused set's lead, else itself."""
-    for member, lead in _ENGINE_FUSED.items():
-        if name.endswith("." + member):
-            return name.removesuffix(member) + lead
-    return name
-
-
-def _natural(name: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def _order_key(name: str):
-    """Embedding, layers in order, final norm, output layer; a fused set's members next to its lead."""
-    unit = _load_unit(name)
-    group = (
-        0
-        if unit.startswith("embedding.")
-        else 2
-        if unit.startswith("decoder.final")
-        else 3
-        if unit.startswith("output_layer")
-        else 1
-    )
-    return group, _natural(unit), _natural(name)
-
-
-def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
-    """Consecutive groups of at most ``bucket_bytes``, never splitting a run of one load unit
-    (:func:`_load_unit`); a larger unit goes alone."""
-    units: list[list[_Item]] = []
-    for item in items:
-        if units and _load_unit(item.name) == _load_unit(units[-1][-1].name):
-            units[-1].append(item)
-        else:
-            units.append([item])
-    groups: list[list[_Item]] = []
-    size = 0
-    for unit in units:
-        nbytes = sum(item.nbytes for item in unit)
-        if not groups or (groups[-1] and size + nbytes > bucket_bytes):
-            groups.append([])
-            size = 0
-        groups[-1].extend(unit)
-        size += nbytes
-    return groups
+    units: tuple[_Unit, ...] = ()
+    """Fan-out streams: the bucket's units (their items, in order, are ``items``)."""
 
 
 class _SendWindow:
@@ -210,6 +130,11 @@ class HFWeightStream:
     process group the point-to-point transfers use (all ranks, global ranks; default the default
     group), so that they can run in a thread of their own while the caller uses the default group.
     ``inflight_bytes``: a sender's unacknowledged bytes before it waits (one step always goes).
+
+    ``senders``: per stage at most that many senders gathering by collectives (:class:`_FanOut`; the
+    weight sync); :attr:`senders` then lists every stage's, stage by stage, ascending, and
+    :meth:`bucket_plan` has one entry per sender (a *lane*). ``feed_groups``: the process groups of
+    earlier streams by member ranks, reused and filled (created with ``feed_timeout_s``).
     """
 
     def __init__(
@@ -223,9 +148,13 @@ class HFWeightStream:
         *,
         spread: bool = False,
         inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+        senders: int = 0,
+        feed_groups: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
+        feed_timeout_s: float = 600.0,
     ):
-        if per_stage and spread:
-            raise ValueError("HFWeightStream: per_stage and spread exclude each other")
+        if sum((per_stage, spread, senders > 0)) > 1:
+            raise ValueError("HFWeightStream: per_stage, spread and senders exclude each other")
+        per_stage = per_stage or senders > 0
         self.model, self.m, self.dst, self.rank = model, m, dst, dist.get_rank()
         self.group, self.spread, self.inflight_bytes = group, spread, inflight_bytes
         self._params: dict[tuple[str, int], torch.Tensor] = {}
@@ -241,22 +170,55 @@ class HFWeightStream:
         self.device = params[0].device if params else torch.device("cpu")  # NCCL moves GPU tensors
         stage = layout.pipeline_rank() if per_stage else 0
         everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (stage, meta), group=group)
-        stages = [s for s, _ in everyone]
+        dist.all_gather_object(everyone, (stage, meta, _FanOut.coordinates() if senders else None), group=group)
+        stages = [s for s, _, _ in everyone]
         self.stage = stage
-        self.senders = [
-            min(r for r, s in enumerate(stages) if s == k) if per_stage else dst for k in range(max(stages) + 1)
-        ]
+        self.fanout = _FanOut(everyone, senders) if senders else None
+        self.senders = (
+            self.fanout.senders
+            if self.fanout
+            else [min(r for r, s in enumerate(stages) if s == k) if per_stage else dst for k in range(max(stages) + 1)]
+        )
         self.items = self._plan(everyone)
+        if self.fanout:
+            self.items = self.fanout.assign(self.items, self.m)
         self.dtype = dtype
         self.specs = self._specs(self.items)
         self._bucket_plans: dict[int, list[list[list[TensorSpec]]]] = {}
         self._steps: dict[int, list[_Step]] = {}
+        self._feed_groups = feed_groups if feed_groups is not None else {}
+        if self.fanout:
+            for members in self.fanout.groups():  # every rank creates every group, in one order
+                if members not in self._feed_groups:
+                    made = dist.new_group(list(members), timeout=timedelta(seconds=feed_timeout_s))
+                    self._feed_groups[members] = cast(dist.ProcessGroup, made)
 
     @property
     def sender(self) -> int:
-        """The global rank that receives this rank's stage's tensors (``dst`` unless ``per_stage``)."""
-        return self.senders[self.stage]
+        """The global rank that receives this rank's stage's tensors (``dst`` unless ``per_stage``);
+        with several senders per stage, the stage's first."""
+        return next(r for r, s in zip(self.senders, self.lane_stages, strict=True) if s == self.stage)
+
+    @property
+    def lane_stages(self) -> list[int]:
+        """The pipeline stage of each sender of :attr:`senders`."""
+        return self.fanout.stages if self.fanout else list(range(len(self.senders)))
+
+    @property
+    def lane(self) -> int | None:
+        """The index in :attr:`senders` of this rank's lane, if it is a sender (else None)."""
+        lanes = [k for k, (r, s) in enumerate(zip(self.senders, self.lane_stages, strict=True)) if r == self.rank]
+        return next((k for k in lanes if self.lane_stages[k] == self.stage), None)
+
+    def lane_label(self, lane: int) -> str:
+        """A lane's name: ``pp{stage}`` with several stages, ``s{j}`` for its stage's j-th sender with
+        several per stage (both joined by ``_``), else empty."""
+        stages = self.lane_stages
+        stage = stages[lane]
+        per_stage = stages.count(stage)
+        parts = [f"pp{stage}"] if len(set(stages)) > 1 else []
+        parts += [f"s{stages[:lane].count(stage)}"] if per_stage > 1 else []
+        return "_".join(parts)
 
     @property
     def writers(self) -> list[int]:
@@ -265,7 +227,7 @@ class HFWeightStream:
 
     def _plan(self, everyone: list) -> list[_Item]:
         found: dict[str, dict] = {}
-        for rank, (stage, meta) in enumerate(everyone):
+        for rank, (stage, meta, _) in enumerate(everyone):
             for name, size, tp_rank, dim, glu, shape, dtype, tp_ranks in meta:
                 entry = found.setdefault(
                     name, {"tp": _TP(size, 0, dim, glu), "dtype": dtype, "holders": {}, "stage": stage}
@@ -300,6 +262,8 @@ class HFWeightStream:
                 if any(r not in holders or holders[r][0] != t for t, r in enumerate(group)):
                     raise ValueError(f"'{name}': rank {dst}'s TP group {list(group)} does not hold its shards")
                 sources = tuple((r, holders[r][1]) for r in group)
+            elif self.fanout:
+                dst, sources = -1, tuple((r, holders[r][1]) for r in sorted(holders))[: tp.size]  # assign() places it
             else:
                 dst = self.senders[entry["stage"]]
                 best: dict[int, int] = {}  # per TP rank: the receiver itself, else the lowest rank
@@ -316,14 +280,23 @@ class HFWeightStream:
         return items
 
     def bucket_plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[list[TensorSpec]]]:
-        """Per stage, its buckets' HF tensors (name, shape, dtype) in the order :meth:`buckets`
-        yields them on that stage's sender; the same on every rank (one writer per stage)."""
+        """Per lane (sender of :attr:`senders`), its buckets' HF tensors (name, shape, dtype) in the
+        order :meth:`buckets` yields them on that sender; the same on every rank."""
         if bucket_bytes not in self._bucket_plans:  # the coordinator and its own sending both ask
-            self._bucket_plans[bucket_bytes] = [
-                [self._specs(group) for group in _buckets([i for i in self.items if i.stage == s], bucket_bytes)]
-                for s in range(len(self.senders))
-            ]
+            if self.fanout:
+                lanes = [self._lane_buckets(r, bucket_bytes) for r in self.senders]
+                plan = [[self._specs([i for u in b for i in u.items]) for b in lane] for lane in lanes]
+            else:
+                plan = [
+                    [self._specs(group) for group in _buckets([i for i in self.items if i.stage == s], bucket_bytes)]
+                    for s in range(len(self.senders))
+                ]
+            self._bucket_plans[bucket_bytes] = plan
         return self._bucket_plans[bucket_bytes]
+
+    def _lane_buckets(self, writer: int, bucket_bytes: int) -> list[list[_Unit]]:
+        assert self.fanout is not None
+        return _unit_buckets(self.fanout.units[writer], bucket_bytes)
 
     def writer_specs(self, writer: int) -> list[TensorSpec]:
         """The HF tensors ``writer`` receives, in the order its buckets bring them; the same on every rank."""
@@ -343,6 +316,16 @@ class HFWeightStream:
 
     def steps(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[_Step]:
         """This rank's schedule: every writer's buckets (this stage's with ``per_stage``), ``(k, writer)`` order."""
+        if bucket_bytes not in self._steps and self.fanout:
+            writers = [r for r, s in zip(self.senders, self.fanout.stages, strict=True) if s == self.stage]
+            lanes = {w: self._lane_buckets(w, bucket_bytes) for w in writers}
+            rounds = max((len(b) for b in lanes.values()), default=0)
+            self._steps[bucket_bytes] = [
+                _Step(w, tuple(i for u in b[k] for i in u.items), tuple(b[k]))
+                for k in range(rounds)
+                for w, b in lanes.items()
+                if k < len(b)
+            ]
         if bucket_bytes not in self._steps:
             mine = [i for i in self.items if len(self.senders) == 1 or i.stage == self.stage]
             per_writer = {
@@ -359,6 +342,10 @@ class HFWeightStream:
         full_tensor)`` of its bucket (at most ``bucket_bytes`` of Megatron tensors, one larger tensor
         or fused set alone; a set the engine fuses on load is never split, :data:`_ENGINE_FUSED`), on
         every other rank an empty list. Every rank of the stream must exhaust it."""
+        if self.fanout:
+            for step in self.steps(bucket_bytes):
+                yield self._fan_step(step)
+            return
         window = _SendWindow(self.inflight_bytes)
         acks: list[tuple[object, torch.Tensor]] = []  # this rank's acknowledgements being sent
         for index, step in enumerate(self.steps(bucket_bytes)):
@@ -405,11 +392,42 @@ class HFWeightStream:
             acks.extend((dist.isend(ack, src, group=self.group), ack) for src in sorted(senders))
         out = []
         for item in step.items:
-            shards = [received[(item.name, r)] for r in range(item.tp.size)]
-            full = _concat_tp(shards, item.tp)
-            for hf, tensor in bridge.to_hf(item.name, full, self.m):
-                out.append((hf, tensor.to(self._dtype_of(hf, tensor.dtype))))
+            out.extend(self._hf_of(item, [received[(item.name, r)] for r in range(item.tp.size)]))
         return out
+
+    def _hf_of(self, item: _Item, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of ``item`` from its TP shards, in the stream's dtype."""
+        full = _concat_tp(shards, item.tp)
+        return [
+            (hf, tensor.to(self._dtype_of(hf, tensor.dtype))) for hf, tensor in bridge.to_hf(item.name, full, self.m)
+        ]
+
+    def _fan_step(self, step: _Step) -> list[tuple[str, torch.Tensor]]:
+        """A fan-out step: this rank's part in each unit's gather; on the writer, the bucket."""
+        out = []
+        for unit in step.units:
+            got = self._collect(unit.gather) if unit.gather and self.rank in unit.gather.group else {}
+            if self.rank != step.writer:
+                continue
+            for item in unit.items:
+                shards = [
+                    got[src] if unit.gather else self._params[(item.name, t)].detach()
+                    for t, (src, _) in enumerate(item.sources)
+                ]
+                out.extend(self._hf_of(item, shards))
+        return out
+
+    def _collect(self, gather: _Gather) -> dict[int, torch.Tensor]:
+        """Send this rank's tensor of ``gather`` to its writer; on the writer, every member's, by rank."""
+        name, tp_rank = gather.send_of(self.rank)
+        tensor = self._params[(name, tp_rank)].detach().contiguous()
+        group = self._feed_groups[gather.group]
+        if self.rank != gather.dst:
+            dist.gather(tensor, None, dst=gather.dst, group=group)
+            return {}
+        received = [torch.empty_like(tensor) for _ in gather.group]
+        dist.gather(tensor, received, dst=gather.dst, group=group)
+        return dict(zip(gather.group, received, strict=True))
 
 
 def _concat_tp(shards: list[torch.Tensor], tp: _TP) -> torch.Tensor:

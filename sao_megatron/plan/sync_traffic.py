@@ -1,24 +1,25 @@
 """Weight-sync traffic per actor rank, analytically: bytes through each rank and communicators per rank.
 
-The sync as built today (``HFWeightStream(per_stage=True)`` feeding ``BroadcastSync``): each pipeline
-stage has one sender, its lowest global rank. The sender receives every tensor of its stage whole:
-each TP shard it lacks comes by point-to-point from the lowest rank holding it, which in Megatron's
-rank order (``tp-cp-ep-dp-pp`` for the dense grid, ``etp-ep-edp-pp`` for the experts; both put PP
-outermost) is ``sender + t`` for TP rank ``t`` and ``sender + r + etp * e`` for expert-TP rank ``r``
-of EP rank ``e``. The sender then broadcasts the whole stage to the engines in one group
-(an NCCL broadcast's root sends every byte once). Nothing else moves; data-parallel replicas send
-nothing.
+The sync as built (``HFWeightStream(senders=n)`` feeding ``BroadcastSync``; ``models/hf_stream.py``,
+``_FanOut``): each pipeline stage has k senders, k the largest divisor of the actor's EP not above
+``max(1, rollout.weight_sync_senders // pipeline_parallel)``. In Megatron's rank orders
+(``tp-cp-ep-dp-pp`` for the dense grid, ``etp-ep-edp-pp`` for the experts; PP outermost) stage s's
+rank ``i`` of its ``W`` is EP rank ``(i // etp) % ep``, expert-TP rank ``i % etp``, expert-DP rank
+``i // (etp * ep)``, TP rank ``i % tp``. Sender j is EP rank ``j*w`` (``w = ep / k``) at expert-TP and
+expert-DP rank 0; it gathers the experts of EP ranks ``j*w .. (j+1)*w - 1`` from their expert-DP-0 ranks
+(one collective per local expert slot over that *expert feed group*), and the dense load units (a
+tensor, or a set the engine fuses) go in stream order to the least loaded sender (experts counted
+first), each one split over TP gathered over the sender's TP group. Each sender broadcasts its own
+buckets to the engines over a group of its own.
 
-Communicators per rank counted here are the sync's own: one per (sender, source) pair for the
-gathers (the stream's group is created without ``device_id``, so NCCL builds a two-rank
-communicator for each pair that exchanges point-to-point traffic) and one per broadcast group a
-rank belongs to. Megatron's own groups (TP, DP, EP, PP, ...) are not counted. The acknowledgements
-(8 bytes per step and source) and the router's float32 expert bias, replicated and so never
-gathered, are counted as broadcast bytes only.
+Counted per rank: bytes received by the gathers (a sender), bytes sent (a member's shards; a
+sender's broadcast of its buckets, an NCCL broadcast's root sending every byte once), the gathers'
+process groups it belongs to (one communicator each: ``dist.gather`` runs on the group's own) and the
+broadcast groups. Megatron's own groups (TP, DP, EP, PP, ...) are not counted.
 
 From the model shape and layout alone (:func:`sao_megatron.plan.params.stage_parameters`, local
-spec); ``tests/test_sync_traffic.py`` checks it against the bytes and peers the real stream
-moves in a spawned gloo world.
+spec); ``tests/test_sync_traffic.py`` checks it against the bytes and groups the real stream uses
+in spawned gloo worlds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 
 from sao_megatron.config import ModelConfig, ParallelConfig, SAOConfig
 from sao_megatron.models.builder import moe_layer_pattern
+from sao_megatron.models.hf_bridge import is_exported
+from sao_megatron.models.hf_stream import _load_unit, _order_key
 from sao_megatron.plan.params import stage_parameters
 
 
@@ -35,11 +38,11 @@ class RankTraffic:
     """One actor rank's share of one weight sync."""
 
     received: int
-    """Bytes received by point-to-point (a sender's gathers)."""
+    """Bytes its gathers brought it (a sender's)."""
     sent: int
-    """Bytes sent: its shards to its stage's sender, and, on a sender, the broadcast of its stage."""
-    peers: int
-    """Point-to-point peers in the gathers (one two-rank communicator each)."""
+    """Bytes sent: its shards to senders, and, on a sender, the broadcast of its buckets."""
+    gather_groups: int
+    """The gathers' process groups it belongs to (one communicator each)."""
     broadcast_groups: int
     """Broadcast groups with the engines it belongs to (one communicator each)."""
 
@@ -50,7 +53,7 @@ class RankTraffic:
 
     @property
     def communicators(self) -> int:
-        return self.peers + self.broadcast_groups
+        return self.gather_groups + self.broadcast_groups
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,10 @@ class SyncTraffic:
     """Every actor rank's traffic in one weight sync (index: global rank)."""
 
     ranks: tuple[RankTraffic, ...]
-    stage_bytes: tuple[int, ...]
-    """Bytes each stage's sender broadcasts: its stage's tensors, whole."""
+    senders: tuple[int, ...]
+    """The senders' global ranks, stage by stage."""
+    lane_bytes: tuple[int, ...]
+    """Bytes each sender broadcasts (its buckets' tensors, whole)."""
 
     @property
     def busiest(self) -> int:
@@ -72,59 +77,93 @@ class SyncTraffic:
 
 
 def _replicated(name: str) -> bool:
-    """Held whole by every TP rank: the norms and the router."""
-    return "norm" in name or name.endswith("router.weight")
+    """Held whole by every TP rank: the norms and the router (its weight and expert bias)."""
+    return "norm" in name or ".router." in name
 
 
-def sync_traffic(m: ModelConfig, p: ParallelConfig, dtype_bytes: int = 2) -> SyncTraffic:
+def senders_per_stage(p: ParallelConfig, senders: int) -> int:
+    """The largest divisor of EP not above ``max(1, senders // pipeline_parallel)``."""
+    cap = max(1, senders // p.pipeline_parallel)
+    return max(d for d in range(1, p.expert_parallel + 1) if p.expert_parallel % d == 0 and d <= cap)
+
+
+def _stage_tensors(m: ModelConfig, p: ParallelConfig, stage: int) -> dict[str, tuple[int, int]]:
+    """Every exported tensor a rank of ``stage`` holds: ``(elements on one rank, bytes per element)``;
+    the router's expert bias is float32 (``dtype_bytes`` applies to the rest)."""
+    out = {name: (n, 0) for name, (n, _) in stage_parameters(m, p, stage).items() if is_exported(name, m)}
+    if m.moe_router_enable_expert_bias:
+        per_stage = m.num_layers // p.pipeline_parallel
+        for i, moe in enumerate(moe_layer_pattern(m)[stage * per_stage : (stage + 1) * per_stage]):
+            if moe:
+                out[f"decoder.layers.{i}.mlp.router.expert_bias"] = (m.num_experts, 4)
+    return out
+
+
+def sync_traffic(m: ModelConfig, p: ParallelConfig, dtype_bytes: int = 2, senders: int = 8) -> SyncTraffic:
     """Bytes and communicators per rank of one sync of the actor ``m`` at layout ``p``, tensors
-    moved in ``dtype_bytes`` per element (the trainer's parameter dtype; bf16: 2)."""
+    moved in ``dtype_bytes`` per element (the trainer's parameter dtype; bf16: 2), with
+    ``rollout.weight_sync_senders`` = ``senders``."""
     tp, ep, etp, pp = p.tensor_parallel, p.expert_parallel, p.expert_tensor_parallel, p.pipeline_parallel
-    per_stage = p.world_size // pp
-    received, sent, peers = [0] * p.world_size, [0] * p.world_size, [set() for _ in range(p.world_size)]
-    stage_bytes = []
-    pattern = moe_layer_pattern(m)
+    size = p.world_size // pp
+    k = senders_per_stage(p, senders)
+    w = ep // k
+    received, sent = [0] * p.world_size, [0] * p.world_size
+    groups: list[set[tuple[int, ...]]] = [set() for _ in range(p.world_size)]
+    lanes: list[tuple[int, int]] = []  # (sender, bytes)
+
+    def gather(members: tuple[int, ...], dst: int, nbytes: int) -> None:
+        for r in members:
+            groups[r].add(members)
+            if r != dst:
+                sent[r] += nbytes
+                received[dst] += nbytes
+
     for stage in range(pp):
-        sender = stage * per_stage
-        dense = experts = replicated = 0  # elements on one rank
-        for name, (n, _) in stage_parameters(m, p, stage).items():
-            if ".local_experts." in name:
-                experts += n
-            elif _replicated(name):
-                replicated += n
-            else:
-                dense += n
-        layers = pattern[stage * (m.num_layers // pp) : (stage + 1) * (m.num_layers // pp)]
-        bias = 4 * m.num_experts * sum(layers) if m.moe_router_enable_expert_bias else 0
-        stage_bytes.append((replicated + dense * tp + experts * etp * ep) * dtype_bytes + bias)
-        shares: dict[int, int] = {}  # source rank -> bytes it sends to the sender
-        for t in range(1, tp if dense else 1):
-            shares[sender + t] = shares.get(sender + t, 0) + dense * dtype_bytes
-        for source in range(1, etp * ep if experts else 1):
-            shares[sender + source] = shares.get(sender + source, 0) + experts * dtype_bytes
-        for source, nbytes in shares.items():
-            sent[source] += nbytes
-            received[sender] += nbytes
-            peers[source].add(sender)
-            peers[sender].add(source)
-        sent[sender] += stage_bytes[-1]
-    senders = {stage * per_stage for stage in range(pp)}
-    ranks = tuple(
-        RankTraffic(received[r], sent[r], len(peers[r]), 1 if r in senders else 0) for r in range(p.world_size)
-    )
-    return SyncTraffic(ranks, tuple(stage_bytes))
+        base = stage * size
+        tensors = _stage_tensors(m, p, stage)
+        experts = [n * dtype_bytes for name, (n, _) in tensors.items() if ".local_experts." in name]
+        load = {base + j * w * etp: 0 for j in range(k)}
+        for j, sender in enumerate(load):
+            feed = tuple(base + e * etp + t for e in range(j * w, (j + 1) * w) for t in range(etp))
+            load[sender] += sum(experts) * len(feed)
+            if len(feed) > 1:
+                for nbytes in experts:
+                    gather(feed, sender, nbytes)
+        dense = sorted((name for name in tensors if ".local_experts." not in name), key=_order_key)
+        writer: dict[str, int] = {}
+        for name in dense:
+            n, itemsize = tensors[name]
+            shard = n * (itemsize or dtype_bytes)
+            split = tp > 1 and not _replicated(name)
+            unit = _load_unit(name)
+            if unit not in writer:
+                writer[unit] = min(load, key=lambda r: (load[r], r))
+            sender = writer[unit]
+            load[sender] += shard * (tp if split else 1)
+            if split:
+                first = base + (sender - base) // tp * tp
+                gather(tuple(range(first, first + tp)), sender, shard)
+        for sender, nbytes in load.items():
+            sent[sender] += nbytes
+            lanes.append((sender, nbytes))
+    senders_ = {r for r, _ in lanes}
+    ranks = tuple(RankTraffic(received[r], sent[r], len(groups[r]), int(r in senders_)) for r in range(p.world_size))
+    return SyncTraffic(ranks, tuple(r for r, _ in lanes), tuple(b for _, b in lanes))
 
 
 def summary(cfg: SAOConfig) -> str:
     """One line for ``sao plan``: the actor's busiest rank per sync and the sync's communicators."""
     p = cfg.actor.parallel
-    t = sync_traffic(cfg.model, p, 4 if cfg.rollout.dtype in ("float32", "float") else 2)
+    n = cfg.rollout.weight_sync_senders
+    t = sync_traffic(cfg.model, p, 4 if cfg.rollout.dtype in ("float32", "float") else 2, n)
     rank = t.ranks[t.busiest]
     return (
         f"weight sync (actor TP{p.tensor_parallel} EP{p.expert_parallel} ETP{p.expert_tensor_parallel} "
-        f"PP{p.pipeline_parallel}, {p.world_size} ranks; {p.pipeline_parallel} sender(s), each its stage's "
-        f"lowest rank): busiest rank {t.busiest} moves {rank.through / 1e9:,.1f} GB per sync (in "
-        f"{rank.received / 1e9:,.1f} by point-to-point gathers, out {rank.sent / 1e9:,.1f}: its broadcast to "
-        f"the engines); sync communicators on it {rank.communicators} ({rank.peers} gather pairs + "
-        f"{rank.broadcast_groups} broadcast group), at most {t.max_communicators} on any rank."
+        f"PP{p.pipeline_parallel}, {p.world_size} ranks; rollout.weight_sync_senders={n}: "
+        f"{len(t.senders)} sender(s), {senders_per_stage(p, n)} per stage): busiest rank {t.busiest} moves "
+        f"{rank.through / 1e9:,.1f} GB per sync (in {rank.received / 1e9:,.1f} by gathers, out "
+        f"{rank.sent / 1e9:,.1f}{': its broadcast to the engines' if rank.broadcast_groups else ''}); sync "
+        f"communicators on it {rank.communicators} ({rank.gather_groups} gather groups + "
+        f"{rank.broadcast_groups} broadcast group), at most {t.max_communicators} on any rank; each engine "
+        f"GPU joins {len(t.senders)}."
     )

@@ -6,11 +6,13 @@
 - ``disk``: the actor exports the policy as an HF checkpoint and every engine loads it
   (:func:`sync_from_disk`, ``disk.py``, in the driver).
 
-Data plane: one broadcast group per sender. A sender is the trainer rank that holds one pipeline
-stage's tensors whole (``HFWeightStream(per_stage=True)``: the stage's lowest global rank, which
-gathers them from its TP / EP / DP peers); with one stage, global rank 0. In each group the sender
-is rank 0 and engine ``e`` with TP size t holds ranks ``1 + e*t .. (e+1)*t``; every engine joins
-every sender's group. A bucket travels tensor by tensor, or with ``flat`` (when its tensors share
+Data plane: one broadcast group per sender. Each pipeline stage has up to
+``rollout.weight_sync_senders // pipeline_parallel`` senders (``HFWeightStream(senders=n)``,
+``models/hf_fanout.py``): sender j holds the experts of its share of the EP ranks and a share of
+the dense tensors whole, gathered from its expert feed group and its TP group by ``dist.gather``
+(one collective per tensor or expert slot, over process groups of their own), so no rank receives
+the whole model. In each broadcast group the sender is rank 0 and engine ``e`` with TP size t holds
+ranks ``1 + e*t .. (e+1)*t``; every engine joins every sender's group. A bucket travels tensor by tensor, or with ``flat`` (when its tensors share
 one dtype) as one byte buffer: one broadcast, SGLang's ``flattened_bucket`` (the default under NCCL:
 :func:`resolve_flat`). A sender gathers the next bucket in a thread and, on a GPU, on a CUDA stream
 of its own while it broadcasts this one (:class:`GatherStreams`, ``streams.py``).
@@ -32,8 +34,8 @@ An engine takes one update request at a time. If two engines took two senders' b
 different orders, each could wait inside one group for the other, busy in the other group; so
 the coordinator posts bucket j+1 only once every engine has answered bucket j (:func:`sync_order`
 interleaves the stages). The senders meanwhile gather and convert their next bucket, each stage
-on its own ranks: nothing funnels through one rank or one NIC, and only the engines' own
-receive-and-load is serial. The ranks coordinate through keys in the trainer world's store
+on its own ranks (and a stage's senders on theirs): nothing funnels through one rank or one NIC, and
+only the engines' own receive-and-load is serial. The ranks coordinate through keys in the trainer world's store
 (:class:`SyncGate`), not collectives: a sender says it holds bucket j (or why it never will)
 before the coordinator posts it, and broadcasts it only once the coordinator released it. On an
 error the coordinator stops every sender at its next bucket, and the engines end the update and

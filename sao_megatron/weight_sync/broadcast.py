@@ -44,7 +44,8 @@ class BroadcastSync:
     requests (``rollout.update_policy``, :class:`~sao_megatron.weight_sync.EngineControl`);
     ``bucket_timeout_s``: how long a sender waits for one bucket's broadcast before it aborts its
     group (``rollout.weight_sync_timeout_s``, :meth:`WeightSync.send
-    <sao_megatron.weight_sync.WeightSync.send>`)."""
+    <sao_megatron.weight_sync.WeightSync.send>`); ``senders``: senders per pipeline stage, at most
+    (``rollout.weight_sync_senders`` over the stages; ``HFWeightStream(senders=...)``)."""
 
     def __init__(
         self,
@@ -59,9 +60,11 @@ class BroadcastSync:
         gb_per_s: float = 0.5,
         policy: str = "retract",
         bucket_timeout_s: float = 120.0,
+        senders: int = 8,
     ):
         self.module, self.model_cfg, self.policy = module, model_cfg, policy
-        self.bucket_timeout_s = bucket_timeout_s
+        self.bucket_timeout_s, self.senders = bucket_timeout_s, senders
+        self._feed_groups: dict = {}  # the gathers' process groups, by members (HFWeightStream)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.engine_tp, self.flat, self.bucket_bytes = engine_tp, resolve_flat(flat, self.backend), bucket_mb << 20
         self.inflight_bytes, self.timeout_s, self.gb_per_s = inflight_mb << 20, timeout_s, gb_per_s
@@ -77,13 +80,13 @@ class BroadcastSync:
     ) -> dict[str, float]:
         """Stream HF-named weights to the engines, tagged ``version`` (every rank calls it).
 
-        Each pipeline stage's sender (the stage's lowest global rank) gathers its own stage's
-        buckets from its TP / EP / DP peers, a bucket ahead, and broadcasts them over a group of
-        its own; global rank 0 pauses the engines and posts every bucket's request in one order,
-        releasing each bucket to its sender through the world's store (:class:`SyncGate`).
-        ``addresses``: every global rank's node address (or one for all), where a sender's group
-        store listens; ``master_port`` 0: any free port, else stage ``s``'s sender listens at
-        ``master_port + s``.
+        Each sender (a *lane*: up to ``senders`` per pipeline stage, ``HFWeightStream(senders=...)``)
+        gathers its buckets from its TP / EP peers by collectives, a bucket ahead, and broadcasts
+        them over a group of its own; global rank 0 pauses the engines and posts every bucket's
+        request in one order, releasing each bucket to its sender through the world's store
+        (:class:`SyncGate`). ``addresses``: every global rank's node address (or one for all), where a
+        sender's group store listens; ``master_port`` 0: any free port, else lane ``l``'s sender
+        listens at ``master_port + l``.
 
         The groups are re-formed (new names; the old ones destroyed on the engines still
         listed) when ``engine_urls`` differ from the last call's (an engine restarted or
@@ -93,14 +96,19 @@ class BroadcastSync:
         from sao_megatron.models import hf_io
         from sao_megatron.models.hf_weights import EXPORT_FLOOR_S, HFWeightStream, hf_bytes
 
-        if self._gather_group is None:  # the gathers run in a thread of their own, on a group of their own
-            timeout = self.timeout_s or hf_io.transfer_timeout_s(
-                hf_bytes(self.model_cfg, next(self.module.parameters()).dtype), self.gb_per_s, EXPORT_FLOOR_S
-            )
+        timeout = self.timeout_s or hf_io.transfer_timeout_s(
+            hf_bytes(self.model_cfg, next(self.module.parameters()).dtype), self.gb_per_s, EXPORT_FLOOR_S
+        )
+        if self._gather_group is None:  # the gathers run in a thread of their own, on groups of their own
             group = dist.new_group(timeout=timedelta(seconds=timeout))  # every rank is a member
             self._gather_group = cast(dist.ProcessGroup, group)
         stream = HFWeightStream(
-            self.module, self.model_cfg, per_stage=True, group=self._gather_group, inflight_bytes=self.inflight_bytes
+            self.module,
+            self.model_cfg,
+            group=self._gather_group,
+            senders=self.senders,
+            feed_groups=self._feed_groups,
+            feed_timeout_s=timeout,
         )
         rank = dist.get_rank()
         if self._gate is None:
@@ -110,7 +118,7 @@ class BroadcastSync:
         results: list = [None] * dist.get_world_size()
         formed: list[str | None] = [None] * dist.get_world_size()
         if self._urls != engine_urls:
-            dist.all_gather_object(formed, self._connect(stream.senders, engine_urls, addresses, master_port, gate))
+            dist.all_gather_object(formed, self._connect(stream, engine_urls, addresses, master_port, gate))
         t0 = time.perf_counter()
         paused, kept = 0.0, 0
         if any(formed):  # skipped everywhere: an engine would wait for that sender's buckets forever
@@ -156,7 +164,12 @@ class BroadcastSync:
             asyncio.run(sender.close())
 
     def _connect(
-        self, senders: list[int], engine_urls: list[str], addresses: str | list[str], master_port: int, gate: SyncGate
+        self,
+        stream: HFWeightStream,
+        engine_urls: list[str],
+        addresses: str | list[str],
+        master_port: int,
+        gate: SyncGate,
     ) -> str | None:
         """(Re-)form every sender's group, one at a time (an engine joins one group at a time; the
         next sender starts on the previous one's word in the store). Why this rank's group failed to
@@ -167,12 +180,15 @@ class BroadcastSync:
             asyncio.run(old.close([u for u in old.engine_urls if u in engine_urls]))
         self._groups += 1
         error = None
-        for stage, sender in enumerate(senders):
-            if rank == sender:
-                name = self._group_name(stage, len(senders))
+        for lane, sender in enumerate(stream.senders):
+            if rank == sender and lane == stream.lane:
+                name = self._group_name(stream.lane_label(lane))
                 address = addresses if isinstance(addresses, str) else addresses[rank]
-                port = master_port + stage if master_port else 0  # two stages' senders may share a node
-                where = f"{self.backend} group {name} at {address}:%s (trainer rank {rank}, stage {stage})"
+                port = master_port + lane if master_port else 0  # two senders may share a node
+                where = (
+                    f"{self.backend} group {name} at {address}:%s (trainer rank {rank}, "
+                    f"stage {stream.lane_stages[lane]})"
+                )
                 sync = WeightSync(
                     list(engine_urls),
                     engine_tp=self.engine_tp,
@@ -193,8 +209,8 @@ class BroadcastSync:
                 except Exception as err:
                     error = f"{where % (sync.master_port or 'any port')} failed to form: {type(err).__name__}: {err}"
                     print(f"[sao-weight-sync] {error}", flush=True)
-                gate.formed(stage)
-            gate.wait_formed(stage)
+                gate.formed(lane)
+            gate.wait_formed(lane)
         self._urls = list(engine_urls)
         return error
 
@@ -208,10 +224,8 @@ class BroadcastSync:
         resumed before this rank's own sending is awaited."""
         control = EngineControl(engine_urls, self.policy)
         try:
-            plan = [
-                [BucketSpec.planned(b, self.flat) for b in stage] for stage in stream.bucket_plan(self.bucket_bytes)
-            ]
-            names = [self._group_name(s, len(plan)) for s in range(len(plan))]
+            plan = [[BucketSpec.planned(b, self.flat) for b in lane] for lane in stream.bucket_plan(self.bucket_bytes)]
+            names = [self._group_name(stream.lane_label(lane)) for lane in range(len(plan))]
             await control.__aenter__()
         except Exception as err:  # nothing was sent: the other ranks are told to skip the update
             error = f"{type(err).__name__}: {err}"
@@ -245,10 +259,9 @@ class BroadcastSync:
                 error = error or f"{type(err).__name__}: {err}"
         return sent[0], sent[1], error, sent[3], control.paused_s, control.caches_kept
 
-    def _group_name(self, stage: int, stages: int) -> str:
-        return (
-            "sao_weight_sync" + (f"_{self._groups}" if self._groups > 1 else "") + (f"_pp{stage}" if stages > 1 else "")
-        )
+    def _group_name(self, label: str) -> str:
+        """``sao_weight_sync``, then the formation count from the second on, then the lane's label."""
+        return "sao_weight_sync" + (f"_{self._groups}" if self._groups > 1 else "") + (f"_{label}" if label else "")
 
     def _data_plane(self, stream: HFWeightStream, gate: SyncGate) -> tuple[int, int, str | None, bool]:
         """This rank's part of an update: gather its stage's buckets and, on the stage's sender, say
@@ -266,8 +279,9 @@ class BroadcastSync:
                 return 0, 0, None, False  # rank 0 reports it
         except Exception as err:  # the store is gone with rank 0
             return 0, 0, f"waiting for the coordinator's start: {type(err).__name__}: {err}", False
-        sender = rank == stream.sender
-        plan = stream.bucket_plan(self.bucket_bytes)[stream.stage] if sender else []
+        sender = stream.lane is not None
+        lane = stream.lane if stream.lane is not None else -1  # gate keys: a sender's lane only
+        plan = stream.bucket_plan(self.bucket_bytes)[lane] if sender else []
         nbytes = tensors = declared = 0  # declared: buckets this sender said it holds
         error: str | None = None
         aborted = False
@@ -278,7 +292,7 @@ class BroadcastSync:
             error = reason
             if declared < len(plan):  # the coordinator waits for that bucket's word
                 try:
-                    gate.failed(stream.stage, declared, f"trainer rank {rank} (stage {stream.stage}): {reason}")
+                    gate.failed(lane, declared, f"trainer rank {rank} (stage {stream.stage}): {reason}")
                 except Exception as err:  # the store is gone with rank 0: the final all-gather fails too
                     error += f"; telling the coordinator failed: {err}"
 
@@ -286,7 +300,9 @@ class BroadcastSync:
             fail("no weight-sync group")
         try:
             buckets = stream.buckets(self.bucket_bytes)
-            if sender:  # gathered a bucket ahead, in a thread and on a stream of their own
+            if sender:  # its own buckets, gathered a bucket ahead, in a thread and on a stream of their own
+                steps = stream.steps(self.bucket_bytes)
+                buckets = (b for step, b in zip(steps, buckets, strict=True) if step.writer == rank)
                 streams = GatherStreams(stream.device)
                 buckets = (streams.ready(g) for g in prefetched(streams.gathered(buckets)))
             for k, bucket in enumerate(buckets):
@@ -297,9 +313,9 @@ class BroadcastSync:
                     if got != planned:  # a bug: the engines would be told the plan
                         fail(f"bucket {k} holds {got.names[:3]}..., planned {planned.names[:3]}...")
                         continue
-                    gate.ready(stream.stage, k)
+                    gate.ready(lane, k)
                     declared = k + 1
-                    if not gate.wait(stream.stage, k):
+                    if not gate.wait(lane, k):
                         stopped = True  # the coordinator reports why
                         continue
                     nbytes += cast(WeightSync, self.sender).send(bucket)

@@ -64,6 +64,7 @@ class ActorWorker:
             gb_per_s=cfg.export_gb_per_s,
             policy=cfg.update_policy,
             bucket_timeout_s=cfg.sync_timeout_s,
+            senders=max(1, cfg.sync_senders // cfg.actor.parallel.pipeline_parallel),
         )
         """This rank's part of the broadcast weight sync (:meth:`sync_weights`)."""
 

@@ -41,6 +41,8 @@ TENSORS = sum(len(bucket) for stage in SHAPES for bucket in stage)
 BUCKET_MB = 1
 SYNC_TIMEOUT_S = 10.0
 """``rollout.weight_sync_timeout_s`` of the trainer ranks: a sender's wait for one bucket."""
+SENDERS_PER_STAGE = 3
+"""rollout.weight_sync_senders = 6 over two stages: three a stage at most (one rank a stage here)."""
 WORLD_TIMEOUT_S = 60.0  # a world takes ~8 s (~25 s on a busy host); a hang fails before 300 s
 PAUSE, BEGIN, END, FLUSH, RESUME = (
     ("/pause_generation",),
@@ -56,18 +58,29 @@ def _names(stage: int, bucket: int) -> list[str]:
 
 
 class FakeStream:
-    """``HFWeightStream(per_stage=True)`` of two pipeline stages of one rank each (rank r is stage
-    r and its sender), without Megatron: the plan is :data:`SHAPES`, the values ``weight_value``."""
+    """``HFWeightStream(senders=...)`` of two pipeline stages of one rank each (rank r is stage r and
+    its sender, lane r), without Megatron: the plan is :data:`SHAPES`, the values ``weight_value``."""
 
     def __init__(
-        self, module: Any, model_cfg: Any, per_stage: bool = False, group: Any = None, inflight_bytes: int = 0
+        self,
+        module: Any,
+        model_cfg: Any,
+        group: Any = None,
+        senders: int = 0,
+        feed_groups: Any = None,
+        feed_timeout_s: float = 0.0,
     ):
-        assert per_stage and group is not None, "sync_weights streams per stage, on its gather group"
-        assert inflight_bytes == 1024 << 20, "the peers' unacknowledged bytes: run.export_inflight_mb"
-        self.senders = [0, 1]
+        assert group is not None and feed_groups is not None, "sync_weights gathers on groups of its own"
+        assert senders == SENDERS_PER_STAGE, "rollout.weight_sync_senders over the pipeline stages"
+        self.senders = self.lane_stages = [0, 1]
         self.device = torch.device("cpu")  # where the gathered tensors are (the gather streams')
-        self.stage = dist.get_rank()
-        self.sender = self.senders[self.stage]
+        self.stage = self.lane = dist.get_rank()
+
+    def lane_label(self, lane: int) -> str:
+        return f"pp{lane}"
+
+    def steps(self, bucket_bytes: int) -> list[SimpleNamespace]:
+        return [SimpleNamespace(writer=self.stage) for _ in SHAPES[self.stage]]
 
     def bucket_plan(self, bucket_bytes: int) -> list[list[list[TensorSpec]]]:
         assert bucket_bytes == BUCKET_MB << 20
@@ -99,11 +112,12 @@ def _worker() -> Any:
     cfg = SimpleNamespace(
         model=None,
         seed=0,
-        actor=SimpleNamespace(parallel=None),
+        actor=SimpleNamespace(parallel=SimpleNamespace(pipeline_parallel=2)),
         engine_tp=1,
         sync_flat=False,
         sync_bucket_mb=BUCKET_MB,
         sync_timeout_s=SYNC_TIMEOUT_S,
+        sync_senders=2 * SENDERS_PER_STAGE,
         export_inflight_mb=1024,
         export_timeout_s=300.0,  # the gather group's (no model here to size it from)
         export_gb_per_s=0.5,
