@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import os
 from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,8 +124,13 @@ def load_entry_point(spec: str) -> Callable[..., Any]:
     return fn
 
 
-async def run_agent(cfg: OpenAIAgentConfig, task: str, base_url: str, api_key: str) -> float | None:
-    """Run the agent once; its reward, or None. Anything the agent does wrong is an :class:`AgentError`."""
+async def run_agent(
+    cfg: OpenAIAgentConfig, task: str, base_url: str, api_key: str, threads: Executor | None = None
+) -> float | None:
+    """Run the agent once; its reward, or None. Anything the agent does wrong is an :class:`AgentError`.
+    A sync function runs on ``threads`` (asyncio's default pool, ``min(32, cpus + 4)`` threads, when
+    None); it cannot be interrupted, so past the session's timeout it runs on until its next request
+    is refused (the session is closed by then)."""
     if cfg.command:
         await _run_command(cfg.command, task, base_url, api_key)
         return None
@@ -133,7 +139,7 @@ async def run_agent(cfg: OpenAIAgentConfig, task: str, base_url: str, api_key: s
         if inspect.iscoroutinefunction(fn):
             result = await fn(task, base_url, api_key)
         else:
-            result = await asyncio.to_thread(fn, task, base_url, api_key)
+            result = await asyncio.get_running_loop().run_in_executor(threads, fn, task, base_url, api_key)
             if inspect.isawaitable(result):
                 result = await result
     except Exception as err:

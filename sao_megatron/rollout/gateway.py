@@ -34,6 +34,7 @@ import logging
 import math
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ from sao_megatron.rollout.gateway_session import GatewaySession, RequestError, d
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-SAO-Session"
+MAX_SYNC_AGENTS = 512
+"""Sync agent functions running at once, at most (threads; ``rollout.max_concurrent`` bounds the episodes)."""
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -78,6 +81,8 @@ class Gateway:
         self.closed_ids: set[str] = set()
         self.counts = GatewayCounts()
         self._runner: web.AppRunner | None = None
+        self._threads = ThreadPoolExecutor(max_workers=MAX_SYNC_AGENTS, thread_name_prefix="sao-agent")
+        """Where sync agent functions run (asyncio's default pool would run only ``cpus + 4`` at once)."""
         self._start_lock = asyncio.Lock()
         self.url = ""
 
@@ -106,6 +111,7 @@ class Gateway:
         return self.url
 
     async def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -160,7 +166,7 @@ class Gateway:
             task = await env.areset(sample)
             try:
                 returned = await asyncio.wait_for(
-                    run_agent(self.agent, task, self.base_url(session), session.key), timeout
+                    run_agent(self.agent, task, self.base_url(session), session.key, self._threads), timeout
                 )
             except TimeoutError:
                 self.counts.dropped += 1

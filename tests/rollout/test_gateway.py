@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import openai
 import pytest
@@ -312,3 +313,27 @@ def test_the_example_agent_solves_a_task_through_the_gateway():
     assert (
         load_tokenizer().decode(traj.response_ids[traj.turns[0].end : traj.turns[1].start]) == "<|tool|>5<|assistant|>"
     )
+
+
+ALL_AT_ONCE = threading.Barrier(40)
+
+
+def _waiting_agent(task: str, base_url: str, api_key: str) -> float:
+    ALL_AT_ONCE.wait(timeout=20)  # passes only when 40 sync agents run at the same time
+    return 1.0
+
+
+def test_sync_agents_run_concurrently_beyond_the_default_thread_pool():
+    """40 sync agents at once (asyncio's default pool runs at most 32): each waits for all the others."""
+    gateway = Gateway(GatewayConfig(), OpenAIAgentConfig(entry_point=f"{__name__}:_waiting_agent"))
+    loop = scripted_loop([])
+    loop.gateway = gateway
+
+    async def go():
+        try:
+            return await asyncio.gather(*(loop.run_segments(make_env("openai_agent"), SAMPLE) for _ in range(40)))
+        finally:
+            await gateway.close()
+
+    reasons = {traj.status_reason for [traj] in asyncio.run(go())}
+    assert reasons == {"agent: the session generated nothing"}  # not a BrokenBarrierError
