@@ -34,6 +34,7 @@ import logging
 import math
 import secrets
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "X-SAO-Session"
 MAX_SYNC_AGENTS = 512
 """Sync agent functions running at once, at most (threads; ``rollout.max_concurrent`` bounds the episodes)."""
+MAX_CLOSED_IDS = 65536
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -78,7 +80,8 @@ class Gateway:
         self.cfg = cfg
         self.agent = agent or OpenAIAgentConfig()
         self.sessions: dict[str, GatewaySession] = {}
-        self.closed_ids: set[str] = set()
+        self.closed_ids: OrderedDict[str, None] = OrderedDict()
+        """The last ``MAX_CLOSED_IDS`` sessions ended (a late request to one is told it is closed, not unknown)."""
         self.counts = GatewayCounts()
         self._runner: web.AppRunner | None = None
         self._threads = ThreadPoolExecutor(max_workers=MAX_SYNC_AGENTS, thread_name_prefix="sao-agent")
@@ -129,7 +132,9 @@ class Gateway:
     def finish(self, session: GatewaySession) -> None:
         session.closed = True
         self.sessions.pop(session.id, None)
-        self.closed_ids.add(session.id)
+        self.closed_ids[session.id] = None
+        if len(self.closed_ids) > MAX_CLOSED_IDS:
+            self.closed_ids.popitem(last=False)
 
     def metrics(self) -> dict[str, float]:
         """``gateway/sessions_{admitted,finished,dropped,failed}``, ``gateway/segments_per_session``
