@@ -63,7 +63,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -75,8 +75,16 @@ from sao_megatron.rollout.client import EngineClient, EngineError, Generation, S
 from sao_megatron.rollout.env_workers import EnvWorkerError, environment_failure
 from sao_megatron.routing import RouteShape
 
-if TYPE_CHECKING:
-    from sao_megatron.rollout.gateway import Gateway
+
+class EpisodeDriver(Protocol):
+    """Runs an episode of an environment driven by a user's agent (``rollout.gateway.Gateway``): one
+    trajectory per segment of its session. A protocol, so this module does not import the gateway,
+    which imports it."""
+
+    async def run_episode(
+        self, loop: AgentLoop, env: Env, sample: Sample, *, split: str, index: int | None, submitted_at: float | None
+    ) -> list[Trajectory]: ...
+
 
 __all__ = ["AgentLoop", "AgentLoopConfig"]  # AgentLoopConfig: the run config's ``rollout.loop`` section
 
@@ -236,7 +244,7 @@ class AgentLoop:
         engine_name: str = "",
         update_policy: UpdatePolicy = "retract",
         routes: RouteShape | None = None,
-        gateway: Gateway | None = None,
+        gateway: EpisodeDriver | None = None,
     ):
         """``update_policy``: ``rollout.update_policy``, what the weight syncs do to the requests;
         ``routes``: capture the engine's routes of every position (``rollout.routing_replay``), this shape;
