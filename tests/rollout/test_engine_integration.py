@@ -195,18 +195,6 @@ def test_agent_loop_multi_turn_episode(engine, env_name):
         assert text.startswith("<|tool|>") and text.endswith("<|assistant|>")
 
 
-@dataclasses.dataclass(frozen=True)
-class RegexSampling(SamplingParams):
-    """SamplingParams plus SGLang's ``regex``: the engine masks every token that would leave the
-    regular language (its grammar backend, xgrammar) and samples from the model's distribution over
-    the tokens left; the stop token is allowed once the expression is complete."""
-
-    regex: str = ""
-
-    def to_json(self) -> dict:
-        return {**super().to_json(), "regex": self.regex}
-
-
 class Recording:
     """The module's client, every request recorded (and constrained to ``regex`` when given)."""
 
@@ -219,7 +207,7 @@ class Recording:
         self.inputs.append(list(input_ids))
         self.starts.append(routes_from)
         if self.regex:
-            sampling = RegexSampling(**dataclasses.asdict(sampling), regex=self.regex)
+            sampling = dataclasses.replace(sampling, regex=self.regex)  # SGLang's regex: structured decoding
         return await self.client.generate(input_ids, sampling, rid=rid, timeout_s=timeout_s, routes_from=routes_from)
 
 
