@@ -398,14 +398,9 @@ class RolloutConfig:
     requests again for 8-10 GiB per sender and a 2 GiB receive buffer on every engine GPU, beside
     its KV cache. Must be >= 1."""
     weight_sync_senders: int = 8
-    """Trainer ranks that broadcast weights to the engines, at most, in all (at least one per pipeline
-    stage: ``max(1, n // pipeline_parallel)`` per stage, the largest divisor of the actor's
-    expert_parallel not above it). Sender j of a stage gathers the experts of its share of the EP
-    ranks and a share of the dense tensors (each split over TP from its own TP group), every gather
-    one collective over a process group of its own, and broadcasts its buckets over a group of its
-    own with every engine: each engine GPU joins one communicator per sender. More senders spread
-    the gathers (``sao plan`` prints the busiest rank's bytes and the communicators per rank); the
-    engines still load one bucket at a time. Must be >= 1."""
+    """Trainer ranks that broadcast weights, at most (per stage: the largest divisor of EP not above
+    ``max(1, n // pipeline_parallel)``); each gathers its share of the experts and dense tensors by
+    collectives and adds one communicator on every engine GPU (docs/rollout.md). Must be >= 1."""
     weight_sync_flat: bool | None = None
     """Broadcast each bucket as one byte buffer (SGLang's ``flattened_bucket``) instead of tensor by
     tensor: one collective per bucket instead of one per tensor (a Qwen3-30B-A3B sync is ~18.9k
