@@ -24,7 +24,7 @@ PANELS = [
     ),
     ("DIS kept fraction by advantage sign", ["actor/kept_frac/adv_pos", "actor/kept_frac/adv_neg", "actor/kept_frac"]),
     ("ratio quantiles", ["actor/ratio/p1", "actor/ratio/p50", "actor/ratio/p99", "actor/ratio/max"]),
-    ("critic", ["critic/value_loss", "critic/explained_var"]),
+    ("critic", ["critic/value_loss", "critic/explained_var", "critic/explained_var_first"]),
     ("gradient norms", ["actor/grad_norm", "critic/grad_norm"]),
     (
         "actor gradient RMS per module group",
@@ -61,7 +61,7 @@ PANELS = [
         ],
     ),
     ("SFT", ["sft/nll"]),
-    ("value pretraining", ["critic/explained_var", "critic/value_loss"]),
+    ("value pretraining", ["critic/explained_var", "critic/explained_var_first", "critic/value_loss"]),
 ]
 
 
@@ -137,6 +137,7 @@ def summary(records: list[dict]) -> str:
         "lag/mean",
         "lag/max",
         "critic/explained_var",
+        "critic/explained_var_first",
         "critic/value_loss",
         "actor/grad_norm",
         "time/step_s",

@@ -39,7 +39,15 @@ from sao_megatron.algo.choices import (
     Truncation,
     uses_critic,
 )
-from sao_megatron.algo.diagnostics import LAG_BUCKETS, explained_variance, kept_by_lag, mismatch_metrics, policy_lag
+from sao_megatron.algo.diagnostics import (
+    LAG_BUCKETS,
+    between_prompt_share,
+    explained_variance,
+    first_action_explained_variance,
+    kept_by_lag,
+    mismatch_metrics,
+    policy_lag,
+)
 from sao_megatron.algo.masked import (
     masked_mean,
     masked_quantiles,
@@ -74,11 +82,13 @@ __all__ = [
     "PromptRunningMeanBaseline",
     "StepMode",
     "Truncation",
+    "between_prompt_share",
     "broadcast_to_tokens",
     "count_sequences",
     "dis_band",
     "dis_loss",
     "explained_variance",
+    "first_action_explained_variance",
     "gae",
     "gae_reference",
     "grpo_advantages",

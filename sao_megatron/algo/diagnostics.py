@@ -1,5 +1,6 @@
-"""Diagnostics of a training batch: per-token policy lag, the DIS band by lag, and the critic's
-explained variance.
+"""Diagnostics of a training batch: per-token policy lag, the DIS band by lag, the critic's
+explained variance (all action tokens, and at each trajectory's first), and how much of the reward
+variance lies between prompts.
 
 None feeds a loss; all are logged next to the loss metrics (``docs/training.md``).
 """
@@ -51,6 +52,44 @@ def explained_variance(values: Tensor, returns: Tensor, action_mask: Tensor) -> 
     if var_r < EV_MIN_VARIANCE:
         return float("nan")
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
+
+
+def first_action_explained_variance(values: Tensor, returns: Tensor, action_mask: Tensor) -> float:
+    """:func:`explained_variance` over each trajectory's first action token only.
+
+    There the policy has not acted yet, so the critic can only know the prompt: this is the
+    critic as a baseline, against the batch mean that a prompt-independent baseline gives. Near 0,
+    the prompts give the critic nothing to learn (a running mean is as good); with a terminal
+    reward and gamma = lam_critic = 1 the target there is the reward itself. Rows without an
+    action token are left out.
+    """
+    mask = check_action_mask(action_mask)
+    has_action = mask.any(dim=-1)
+    first = torch.zeros_like(mask)
+    rows = torch.nonzero(has_action).squeeze(-1)
+    first[rows, mask[rows].int().argmax(dim=-1)] = True  # argmax of 0/1 is the first 1
+    return explained_variance(values, returns, first)
+
+
+def between_prompt_share(groups: list[list[float]]) -> float:
+    """Share of reward variance that lies between prompts, from ``k >= 2`` rewards of each prompt.
+
+    One-way random-effects estimate, unbiased in both parts: within-prompt variance ``W`` the mean
+    of each prompt's sample variance (``k - 1`` denominator), between-prompt variance
+    ``B = Var[prompt means] - W / k`` (prompts' ``n - 1`` denominator, floored at 0); returns
+    ``B / (B + W)``. 0: a prompt says nothing about its reward (a global baseline is right);
+    1: every sample of a prompt gets the same reward. NaN with fewer than 2 prompts, groups of
+    unequal or < 2 size, or no variance at all.
+    """
+    n = len(groups)
+    k = len(groups[0]) if groups else 0
+    if n < 2 or k < 2 or any(len(g) != k for g in groups):
+        return float("nan")
+    r = torch.tensor(groups, dtype=torch.float64)
+    within = float(r.var(dim=1, unbiased=True).mean())
+    between = max(0.0, float(r.mean(dim=1).var(unbiased=True)) - within / k)
+    total = between + within
+    return between / total if total > EV_MIN_VARIANCE else float("nan")
 
 
 def kept_by_lag(kept: Tensor, lag: Tensor, advantages: Tensor, mask: Tensor) -> dict[str, float]:

@@ -427,7 +427,9 @@ class Session:
           with ``eval/reward``, ``eval/failed`` (episodes) and ``eval/turns`` of the same episodes;
         * ``eval/mean_accuracy@k``: ``k = train.eval_samples`` episodes per prompt at
           ``train.eval_sample_temperature``, mean accuracy over all of them (paper: k=16 at 1.0),
-          with ``eval/pass@k`` (share of prompts with a correct sample) and ``eval/sampled_failed``.
+          with ``eval/pass@k`` (share of prompts with a correct sample) and ``eval/sampled_failed``;
+          with k >= 2, ``eval/between_prompt_share``: the share of those episodes' reward variance
+          that lies between prompts (:func:`algo.between_prompt_share`).
 
         Each accuracy comes with its standard error over the prompts (``_se``: binomial for the
         greedy one, the per-prompt means' for the sampled one): the noise of the evaluation set.
@@ -480,6 +482,9 @@ class Session:
             metrics[f"eval/mean_accuracy@{k}_se"] = statistics.stdev(means) / math.sqrt(n) if n > 1 else 0.0
             metrics[f"eval/pass@{k}"] = sum(map(any, per_prompt)) / n
             metrics["eval/sampled_failed"] = float(sum(r.status == "failed" for r in rest))
+            if k >= 2:
+                rewards = [[r.reward for r in rest[i * k : (i + 1) * k]] for i in range(n)]
+                metrics["eval/between_prompt_share"] = algo.between_prompt_share(rewards)
         return metrics
 
     async def checkpoint(

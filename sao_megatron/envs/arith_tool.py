@@ -42,6 +42,12 @@ class ArithTask(Task):
             split is a pool of ``n`` problems, index ``i`` is problem ``i % n`` (prompts repeat every
             ``n`` indices, as in a small dataset: per-prompt baselines, memorisation). ``heldout``
             is unchanged.
+        levels: a mixture of difficulties instead of one range: each prompt draws one level
+            uniformly, a dict of any of ``min_operands``, ``max_operands``, ``min_digits``,
+            ``max_digits`` (the rest from the arguments above), e.g. ``[{max_operands: 2,
+            max_digits: 1}, {min_operands: 4, max_operands: 4, min_digits: 3, max_digits: 3}]``:
+            one-digit pairs a tiny model can answer at once beside expressions it cannot do without
+            the calculator (the heterogeneous testbed, configs/experiments/hetero.yaml).
     """
 
     def __init__(
@@ -54,7 +60,10 @@ class ArithTask(Task):
         seed: int = 0,
         heldout_fraction: float = 0.2,
         train_size: int = 0,
+        levels: list[dict] | None = None,
     ) -> None:
+        base = {"min_operands": min_operands, "max_operands": max_operands, "min_digits": min_digits, "max_digits": max_digits}
+        self.levels = [self._level(i, base, level) for i, level in enumerate(levels)] if levels else [base]
         if not 2 <= min_operands <= max_operands:
             raise ValueError(f"need 2 <= min_operands <= max_operands, got {min_operands}, {max_operands}")
         if not 1 <= min_digits <= max_digits <= 9:
@@ -70,14 +79,29 @@ class ArithTask(Task):
         self.ops, self.seed, self.heldout_fraction = ops, seed, heldout_fraction
         self.train_size = train_size
 
+    @staticmethod
+    def _level(i: int, base: dict, level: dict) -> dict:
+        where = f"rollout.task_kwargs.levels[{i}]"
+        if not isinstance(level, dict) or set(level) - set(base):
+            raise ValueError(f"{where} must be a mapping of keys among {sorted(base)}; got {level!r}")
+        out = base | level
+        if not all(isinstance(v, int) for v in out.values()):
+            raise ValueError(f"{where}: operand and digit counts are integers; got {level!r}")
+        if not 2 <= out["min_operands"] <= out["max_operands"]:
+            raise ValueError(f"{where}: need 2 <= min_operands <= max_operands, got {out}")
+        if not 1 <= out["min_digits"] <= out["max_digits"] <= 9:
+            raise ValueError(f"{where}: need 1 <= min_digits <= max_digits <= 9, got {out}")
+        return out
+
     def size(self, split: Split) -> int | None:
         return self.train_size if check_split(split) == "train" and self.train_size else None
 
     def _expression(self, rng: random.Random) -> str:
-        n = rng.randint(self.min_operands, self.max_operands)
+        level = self.levels[rng.randrange(len(self.levels))] if len(self.levels) > 1 else self.levels[0]
+        n = rng.randint(level["min_operands"], level["max_operands"])
         parts = []
         for i in range(n):
-            digits = rng.randint(self.min_digits, self.max_digits)
+            digits = rng.randint(level["min_digits"], level["max_digits"])
             lo = 0 if digits == 1 else 10 ** (digits - 1)
             parts.append(str(rng.randint(lo, 10**digits - 1)))
             if i < n - 1:

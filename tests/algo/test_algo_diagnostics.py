@@ -36,6 +36,31 @@ def test_explained_variance_hand_computed():
     assert explained_variance(torch.full_like(returns, 2.5), returns, mask) == pytest.approx(0.0)
 
 
+def test_first_action_explained_variance_reads_each_rows_first_action_token_only():
+    # rows' first action tokens at 1, 0, 2; row 3 has none. There: R = [0, 1, 1], V = [0, 1, 0]
+    # -> R - V = [0, 0, 1]: Var 2/9 over Var[R] 2/9 = 0; later tokens, perfectly predicted, do not count
+    returns = torch.tensor([[5.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 9.0], [7.0, 7.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
+    values = torch.tensor([[-4.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 9.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]])
+    assert algo.first_action_explained_variance(values, returns, mask) == pytest.approx(0.0)
+    assert explained_variance(values, returns, mask) > 0.5  # over all action tokens: a different figure
+    values[2, 2] = 1.0  # the first tokens now all predicted: 1
+    assert algo.first_action_explained_variance(values, returns, mask) == pytest.approx(1.0)
+    values[:, :] = 0.5  # the mean of the first tokens' returns [0, 1, 1] is 2/3: 1 - Var[R - .5]/Var[R] = 1 - 1 = 0
+    assert algo.first_action_explained_variance(values, returns, mask) == pytest.approx(0.0)
+
+
+def test_between_prompt_share_hand_computed():
+    # prompt means 1, 0 (Var, n-1: 0.5); no within-prompt variance: all between
+    assert algo.between_prompt_share([[1.0, 1.0], [0.0, 0.0]]) == pytest.approx(1.0)
+    # every prompt the same coin: within var 0.5 (k-1), means all 0.5 -> between floored at 0
+    assert algo.between_prompt_share([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]) == pytest.approx(0.0)
+    # means [1, 0.5, 0] (Var 0.25); within [0, 0.5, 0] mean 1/6; B = 0.25 - 1/12 = 1/6; share 0.5
+    assert algo.between_prompt_share([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]) == pytest.approx(0.5)
+    for bad in ([], [[1.0, 0.0]], [[1.0], [0.0]], [[1.0, 0.0], [1.0]], [[1.0, 1.0], [1.0, 1.0]]):
+        assert math.isnan(algo.between_prompt_share(bad))
+
+
 def test_explained_variance_is_nan_without_variance_or_tokens():
     r = torch.tensor([[2.0, 2.0, 2.0]])
     assert math.isnan(explained_variance(torch.zeros(1, 3), r, torch.ones(1, 3)))  # Var[R] = 0

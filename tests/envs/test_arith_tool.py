@@ -64,6 +64,25 @@ def test_difficulty_knobs() -> None:
         ArithTask().get("train", -1)
 
 
+def test_levels_mix_difficulties_and_leave_the_default_stream_unchanged() -> None:
+    easy, hard = {"max_operands": 2, "max_digits": 1}, {"min_operands": 4, "max_operands": 4, "min_digits": 3, "max_digits": 3}
+    task = ArithTask(levels=[easy, hard], ops="+")
+    kinds = []
+    for i in range(200):
+        operands = task.get("train", i).meta["expression"].split("+")
+        if len(operands) == 2:
+            assert all(len(x) == 1 for x in operands)
+        else:
+            assert len(operands) == 4 and all(len(x) == 3 for x in operands)
+        kinds.append(len(operands))
+    assert 60 < kinds.count(2) < 140  # each level about half the prompts
+    one_level = ArithTask(levels=[{}])
+    assert [one_level.get("train", i) for i in range(20)] == [ArithTask().get("train", i) for i in range(20)]
+    for bad in ([{"digits": 2}], [{"min_digits": 0}], [{"min_operands": 3, "max_operands": 2}], [{"max_digits": "2"}], ["easy"]):
+        with pytest.raises(ValueError, match=r"rollout.task_kwargs.levels\[0\]"):
+            ArithTask(levels=bad)
+
+
 def test_demonstration_replay_earns_reward_one() -> None:
     task, env = make_task("arith_tool", max_operands=4, max_digits=3), make_env("arith_tool")
     for i in range(200):
