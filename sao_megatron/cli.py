@@ -296,6 +296,7 @@ def cmd_compare(args) -> int:
                 Path(args.out) if args.out else None,
                 [parse_window(w) for w in args.window or []],
                 args.paired_with,
+                args.recovery or [],
             )
         )
     except ValueError as err:
@@ -428,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--paired-with",
         metavar="ARM",
         help="also each arm's final value minus this arm's, seed by seed (mean +- s.e. of the differences)",
+    )
+    p.add_argument(
+        "--recovery",
+        action="append",
+        type=int,
+        metavar="STEP",
+        help="also the RL steps each metric takes to regain 90%% of its level before STEP, the first step "
+        "of a new reward (repeatable; a run that never does counts one step past its end)",
     )
     p.add_argument("--out", help="directory for compare.md and one PNG per metric")
     p.set_defaults(fn=cmd_compare)

@@ -375,18 +375,44 @@ def window_mean(records: list[dict], metric: str, window: tuple[int, int]) -> fl
     return statistics.fmean(values) if values else None
 
 
+RECOVERY_SHARE = 0.9
+RECOVERY_SPAN = 3
+"""Recovery after a switch: the first step whose trailing mean over ``RECOVERY_SPAN`` steps, all at
+or after the switch, reaches ``RECOVERY_SHARE`` of the mean over the ``RECOVERY_SPAN`` steps before it."""
+
+
+def recovery_steps(records: list[dict], metric: str, switch: int) -> float | None:
+    """RL steps from ``switch`` (the first step of a new reward) until the metric recovers (see
+    ``RECOVERY_SHARE``): ``t - switch + 1`` for the recovering step ``t``, so at least
+    ``RECOVERY_SPAN``. A run that never recovers counts one step past its end (censored; the caller
+    says so). None when the steps before the switch are missing."""
+    by_step = {int(r["step"]): float(r[metric]) for r in records if r.get("stage") == "rl" and _number(r.get(metric))}
+    before = [by_step.get(s) for s in range(switch - RECOVERY_SPAN, switch)]
+    if any(v is None for v in before) or not by_step:
+        return None
+    target = RECOVERY_SHARE * statistics.fmean(v for v in before if v is not None)
+    last = max(by_step)
+    for t in range(switch + RECOVERY_SPAN - 1, last + 1):
+        span = [by_step.get(s) for s in range(t - RECOVERY_SPAN + 1, t + 1)]
+        if all(v is not None for v in span) and statistics.fmean(v for v in span if v is not None) >= target:
+            return float(t - switch + 1)
+    return float(last - switch + 2)
+
+
 def compare(
     paths: list[Path],
     metrics: list[str],
     out_dir: Path | None = None,
     windows: Sequence[tuple[int, int]] = (),
     paired_with: str | None = None,
+    recoveries: Sequence[int] = (),
 ) -> str:
     """A markdown table (per arm and metric: mean +- standard error and the 95% interval over its
     runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation; for each of
     ``windows`` the metric's mean over those RL steps; with ``paired_with`` an arm, each of these
-    per run minus that arm's, run by run of the same name, i.e. seed by seed) and, with
-    ``out_dir``, one PNG per metric of the arms' mean curves with a +-1 standard-error band."""
+    per run minus that arm's, run by run of the same name, i.e. seed by seed; for each step of
+    ``recoveries``, where the reward switched, :func:`recovery_steps`) and, with ``out_dir``, one
+    PNG per metric of the arms' mean curves with a +-1 standard-error band."""
     groups = group_runs(paths)
     records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
     if paired_with is not None and paired_with not in groups:
@@ -403,6 +429,11 @@ def compare(
     rows += [(f"{m} gain", m, gain) for m in metrics if m.startswith("eval/")]
     rows += [
         (f"{m} steps {a}-{b}", m, lambda r, m, w=(a, b): window_mean(r, m, w)) for m in metrics for a, b in windows
+    ]
+    rows += [
+        (f"{m} steps to recover {RECOVERY_SHARE:.0%} after step {s}", m, lambda r, m, s=s: recovery_steps(r, m, s))
+        for m in metrics
+        for s in recoveries
     ]
     for label, metric, reduce in rows:
         for arm, runs in records.items():

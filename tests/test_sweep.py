@@ -300,3 +300,28 @@ def test_compare_leaves_empty_a_metric_an_arm_never_logged_in_its_rl_steps(tmp_p
     assert ("critic/explained_var", "sao") in rows
     assert not {r for r in rows if r[0].startswith("critic/") and r[1] == "grpo_dis"}  # no 0.19 row, paired or not
     assert {("rollout/reward", "grpo_dis"), ("eval/accuracy gain", "grpo_dis")} <= rows  # its own metrics stay
+
+
+def test_recovery_counts_the_steps_until_a_trailing_mean_regains_90_percent(tmp_path, capsys):
+    # reward 0.8 on steps 1-5; the switch at step 6 drops it to 0; then it climbs back. Target
+    # 0.9 * 0.8 = 0.72; trailing means of 3 steps from step 8 on.
+    curves = {
+        "fast": [0.8] * 5 + [0.0, 0.6, 0.7, 0.8, 0.8, 0.8],  # steps 7-9: 0.7 < 0.72; 8-10: 0.767: t = 10, 5 steps
+        "slow": [0.8] * 5 + [0.0, 0.1, 0.2, 0.3, 0.4, 0.5],  # never: one step past the end, 11 - 6 + 2 = 7
+    }
+    for arm, rewards in curves.items():
+        for seed in (1, 2):
+            run = tmp_path / arm / f"seed{seed}"
+            run.mkdir(parents=True)
+            records = [{"step": i + 1, "stage": "rl", "rollout/reward": r} for i, r in enumerate(rewards)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert (
+        main(["compare", str(tmp_path), "--metric", "rollout/reward", "--recovery", "6", "--paired-with", "fast"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "| rollout/reward steps to recover 90% after step 6 | fast | 2 | 5 +- 0 |" in out
+    assert "| rollout/reward steps to recover 90% after step 6 | slow | 2 | 7 +- 0 |" in out
+    assert "| rollout/reward steps to recover 90% after step 6 minus fast, paired | slow | 2 | 2 +- 0 |" in out
+    # a switch with no steps before it in the runs: no row
+    assert main(["compare", str(tmp_path), "--metric", "rollout/reward", "--recovery", "2"]) == 0
+    assert "after step 2" not in capsys.readouterr().out

@@ -13,10 +13,11 @@ exact AST evaluator of :mod:`sao_megatron.envs.safe_eval` (no sandbox needed).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import random
 
-from sao_megatron.envs.base import Sample, Split, Task, check_split
+from sao_megatron.envs.base import RewardResult, Sample, Split, Task, check_split
 from sao_megatron.envs.format import Turn
 from sao_megatron.envs.registry import register_env
 from sao_megatron.envs.safe_eval import calculator, evaluate, format_number
@@ -62,7 +63,12 @@ class ArithTask(Task):
         train_size: int = 0,
         levels: list[dict] | None = None,
     ) -> None:
-        base = {"min_operands": min_operands, "max_operands": max_operands, "min_digits": min_digits, "max_digits": max_digits}
+        base = {
+            "min_operands": min_operands,
+            "max_operands": max_operands,
+            "min_digits": min_digits,
+            "max_digits": max_digits,
+        }
         self.levels = [self._level(i, base, level) for i, level in enumerate(levels)] if levels else [base]
         if not 2 <= min_operands <= max_operands:
             raise ValueError(f"need 2 <= min_operands <= max_operands, got {min_operands}, {max_operands}")
@@ -112,6 +118,7 @@ class ArithTask(Task):
         split = check_split(split)
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
+        cursor = index  # the position in the stream (reward phases), before a pool wraps it
         if split == "train" and self.train_size:
             index %= self.train_size
         rng = random.Random(f"arith_tool:{self.seed}:{split}:{index}")
@@ -125,7 +132,7 @@ class ArithTask(Task):
             prompt_id=f"arith_tool:{self.seed}:{split}:{index}",
             question=f"What is {expr}?",
             answer=answer,
-            meta={"expression": expr},
+            meta={"expression": expr, "index": cursor},
         )
 
 
@@ -136,10 +143,20 @@ class ArithToolEnv(ToolEnv):
     The answer must be the integer (``449``; ``+449``/`` 449 `` are accepted, ``449.0`` is not).
     Using the tool is not required for the reward; the demonstrations use it, except a
     ``demo_tool_free`` share of them (chosen by the prompt, the same on every machine), which answer
-    at once, without the calculator: still correct, so supervised learning cannot tell them apart,
+    at once, without the calculator (with a ``train_size`` pool, drawn anew each time a prompt comes
+    round again): still correct, so supervised learning cannot tell them apart,
     but a tiny model cannot do the arithmetic itself, and imitating them costs accuracy that only
     a reward shows (the RL-headroom testbed, configs/experiments/headroom_*.yaml).
+
+    ``reward_phases`` makes the rewarded *behaviour* change during training (online adaptation,
+    configs/experiments/adaptation.yaml): ``tool`` rewards a correct answer reached with at least one
+    calculator call, ``direct`` one given without any, ``any`` every correct answer (the default).
+    Phase ``i`` holds for the training prompts from ``phase_boundaries[i-1]`` (a prompt index of the
+    RL cursor) to ``phase_boundaries[i]``; held-out prompts are graded by the last phase.
+    ``correct`` stays the arithmetic's truth whatever the phase (held-out accuracy).
     """
+
+    PHASES = ("any", "tool", "direct")
 
     task_class = ArithTask
     tool_name = "calculator"
@@ -155,8 +172,23 @@ class ArithToolEnv(ToolEnv):
         max_observation_chars: int = 64,
         concurrent_calls: bool = False,
         demo_tool_free: float = 0.0,
+        reward_phases: list[str] | None = None,
+        phase_boundaries: list[int] | None = None,
     ) -> None:
         super().__init__(max_turns, format_penalty, max_observation_chars, concurrent_calls)
+        self.reward_phases = list(reward_phases or ["any"])
+        self.phase_boundaries = list(phase_boundaries or [])
+        bad = [p for p in self.reward_phases if p not in self.PHASES]
+        if bad:
+            raise ValueError(f"rollout.env_kwargs.reward_phases: {bad} not among {list(self.PHASES)}")
+        bounds = self.phase_boundaries
+        if len(bounds) != len(self.reward_phases) - 1 or any(not isinstance(b, int) for b in bounds):
+            raise ValueError(
+                f"rollout.env_kwargs.phase_boundaries={bounds}: give one prompt index (an integer) per switch, "
+                f"{len(self.reward_phases) - 1} for reward_phases={self.reward_phases}"
+            )
+        if bounds != sorted(set(bounds)) or (bounds and bounds[0] <= 0):
+            raise ValueError(f"rollout.env_kwargs.phase_boundaries={bounds} must rise strictly from above 0")
         if not 0.0 <= demo_tool_free <= 1.0:
             raise ValueError(
                 f"rollout.env_kwargs.demo_tool_free is a share of demonstrations, in [0, 1]; got {demo_tool_free}"
@@ -166,13 +198,38 @@ class ArithToolEnv(ToolEnv):
     def run_tool(self, code: str) -> str:
         return calculator(code.strip())
 
+    def phase(self, sample: Sample) -> str:
+        """The rewarded behaviour for ``sample`` (its training prompt index against the boundaries)."""
+        index = sample.meta.get("index")
+        if ":train:" not in sample.prompt_id or not isinstance(index, int):
+            return self.reward_phases[-1]
+        return self.reward_phases[bisect.bisect_right(self.phase_boundaries, index)]
+
+    def reward(self) -> RewardResult:
+        result = super().reward()
+        if self.sample is None or self.reward_phases == ["any"]:
+            return result
+        phase = self.phase(self.sample)
+        behaved = phase == "any" or (self.tool_calls > 0) == (phase == "tool")
+        reward = (1.0 if result.correct and behaved else 0.0) - (self.format_penalty if self.malformed else 0.0)
+        return RewardResult(reward, result.correct, {**result.details, "phase": phase})
+
     def check(self, answer: str, sample: Sample) -> bool:
         text = answer.strip().lstrip("+")
         return text == sample.answer
 
+    @staticmethod
+    def _demo_key(sample: Sample) -> str:
+        """The prompt's own key; a pool prompt that comes round again (``train_size``: its cursor
+        index is past the pool's) draws anew, so SFT sees both behaviours on the same problem."""
+        index = sample.meta.get("index")
+        if isinstance(index, int) and not sample.prompt_id.endswith(f":{index}"):
+            return f"demo_tool_free:{sample.prompt_id}@{index}"
+        return f"demo_tool_free:{sample.prompt_id}"
+
     def demonstration(self, sample: Sample) -> list[Turn]:
         expr = str(sample.meta["expression"])
-        if random.Random(f"demo_tool_free:{sample.prompt_id}").random() < self.demo_tool_free:
+        if random.Random(self._demo_key(sample)).random() < self.demo_tool_free:
             return [("assistant", self.answer_text(sample.answer))]
         return [
             ("assistant", self.call_text(expr)),

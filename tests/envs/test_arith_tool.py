@@ -65,7 +65,10 @@ def test_difficulty_knobs() -> None:
 
 
 def test_levels_mix_difficulties_and_leave_the_default_stream_unchanged() -> None:
-    easy, hard = {"max_operands": 2, "max_digits": 1}, {"min_operands": 4, "max_operands": 4, "min_digits": 3, "max_digits": 3}
+    easy, hard = (
+        {"max_operands": 2, "max_digits": 1},
+        {"min_operands": 4, "max_operands": 4, "min_digits": 3, "max_digits": 3},
+    )
     task = ArithTask(levels=[easy, hard], ops="+")
     kinds = []
     for i in range(200):
@@ -78,7 +81,13 @@ def test_levels_mix_difficulties_and_leave_the_default_stream_unchanged() -> Non
     assert 60 < kinds.count(2) < 140  # each level about half the prompts
     one_level = ArithTask(levels=[{}])
     assert [one_level.get("train", i) for i in range(20)] == [ArithTask().get("train", i) for i in range(20)]
-    for bad in ([{"digits": 2}], [{"min_digits": 0}], [{"min_operands": 3, "max_operands": 2}], [{"max_digits": "2"}], ["easy"]):
+    for bad in (
+        [{"digits": 2}],
+        [{"min_digits": 0}],
+        [{"min_operands": 3, "max_operands": 2}],
+        [{"max_digits": "2"}],
+        ["easy"],
+    ):
         with pytest.raises(ValueError, match=r"rollout.task_kwargs.levels\[0\]"):
             ArithTask(levels=bad)
 
@@ -96,6 +105,48 @@ def test_demonstration_replay_earns_reward_one() -> None:
         result = env.reward()
         assert result.reward == 1.0 and result.correct is True
         assert result.details["tool_calls"] == 1 and result.details["malformed"] == 0
+
+
+def test_reward_phases_reward_the_behaviour_in_force_at_the_prompts_index() -> None:
+    task = ArithTask(train_size=7)
+    env = ArithToolEnv(reward_phases=["tool", "direct", "any"], phase_boundaries=[10, 20])
+    for index, phase in ((0, "tool"), (9, "tool"), (10, "direct"), (19, "direct"), (20, "any"), (500, "any")):
+        sample = task.get("train", index)
+        assert sample.meta["index"] == index  # the cursor's index, not the pool's (7)
+        expr, answer = str(sample.meta["expression"]), sample.answer
+        with_tool = _play(env, sample, [tool_call(expr), final_answer(answer)])
+        assert with_tool[-1].done
+        tool_result = env.reward()
+        direct = _play(env, sample, [final_answer(answer)])
+        assert direct[-1].done
+        direct_result = env.reward()
+        assert (tool_result.reward, direct_result.reward) == {
+            "tool": (1.0, 0.0),
+            "direct": (0.0, 1.0),
+            "any": (1.0, 1.0),
+        }[phase], (index, phase)
+        assert tool_result.correct is direct_result.correct is True  # the arithmetic's truth, whatever the phase
+        assert direct_result.details["phase"] == phase
+        _play(env, sample, [final_answer(answer + "1")])
+        assert env.reward().reward == 0.0  # wrong is never rewarded
+    assert env.phase(task.get("heldout", 3)) == "any"  # held out: the last phase
+    # demonstrations: a pool prompt's tool-free choice is drawn anew each time it comes round, so
+    # SFT sees both behaviours on one problem; the first pass keeps the stream's choice
+    mixed = ArithToolEnv(demo_tool_free=0.5)
+    kinds = {len(mixed.demonstration(task.get("train", 3 + 7 * k))) for k in range(12)}
+    assert kinds == {1, 3}
+    unlimited = ArithTask()
+    assert [mixed.demonstration(task.get("train", i)) for i in range(7)] == [
+        mixed.demonstration(unlimited.get("train", i)) for i in range(7)
+    ]
+    for kwargs, match in (
+        (dict(reward_phases=["tool", "calculator"], phase_boundaries=[5]), "not among"),
+        (dict(reward_phases=["tool", "direct"]), "one prompt index"),
+        (dict(reward_phases=["tool", "direct", "tool"], phase_boundaries=[9, 5]), "rise strictly"),
+        (dict(reward_phases=["tool", "direct"], phase_boundaries=[0]), "rise strictly"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ArithToolEnv(**kwargs)
 
 
 def test_wrong_missing_and_malformed_answers() -> None:
@@ -150,7 +201,10 @@ def test_train_size_makes_the_training_split_a_repeating_pool() -> None:
     pool, unlimited = ArithTask(train_size=5), ArithTask()
     assert pool.size("train") == 5 and pool.size("heldout") is None and unlimited.size("train") is None
     first = [pool.get("train", i) for i in range(5)]
-    assert [pool.get("train", i + 10) for i in range(5)] == first  # index i is problem i % 5
+    again = [pool.get("train", i + 10) for i in range(5)]
+    problem = lambda s: (s.prompt_id, s.question, s.answer, s.meta["expression"])  # noqa: E731
+    assert list(map(problem, again)) == list(map(problem, first))  # index i is problem i % 5
+    assert [s.meta["index"] for s in again] == [10, 11, 12, 13, 14]  # the cursor's own index
     assert first == [unlimited.get("train", i) for i in range(5)]  # the pool is the stream's start
     assert len({s.prompt_id for s in first}) == 5
     assert pool.get("heldout", 7) == unlimited.get("heldout", 7)
