@@ -444,8 +444,24 @@ SUPPORTED_ROUTER = "0.3.2"
 # ``python -m sglang_router.launch_router`` imports ``mini_lb`` and with it all of ``sglang``
 # (~15-20 s on a busy 2-core machine). This does what its ``main()`` does (same flags, same Rust
 # router) with only ``sglang_router.router`` imported (~0.1 s).
-_FAST_ROUTER_MAIN = """
-import argparse, sys
+_ROUTER_MAIN = """
+import os, sys
+mode, argv = sys.argv[1], sys.argv[2:]
+if "--api-key-on-stdin" in argv:  # the key as stdin's first line, never in ps or /proc/PID/cmdline
+    argv.remove("--api-key-on-stdin")
+    key = sys.stdin.readline().strip()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if not key:
+        sys.exit("router: no API key on stdin (RouterProcess sends RouterSpec.api_key there)")
+    argv += ["--api-key", key]
+if mode == "module":
+    import runpy
+    sys.argv = ["sglang_router.launch_router", *argv]
+    runpy.run_module("sglang_router.launch_router", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+import argparse
 from sglang_router.router import Router
 from sglang_router.router_args import RouterArgs
 try:
@@ -454,7 +470,7 @@ except ImportError:
     pass
 parser = argparse.ArgumentParser(prog="sglang_router.launch_router")
 RouterArgs.add_cli_args(parser, use_router_prefix=False)
-args = RouterArgs.from_cli_args(parser.parse_args(sys.argv[1:]), use_router_prefix=False)
+args = RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)
 args._validate_router_args()
 Router.from_args(args).start()
 """
@@ -491,20 +507,22 @@ class RouterSpec:
     log_path: str | None = None
     extra_args: list[str] = field(default_factory=list)
     fast_launch: bool = True
-    """Start the Rust router without importing ``sglang`` (see ``_FAST_ROUTER_MAIN``); False runs
-    ``python -m sglang_router.launch_router`` with the same flags."""
+    """Start the Rust router without importing ``sglang`` (see ``_ROUTER_MAIN``); False runs
+    ``sglang_router.launch_router`` with the same flags."""
     startup_timeout_s: float = 120.0
     api_key: str | None = None
-    """The engines' key (``EngineSpec.api_key``), which the router sends them. sglang-router 0.3.2 does
-    not check its own clients' keys: keep ``host`` on loopback."""
+    """The engines' key (``EngineSpec.api_key``), which the router sends them; it reaches the router
+    on stdin (``_ROUTER_MAIN``), as the engines' does. sglang-router 0.3.2 does not check its own
+    clients' keys: keep ``host`` on loopback."""
 
 
 def _router_command(spec: RouterSpec, prometheus_port: int) -> list[str]:
-    entry = ["-c", _FAST_ROUTER_MAIN] if spec.fast_launch else ["-m", "sglang_router.launch_router"]
-    key = ["--api-key", spec.api_key] if spec.api_key else []
+    key = ["--api-key-on-stdin"] if spec.api_key else []
     return [
         sys.executable,
-        *entry,
+        "-c",
+        _ROUTER_MAIN,
+        "fast" if spec.fast_launch else "module",
         "--worker-urls",
         *spec.worker_urls,
         "--host",
@@ -559,6 +577,9 @@ class RouterProcess(_ServerProcess):
             raise EngineStartError(
                 f"RouterProcess was measured on sglang-router=={SUPPORTED_ROUTER}, found {router_version()}"
             )
+
+    def _stdin_secret(self) -> str | None:
+        return self.spec.api_key or None
 
     def _command(self) -> list[str]:
         return _router_command(self.spec, self.prometheus_port)

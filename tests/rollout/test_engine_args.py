@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 
 import pytest
@@ -167,7 +169,7 @@ def test_a_tp2_cpu_engine_gets_them_unless_the_user_set_them(tmp_path, started, 
 
 def test_engines_get_the_runs_api_key_and_clients_send_it(tmp_path, started, monkeypatch):
     """One key per run: drawn once into the environment, given to every engine on stdin (on no
-    command line: ``ps`` shows those to every user), on the router's command line, and sent by every
+    command line: ``ps`` shows those to every user), to the router on stdin too, and sent by every
     EngineClient as a bearer token unless told otherwise."""
     import aiohttp.web
 
@@ -181,8 +183,10 @@ def test_engines_get_the_runs_api_key_and_clients_send_it(tmp_path, started, mon
         assert spec.api_key == key and cmd[1:3] == ["-m", "sao_megatron.rollout.engine_main"]
         assert key not in " ".join(cmd) and "--api-key" not in cmd
         assert engine_mod.EngineProcess(spec, cpu=True)._stdin_secret() == key
-    router = engine_mod._router_command(engine_mod.RouterSpec(worker_urls=["u"], port=1, api_key=key), 2)
-    assert router[router.index("--api-key") + 1] == key
+    router_spec = engine_mod.RouterSpec(worker_urls=["u"], port=1, api_key=key)
+    router = engine_mod._router_command(router_spec, 2)
+    assert key not in " ".join(router) and "--api-key" not in router and "--api-key-on-stdin" in router
+    assert engine_mod.RouterProcess(router_spec)._stdin_secret() == key
 
     seen: list = []
 
@@ -228,3 +232,43 @@ def test_each_node_of_a_multi_node_engine_advertises_its_own_address(monkeypatch
     assert given["SGLANG_HOST_IP"] == "192.168.1.5"
     monkeypatch.setenv("HOST_IP", "192.168.1.6")
     assert "SGLANG_HOST_IP" not in env(nnodes=2, node_rank=1, dist_init_addr="10.200.0.4:5000")
+
+
+@pytest.mark.parametrize("launch", ["module", "fast"])
+def test_the_router_reads_its_key_from_stdin_and_passes_it_on_after_the_other_flags(tmp_path, launch):
+    """``_ROUTER_MAIN`` under a stand-in ``sglang_router`` that prints what it was given: the key from
+    stdin joins the arguments (never the command line), and a missing key stops it with a reason."""
+    import subprocess
+    import sys
+
+    stand_in = tmp_path / "sglang_router"
+    stand_in.mkdir()
+    (stand_in / "__init__.py").write_text("")
+    (stand_in / "launch_router.py").write_text("import sys, json\nprint(json.dumps(sys.argv[1:]))\n")
+    (stand_in / "router_args.py").write_text(
+        "class RouterArgs:\n"
+        "    @staticmethod\n"
+        "    def add_cli_args(parser, use_router_prefix):\n"
+        "        parser.add_argument('--port'); parser.add_argument('--api-key')\n"
+        "    @staticmethod\n"
+        "    def from_cli_args(ns, use_router_prefix):\n"
+        "        ns._validate_router_args = lambda: None\n"
+        "        return ns\n"
+    )
+    (stand_in / "router.py").write_text(
+        "import json\n"
+        "class Router:\n"
+        "    @staticmethod\n"
+        "    def from_args(args):\n"
+        "        class Started:\n"
+        "            def start(self):\n"
+        "                print(json.dumps(['--port', args.port, '--api-key', args.api_key]))\n"
+        "        return Started()\n"
+    )
+    command = [sys.executable, "-c", engine_mod._ROUTER_MAIN, launch, "--port", "7", "--api-key-on-stdin"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(command, input="s3cret\n", capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["--port", "7", "--api-key", "s3cret"]
+    missing = subprocess.run(command, input="", capture_output=True, text=True, env=env, timeout=60)
+    assert missing.returncode == 1 and "no API key on stdin" in missing.stderr

@@ -497,6 +497,13 @@ def test_tensor_weight_update_serves_new_weights(engine, checkpoints):
     assert (torch.tensor(scored_v0) - _hf_logprobs(checkpoints[0], ids)).abs().max().item() <= ENGINE_TOL
 
 
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""
+
+
 def test_router_proxies_generate(engine, tmp_path):
     spec = RouterSpec(
         worker_urls=[engine.url], port=free_port(), log_path=str(tmp_path / "router.log"), api_key=engine.spec.api_key
@@ -514,6 +521,8 @@ def test_router_proxies_generate(engine, tmp_path):
 
     with RouterProcess(spec) as router:
         assert router.url != engine.url
+        key = engine.spec.api_key.encode()
+        assert key and not [p for p in Path("/proc").glob("[0-9]*") if key in _cmdline(p)]  # on stdin only
         try:
             routed, own, refused = run(go(router.url))
         except Exception as err:  # a failure here shows both servers' last lines
@@ -522,6 +531,7 @@ def test_router_proxies_generate(engine, tmp_path):
                 f"engine log {engine.log_path}:\n{engine.log_tail(60)}"
             ) from err
     assert router.proc is not None and router.proc.poll() is not None  # stopped with its process group
+    assert key not in Path(router.log_path).read_bytes()
     assert routed.output_ids == own.output_ids and len(routed.output_ids) == 8
     assert max(abs(a - b) for a, b in zip(routed.behavior_logprobs, own.behavior_logprobs, strict=True)) <= ENGINE_TOL
     assert (
