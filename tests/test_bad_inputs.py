@@ -456,6 +456,22 @@ CASES: list[tuple[str, Build, str]] = [
      r"^rollout\.env=openai_agent needs exactly one of rollout\.agent\.entry_point \(got ''\) and rollout\.agent\.command "),
     ("openai-agent-with-groups", _overrides("rollout.env=openai_agent", "rollout.agent.entry_point=m:f", "algo.group_size=4"),
      r"^rollout\.env=openai_agent with algo\.group_size=4: a session's segments have no group to share a baseline with; "),
+    ("openai-agent-entry-point-on-env-workers",
+     _overrides("rollout.env=openai_agent", "rollout.agent.entry_point=m:f", "rollout.env_workers=2"),
+     r"^rollout\.agent\.entry_point='m:f' with rollout\.env_workers=2: an entry point runs in the rollout process, "
+     r"beside the gateway; give the agent as rollout\.agent\.command \(run on the env workers\) or set rollout\.env_workers=0$"),
+    ("openai-agent-env-workers-gateway-on-loopback",
+     _overrides("rollout.env=openai_agent", "rollout.agent.command=[python, a.py]", "rollout.env_workers=2",
+                "cluster.ray_address=10.0.0.1:6379"),
+     r"^rollout\.gateway\.host=127\.0\.0\.1 with rollout\.env_workers=2 on a cluster: agents on the env workers' nodes "
+     r"cannot reach loopback; set rollout\.gateway\.host=0\.0\.0\.0 "),
+    ("openai-agent-sandbox-require-with-entry-point",
+     _overrides("rollout.env=openai_agent", "rollout.agent.entry_point=m:f", "rollout.agent.sandbox=require"),
+     r"^rollout\.agent\.sandbox=require with rollout\.agent\.entry_point='m:f': an entry point runs in the rollout "
+     r"process and cannot be sandboxed; give the agent as rollout\.agent\.command or set rollout\.agent\.sandbox=auto$"),
+    ("openai-agent-memory-limit",
+     _overrides("rollout.env=openai_agent", "rollout.agent.command=[python, a.py]", "rollout.agent.memory_mb=10"),
+     r"^rollout\.agent\.memory_mb=10 must be >= 64 \(a sandboxed agent's limit\)$"),
     ("gateway-port-out-of-range", _overrides("rollout.gateway.port=70000"),
      r"^rollout\.gateway\.port=70000 must be in \[0, 65535\] \(0: a free port\)$"),
     ("gateway-unknown-model", lambda tmp: bad_request({"model": "gpt-4o", "messages": USER}),

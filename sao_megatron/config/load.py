@@ -321,7 +321,7 @@ def validate(cfg: SAOConfig) -> None:
     validate_algo(cfg.algo)
     validate_corrections(cfg)
     validate_rollout(cfg.rollout)
-    validate_gateway(cfg.rollout, cfg.algo.group_size)
+    validate_gateway(cfg.rollout, cfg.algo.group_size, bool(cfg.cluster.ray_address))
     validate_routing_replay(cfg)
     validate_data(cfg.data, evaluates=cfg.train.eval_prompts > 0)
     for name in ("eval_prompts", "eval_samples"):
@@ -497,8 +497,9 @@ def validate_rollout(r: RolloutConfig) -> None:
         raise ConfigError(f"rollout.env_worker_cpus={r.env_worker_cpus} must be > 0 (Ray CPUs per worker)")
 
 
-def validate_gateway(r: RolloutConfig, group_size: int = 1) -> None:
-    """``rollout.gateway`` and, with ``rollout.env=openai_agent``, ``rollout.agent`` (``group_size``: ``algo.group_size``)."""
+def validate_gateway(r: RolloutConfig, group_size: int = 1, cluster_run: bool = False) -> None:
+    """``rollout.gateway`` and, with ``rollout.env=openai_agent``, ``rollout.agent`` (``group_size``:
+    ``algo.group_size``; ``cluster_run``: ``cluster.ray_address`` is set, so env workers may be on other nodes)."""
     g = r.gateway
     if not 0 <= g.port <= 65535:
         raise ConfigError(f"rollout.gateway.port={g.port} must be in [0, 65535] (0: a free port)")
@@ -516,10 +517,26 @@ def validate_gateway(r: RolloutConfig, group_size: int = 1) -> None:
         )
     if a.entry_point and ":" not in a.entry_point:
         raise ConfigError(f"rollout.agent.entry_point={a.entry_point!r} is not 'package.module:function'")
-    if r.env_workers > 0:
+    if a.entry_point and a.sandbox == "require":
         raise ConfigError(
-            f"rollout.env=openai_agent with rollout.env_workers={r.env_workers}: the agents run beside the gateway "
-            "in the rollout process; set rollout.env_workers=0"
+            f"rollout.agent.sandbox=require with rollout.agent.entry_point={a.entry_point!r}: an entry point runs "
+            "in the rollout process and cannot be sandboxed; give the agent as rollout.agent.command or set "
+            "rollout.agent.sandbox=auto"
+        )
+    for key, low in (("memory_mb", 64), ("cpu_s", 1), ("processes", 8)):
+        if getattr(a, key) < low:
+            raise ConfigError(f"rollout.agent.{key}={getattr(a, key)} must be >= {low} (a sandboxed agent's limit)")
+    if r.env_workers > 0 and a.entry_point:
+        raise ConfigError(
+            f"rollout.agent.entry_point={a.entry_point!r} with rollout.env_workers={r.env_workers}: an entry "
+            "point runs in the rollout process, beside the gateway; give the agent as rollout.agent.command (run on "
+            "the env workers) or set rollout.env_workers=0"
+        )
+    if r.env_workers > 0 and cluster_run and r.gateway.host in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(
+            f"rollout.gateway.host={r.gateway.host} with rollout.env_workers={r.env_workers} on a cluster: agents "
+            "on the env workers' nodes cannot reach loopback; set rollout.gateway.host=0.0.0.0 (every session keeps "
+            "its key)"
         )
     if group_size > 1:
         raise ConfigError(

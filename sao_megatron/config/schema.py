@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from sao_megatron.algo.choices import AdvantageName, BatchOrder, LossAgg, OverLag, PolicyLossName, Truncation
+from sao_megatron.config.agent import GatewayConfig, OpenAIAgentConfig
 from sao_megatron.config.loop import AgentLoopConfig
 from sao_megatron.config.model import ModelConfig
 
@@ -252,38 +253,6 @@ class AlgoConfig:
     """Batch barrier: rollouts of the next batch start only after the weight update (sync baseline)."""
     critic_warmup_steps: int = 10
     """Critic-only steps before the actor trains (paper: 10)."""
-
-
-@dataclass
-class GatewayConfig:
-    """The OpenAI-compatible gateway (``rollout.env=openai_agent``; docs/rollout.md "The gateway"):
-    a user's agent reaches the engines through it and every session is recorded as trajectories."""
-
-    host: str = "127.0.0.1"
-    """Address the gateway listens on; loopback by default (the agents run beside the rollout
-    process). ``0.0.0.0`` serves agents on other hosts: each session still needs its own key."""
-    port: int = 0
-    """TCP port; 0 picks a free one (the agents get the URL, so a fixed port is rarely needed)."""
-    served_model_name: str = "sao-policy"
-    """The one model ``GET /v1/models`` lists; a request naming another is refused (404)."""
-    session_timeout_s: float = 600.0
-    """Seconds an episode's agent may run (all its requests and tool calls) before the session is
-    dropped, counted in ``gateway/sessions_dropped`` and the episode failed."""
-
-
-@dataclass
-class OpenAIAgentConfig:
-    """The user's agent that ``rollout.env=openai_agent`` runs once per episode (docs/envs.md,
-    "Train an existing agent"). Exactly one of ``entry_point`` and ``command``."""
-
-    entry_point: str = ""
-    """``package.module:function`` called as ``function(task, base_url, api_key)`` (async or sync;
-    a sync one runs in a thread); it returns the episode's reward, or None to leave it to
-    ``POST /sessions/{id}/reward`` or the task's reward function on the final answer."""
-    command: list[str] = field(default_factory=list)
-    """A program run per episode, e.g. ``["python", "my_agent.py"]``: the task on its stdin,
-    ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` in its environment; exit code 0 ends the episode,
-    any other fails it (its stderr's tail in the reason)."""
 
 
 @dataclass

@@ -7,13 +7,16 @@ the task's question, the session's ``base_url`` and ``api_key``::
 
     question = env.reset(sample)                       the task env's prompt (``task_env``)
     reward   = agent(question, base_url, api_key)      entry point: its return value, or None
-               | command < question                    (OPENAI_BASE_URL / OPENAI_API_KEY set)
+               | command < question                    (OPENAI_BASE_URL / OPENAI_API_KEY set; in the
+                                                        sandbox, :mod:`sao_megatron.envs.agent_sandbox`)
     if None: POST /sessions/{id}/reward, else env.grade(last answer)   (the task env's reward)
 
 The prompts and the reward function are those of another registered environment, ``task_env``
 (``rollout.env_kwargs.task_env`` and ``rollout.task_kwargs.task_env``, default ``arith_tool``); the
 agent brings its own tools and prompt. Its exceptions, non-zero exit codes and timeouts fail the
-episode (:class:`AgentError`), never the run.
+episode (:class:`AgentError`), never the run. The gateway runs the agent through
+:meth:`OpenAIAgentEnv.arun_agent`, so with ``rollout.env_workers`` > 0 a command runs on the env worker
+holding the episode (:class:`~sao_megatron.rollout.env_workers.RemoteEnv` forwards the call).
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sao_megatron.envs.agent_sandbox import GatewayEndpoint, SandboxedAgentError, run_sandboxed_command
 from sao_megatron.envs.base import Env, RewardResult, Sample, Split, StepResult, Task
 from sao_megatron.envs.format import ToolFormat, Turn, final_answer
 from sao_megatron.envs.registry import make_env, make_task
 from sao_megatron.envs.tool_env import ToolEnv
 
 if TYPE_CHECKING:
-    from sao_megatron.config.schema import OpenAIAgentConfig
+    from sao_megatron.config.agent import OpenAIAgentConfig
 
 
 class AgentError(RuntimeError):
@@ -90,6 +94,12 @@ class OpenAIAgentEnv(Env):
     async def agrade(self, answer: str | None) -> RewardResult:
         return self.grade(answer)
 
+    async def arun_agent(
+        self, cfg: OpenAIAgentConfig, task: str, endpoint: GatewayEndpoint, timeout_s: float, threads=None
+    ) -> float | None:
+        """:func:`run_agent` here (the rollout process, or the env worker holding this episode)."""
+        return await run_agent(cfg, task, endpoint, timeout_s, threads)
+
     def reward(self) -> RewardResult:
         return self.inner.reward()
 
@@ -125,16 +135,25 @@ def load_entry_point(spec: str) -> Callable[..., Any]:
 
 
 async def run_agent(
-    cfg: OpenAIAgentConfig, task: str, base_url: str, api_key: str, threads: Executor | None = None
+    cfg: OpenAIAgentConfig, task: str, endpoint: GatewayEndpoint, timeout_s: float, threads: Executor | None = None
 ) -> float | None:
-    """Run the agent once; its reward, or None. Anything the agent does wrong is an :class:`AgentError`.
-    A sync function runs on ``threads`` (asyncio's default pool, ``min(32, cpus + 4)`` threads, when
-    None); it cannot be interrupted, so past the session's timeout it runs on until its next request
-    is refused (the session is closed by then)."""
+    """Run the agent once against its gateway session; its reward, or None. Anything the agent does
+    wrong is an :class:`AgentError`. A sync function runs on ``threads`` (asyncio's default pool,
+    ``min(32, cpus + 4)`` threads, when None); it cannot be interrupted, so past the session's timeout
+    it runs on until its next request is refused (the session is closed by then). A command runs in
+    the sandbox (:mod:`sao_megatron.envs.agent_sandbox`) unless ``rollout.agent.sandbox=off``, killed
+    after ``timeout_s`` (TimeoutError) with everything it started."""
+    if cfg.command and cfg.sandbox != "off":
+        try:
+            await run_sandboxed_command(cfg, task, endpoint, timeout_s)
+        except SandboxedAgentError as err:
+            raise AgentError(str(err)) from err
+        return None
     if cfg.command:
-        await _run_command(cfg.command, task, base_url, api_key)
+        await _run_command(cfg.command, task, endpoint.base_url, endpoint.api_key)
         return None
     fn = load_entry_point(cfg.entry_point)
+    base_url, api_key = endpoint.base_url, endpoint.api_key
     try:
         if inspect.iscoroutinefunction(fn):
             result = await fn(task, base_url, api_key)

@@ -35,7 +35,9 @@ outermost first (what this host provides is reported by :func:`detect_isolation`
 
 The same bootstrap and supervisor run the SWE agent's shell (:mod:`sao_megatron.envs.shell`),
 which adds bind mounts, a PID namespace, a fixed uid, merged output and an ``execv`` of
-``bash`` after the set-up (the keyword arguments of :func:`_argv` and :func:`_supervised`).
+``bash`` after the set-up (the keyword arguments of :func:`_argv` and :func:`_supervised`), and a
+user's command agent (:mod:`sao_megatron.envs.agent_sandbox`), whose network namespace's loopback is
+up for its relay to the gateway. A supervisor whose task is cancelled kills the sandbox all the same.
 """
 
 from __future__ import annotations
@@ -216,11 +218,13 @@ def _argv(
     exec_argv: tuple[str, ...] = (),
     pidns: bool = False,
     program_is_init: bool = True,
+    loopback: bool = False,
 ) -> list[str]:
-    """The sandbox's command line. The keyword arguments serve other sandboxed programs (the shell):
-    a fixed uid rule, extra read-only paths, ``(mode, source, target)`` binds, a program to exec,
-    a PID namespace (when ``iso`` allows it) whose init is the program itself or, with
-    ``program_is_init=False``, a reaper whose child the program is (``sandbox_child._c_reaping_init``)."""
+    """The sandbox's command line. The keyword arguments serve other sandboxed programs (the shell,
+    a user's agent): a fixed uid rule, extra read-only paths, ``(mode, source, target)`` binds, a
+    program to exec, a PID namespace (when ``iso`` allows it) whose init is the program itself or, with
+    ``program_is_init=False``, a reaper whose child the program is (``sandbox_child._c_reaping_init``),
+    and the network namespace's loopback up (``127.0.0.1`` inside; still nothing outside)."""
     hidden, expose = _hidden_paths(limits), (*_exposed_paths(), *expose)
     bind_paths = [p for b in binds for p in b]
     if any("\n" in p for p in (*hidden, *expose, *bind_paths)) or any("\t" in p for p in bind_paths):
@@ -234,7 +238,7 @@ def _argv(
         "-c",
         bootstrap_source(),
         uid_rule or _uid_rule(iso),
-        f"{int(iso.netns)}{int(iso.mountns)}{(1 if program_is_init else 2) if pidns and iso.pidns and iso.mountns else 0}",
+        f"{(2 if loopback else 1) if iso.netns else 0}{int(iso.mountns)}{(1 if program_is_init else 2) if pidns and iso.pidns and iso.mountns else 0}",
         preload,
         ",".join(str(max(1, int(x))) for x in (*lim, limits.tmpfs_bytes)) + f",{max(0, limits.nice)}",
         "\n".join(hidden),
@@ -383,6 +387,18 @@ def _kill_children(pid: int) -> None:
             pass
 
 
+def _kill_now(proc: subprocess.Popen, uid: int | None, iso: Isolation, pidns: bool) -> None:
+    """Blocking :func:`_reap` (with a PID namespace, its init first), for a supervisor being cancelled."""
+    if pidns:
+        _kill_children(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if iso.unique_uids and uid is not None:
+        _kill_uid(uid)
+
+
 class _ExitWatch:
     """Resolves ``coll.exited`` when the child exits: a pidfd reader, or 20 ms polling without one."""
 
@@ -496,7 +512,7 @@ async def _supervised(
     start = time.monotonic()  # the limit counts from a started process, not from the spawn queue
     uid = uid_of(proc.pid)
     watch = _ExitWatch(loop, proc, coll)
-    transports = []
+    transports, reaped = [], False
     try:
         for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
             if pipe is not None:
@@ -507,8 +523,11 @@ async def _supervised(
             _kill_children(proc.pid)
             await asyncio.wait({coll.exited}, timeout=0.5)
         await _reap(proc, uid, iso)
+        reaped = True
         await asyncio.wait({coll.closed, coll.exited}, timeout=1.0, return_when=asyncio.ALL_COMPLETED)
     finally:
+        if not reaped:  # cancelled (the caller's own deadline): the sandbox must not outlive the call
+            _kill_now(proc, uid, iso, pidns)
         watch.close()
         for transport in transports:
             transport.close()

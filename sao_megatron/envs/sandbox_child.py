@@ -131,6 +131,21 @@ def _c_die_of(signum: int) -> None:
     os._exit(128 + signum)  # a signal whose default is to go on (SIGCHLD, SIGCONT, ...)
 
 
+def _c_loopback_up() -> None:
+    """Bring up the loopback of the new network namespace (it starts down): ``127.0.0.1`` then works
+    inside the sandbox and still reaches nothing outside it (the agent's relay to its gateway)."""
+    import fcntl
+    import socket
+    import struct
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:  # struct ifreq: 16 bytes of name, then the flags (short) in a 24-byte union
+        flags = struct.unpack("16sH22x", fcntl.ioctl(sock, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
+        fcntl.ioctl(sock, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))  # SIOCGIFFLAGS, SIOCSIFFLAGS; IFF_UP
+    finally:
+        sock.close()
+
+
 def _c_audit(event: str, args: tuple) -> None:
     """Audit hook: refuse non-AF_UNIX sockets and name lookups (defence in depth, bypassable)."""
     lookups = ("socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo")
@@ -151,9 +166,11 @@ def _c_setup(argv: list) -> bytes:
     os.nice(nice)
     with open("main.py", "rb") as f:
         src = f.read()
-    flags = (os.CLONE_NEWNET if ns[0] == "1" else 0) | (os.CLONE_NEWNS if ns[1] == "1" else 0)
+    flags = (os.CLONE_NEWNET if ns[0] in "12" else 0) | (os.CLONE_NEWNS if ns[1] == "1" else 0)
     if flags:
         os.unshare(flags)
+    if ns[0] == "2":
+        _c_loopback_up()
     if ns[1] == "1":
         lines = [[p for p in arg.split("\n") if p] for arg in (hidden, expose, binds)]
         _c_isolate_files(src, uid, tmpfs, lines[0], lines[1], [b.split("\t") for b in lines[2]], ns[2:] or "0")
@@ -215,7 +232,7 @@ def _c_main(argv: list) -> None:
 @functools.cache
 def bootstrap_source() -> str:
     """The ``-c`` program of the sandbox interpreter: the ``_c_*`` functions and a call."""
-    funcs = (_c_isolate_files, _c_reaping_init, _c_die_of, _c_audit, _c_setup, _c_main)
+    funcs = (_c_isolate_files, _c_reaping_init, _c_die_of, _c_loopback_up, _c_audit, _c_setup, _c_main)
     body = "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in funcs)
     return f"import os, sys\n\n{body}\n\n_c_main(sys.argv[1:])\n"
 

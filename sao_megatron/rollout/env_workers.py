@@ -31,9 +31,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from sao_megatron.config.agent import OpenAIAgentConfig
+from sao_megatron.envs.agent_sandbox import GatewayEndpoint, GatewayRelay
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.envs.format import ToolFormat
-from sao_megatron.envs.registry import make_env
+from sao_megatron.envs.openai_agent import AgentError
+from sao_megatron.envs.registry import make_env, resolve_env
 
 Where = tuple[int, str]
 """Where a call ran: ``(os.getpid(), socket.gethostname())`` of the worker."""
@@ -88,6 +91,8 @@ class EnvWorker:
         self.calls: Counter[str] = Counter()
         self.running = 0
         """Environment calls (reset, step, reward) in progress now."""
+        self._relays: dict[str, GatewayRelay] = {}
+        """By gateway address: where this worker's sandboxed agents connect (started with the first)."""
 
     async def info(self) -> dict[str, Any]:
         """pid, host, episodes open now and at most so far, calls per method, calls in progress."""
@@ -151,6 +156,31 @@ class EnvWorker:
     async def reward(self, episode_id: str) -> tuple[RewardResult, Where]:
         return await self._running(self._env(episode_id, "reward").areward())
 
+    async def run_agent(
+        self, episode_id: str, cfg: OpenAIAgentConfig, task: str, endpoint: GatewayEndpoint, timeout_s: float
+    ) -> tuple[float | None, Where]:
+        """Run the user's agent of an episode driven through the gateway (``rollout.env=openai_agent``) on
+        this worker: a sandboxed command reaches the gateway through this worker's :class:`GatewayRelay`."""
+        env = self._env(episode_id, "run_agent")
+        gateway = endpoint.base_url.split("/sessions/")[0]
+        relay = self._relays.get(gateway)
+        if relay is None:
+            relay = self._relays[gateway] = GatewayRelay(endpoint.base_url)
+            await relay.start()
+        failed_before = len(relay.failures)
+        here = dataclasses.replace(endpoint, unix_socket=relay.path)
+        try:
+            return await self._running(env.arun_agent(cfg, task, here, timeout_s))  # type: ignore[attr-defined]
+        except AgentError as err:
+            if len(relay.failures) == failed_before:
+                raise
+            cause = f"env worker on {self.where[1]} could not reach the gateway at {gateway} ({relay.failures[-1]})"
+            raise AgentError(f"{err}; {cause}") from err
+
+    async def grade(self, episode_id: str, answer: str | None) -> tuple[RewardResult, Where]:
+        """The episode's task reward for the agent's final ``answer`` (``rollout.env=openai_agent``)."""
+        return await self._running(self._env(episode_id, "grade").agrade(answer))  # type: ignore[attr-defined]
+
     async def close(self, episode_id: str) -> tuple[None, Where]:
         """Close the episode's Env and free its slot; closing twice is a no-op."""
         env = self._envs.pop(episode_id, None)
@@ -190,6 +220,8 @@ class RemoteEnv(Env):
         """``[method, pid, host]`` of every call to the worker so far."""
         self._on_close = on_close
         self._closed = False
+        self.external_agent = False
+        """Whether a user's agent drives the episode through the gateway (the worker's Env class says)."""
 
     @classmethod
     async def open(
@@ -209,7 +241,9 @@ class RemoteEnv(Env):
         except asyncio.CancelledError:
             opening.add_done_callback(lambda done: _close_orphan(call, done))
             raise
-        return cls(call, episode_id, tools, system, tool_format, tuple(where), on_close)
+        env = cls(call, episode_id, tools, system, tool_format, tuple(where), on_close)
+        env.external_agent = bool(getattr(resolve_env(env_name), "external_agent", False))
+        return env
 
     async def _remote(self, method: str, *args: Any) -> Any:
         if self._closed:
@@ -228,6 +262,16 @@ class RemoteEnv(Env):
         result: RewardResult = await self._remote("reward")
         calls = [list(c) for c in self.calls]
         return dataclasses.replace(result, details={**result.details, "env_calls": calls})
+
+    async def arun_agent(
+        self, cfg: OpenAIAgentConfig, task: str, endpoint: GatewayEndpoint, timeout_s: float, threads: Any = None
+    ) -> float | None:
+        """``rollout.env=openai_agent``: the user's agent runs on the worker (``threads`` are the gateway's, unused)."""
+        return await self._remote("run_agent", cfg, task, endpoint, timeout_s)
+
+    async def agrade(self, answer: str | None) -> RewardResult:
+        """``rollout.env=openai_agent``: the task's reward for the agent's final answer, on the worker."""
+        return await self._remote("grade", answer)
 
     async def aclose(self) -> None:
         """Close the episode on its worker (once; later calls do nothing)."""

@@ -23,7 +23,10 @@ freely: training needs its own distribution's logprobs). Bad requests get the Op
 ``{"error": {"message", "type", "code", "param"}}`` with a 4xx naming the field (docs/rollout.md).
 
 The gateway runs on the rollout process's asyncio loop, one per run, listening on
-``rollout.gateway.host:port`` (loopback, a free port by default); it starts with its first session.
+``rollout.gateway.host:port`` (loopback, a free port by default) and, for sandboxed command agents,
+on a Unix socket (:attr:`Gateway.unix_socket`, :mod:`sao_megatron.envs.agent_sandbox`); it starts with
+its first session. The agent runs where the episode's Env is (``env.arun_agent``: here, or on an env
+worker, which relays its sandboxes' connections to the TCP address).
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ import asyncio
 import json
 import logging
 import math
+import os
 import secrets
+import shutil
+import socket
+import tempfile
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -41,10 +48,11 @@ from typing import Any
 
 from aiohttp import web
 
-from sao_megatron.config.schema import GatewayConfig, OpenAIAgentConfig
+from sao_megatron.config.agent import GatewayConfig, OpenAIAgentConfig
+from sao_megatron.envs.agent_sandbox import GatewayEndpoint
 from sao_megatron.envs.base import Env, Sample
 from sao_megatron.envs.format import ChatTemplateError
-from sao_megatron.envs.openai_agent import AgentError, run_agent
+from sao_megatron.envs.openai_agent import AgentError
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineError
@@ -73,6 +81,17 @@ class GatewayCounts:
     requests: int = 0
 
 
+def _node_address() -> str:
+    """This node's address as other nodes reach it (a wildcard ``rollout.gateway.host``'s URL): the source
+    address of its route out (a UDP connect sends nothing), else its host name's."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
 class Gateway:
     """The HTTP server and its open sessions."""
 
@@ -88,6 +107,8 @@ class Gateway:
         """Where sync agent functions run (asyncio's default pool would run only ``cpus + 4`` at once)."""
         self._start_lock = asyncio.Lock()
         self.url = ""
+        self.unix_socket = ""
+        """Also listened on when sandboxed command agents run here (their relays connect to it)."""
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -109,15 +130,31 @@ class Gateway:
                 site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
                 await site.start()
                 port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # port 0: the one bound
-                self._runner, self.url = runner, f"http://{self.cfg.host}:{port}"
-                log.info("gateway listening on %s", self.url)
+                host = _node_address() if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
+                self._runner, self.url = runner, f"http://{host}:{port}"
+                if self.agent.command and self.agent.sandbox != "off":
+                    await self._listen_unix(runner)
+                log.info("gateway listening on %s %s", self.url, self.unix_socket)
         return self.url
+
+    async def _listen_unix(self, runner: web.AppRunner) -> None:
+        """A Unix socket in a directory of its own (bound into each agent's sandbox), any uid may connect:
+        the sandboxes run as unprivileged uids, and every session still needs its key."""
+        directory = tempfile.mkdtemp(prefix="sao_gw_")
+        os.chmod(directory, 0o755)
+        path = os.path.join(directory, "gateway.sock")
+        await web.UnixSite(runner, path).start()
+        os.chmod(path, 0o666)
+        self.unix_socket = path
 
     async def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.unix_socket:
+            shutil.rmtree(os.path.dirname(self.unix_socket), ignore_errors=True)
+            self.unix_socket = ""
 
     def open(self, loop: AgentLoop, sample: Sample) -> GatewaySession:
         """A new session for one episode on ``loop``'s engine."""
@@ -170,9 +207,10 @@ class Gateway:
         try:
             task = await env.areset(sample)
             try:
-                returned = await asyncio.wait_for(
-                    run_agent(self.agent, task, self.base_url(session), session.key, self._threads), timeout
-                )
+                path = f"/sessions/{session.id}/v1"
+                endpoint = GatewayEndpoint(self.base_url(session), session.key, path, self.unix_socket)
+                agent = env.arun_agent(self.agent, task, endpoint, timeout, self._threads)  # type: ignore[attr-defined]
+                returned = await asyncio.wait_for(agent, timeout)
             except TimeoutError:
                 self.counts.dropped += 1
                 status, reason = (

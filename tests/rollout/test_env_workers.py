@@ -8,25 +8,30 @@ import logging
 import os
 import re
 import signal
+import sys
 import time
 
 import pytest
 import ray
 
 from sao_megatron.config import AgentLoopConfig, ConfigError, load_config
+from sao_megatron.config.agent import GatewayConfig, OpenAIAgentConfig
 from sao_megatron.driver.env_pool import EnvWorkerPool
 from sao_megatron.driver.roles import init_ray
 from sao_megatron.driver.session import Session
 from sao_megatron.envs import make_task
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.envs.safe_eval import calculator
+from sao_megatron.envs.sandbox import detect_isolation
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import Generation
 from sao_megatron.rollout.env_workers import EnvFactory, EnvWorker, RemoteEnv, local_env_factory
+from sao_megatron.rollout.gateway import Gateway
 from sao_megatron.rollout.manager import EngineStates, RolloutManager
 from sao_megatron.tokenizer import load_tokenizer
 from tests.rollout.fakes import CountingTask
+from tests.rollout.gateway_fakes import SAMPLE, scripted_loop
 
 CFG = AgentLoopConfig(max_turns=4, max_new_tokens=64, max_response_tokens=1024, max_context_tokens=2048)
 SLEEPY = "tests.rollout.fakes:SleepyEnv"
@@ -220,6 +225,41 @@ def test_evaluation_runs_its_environments_on_the_pool(pool, tokenizer):
     assert metrics["eval/failed"] == 0.0 and 0.0 <= metrics["eval/accuracy"] <= 1.0
     after = sum(info["calls"].get("reset", 0) for info in asyncio.run(pool.info()))
     assert after - before == 4
+
+
+AGENT = (
+    "import os, sys, openai\n"
+    "api = openai.OpenAI(base_url=os.environ['OPENAI_BASE_URL'], api_key=os.environ['OPENAI_API_KEY'], max_retries=0)\n"
+    "r = api.chat.completions.create(model='sao-policy', messages=[{'role': 'user', 'content': sys.stdin.read()}])\n"
+    "sys.exit(0 if r.choices[0].message.content == '5' else 3)\n"
+)
+
+
+@pytest.mark.skipif(
+    not detect_isolation().full, reason="the sandbox's namespaces and uid drop (root, a kernel allowing them)"
+)
+def test_a_command_agent_runs_sandboxed_on_the_env_worker_of_its_episode(pool, tmp_path):
+    """rollout.env=openai_agent with env workers: the task, the agent (in the sandbox, reaching the gateway
+    through the worker's relay) and the grading of its answer all run on the worker holding the episode."""
+    (tmp_path / "agent.py").write_text(AGENT)
+    tmp_path.chmod(0o755)
+    gateway = Gateway(GatewayConfig(), OpenAIAgentConfig(command=[sys.executable, str(tmp_path / "agent.py")]))
+    loop = scripted_loop(["<answer>5</answer><|end|>"])
+    loop.gateway = gateway
+
+    async def go() -> tuple[Trajectory, RemoteEnv]:
+        env = await pool.open("openai_agent", {}, loop.tool_format)
+        try:
+            [traj] = await loop.run_segments(env, SAMPLE)
+        finally:
+            await gateway.close()
+        return traj, env
+
+    traj, env = asyncio.run(go())
+    assert (traj.status, traj.reward, traj.correct) == ("finished", 1.0, True), traj.status_reason
+    workers = {(w.pid, w.host) for w in pool.workers}
+    assert [c[0] for c in env.calls] == ["open", "reset", "run_agent", "grade", "close"]
+    assert {(pid, host) for _, pid, host in env.calls} <= workers and os.getpid() not in {w[0] for w in workers}
 
 
 # ---- without Ray: the proxy and the hooks ----------------------------------------------------

@@ -218,6 +218,7 @@ def test_a_command_agent_gets_the_task_on_stdin_and_the_session_in_its_environme
         "r = api.chat.completions.create(model='sao-policy', messages=[{'role': 'user', 'content': task}])\n"
         "sys.exit(0 if r.choices[0].message.content == '5' else 3)\n"
     )
+    tmp_path.chmod(0o755)  # the sandbox (rollout.agent.sandbox=auto) runs it as an unprivileged uid
     import sys
 
     [traj], _, loop = episode(OpenAIAgentConfig(command=[sys.executable, str(script)]), ["<answer>5</answer><|end|>"])
