@@ -85,9 +85,11 @@ def host_port():
         yield listener
 
 
-def run_episode(cfg: OpenAIAgentConfig, timeout_s: float = 60.0, before=None) -> tuple[Trajectory, Gateway]:
+def run_episode(
+    cfg: OpenAIAgentConfig, timeout_s: float = 60.0, before=None, actions=("<answer>5</answer><|end|>",)
+) -> tuple[Trajectory, Gateway]:
     gateway = Gateway(GatewayConfig(session_timeout_s=timeout_s), cfg)
-    loop = scripted_loop(["<answer>5</answer><|end|>"])
+    loop = scripted_loop(list(actions))
     loop.gateway = gateway
 
     async def go() -> list[Trajectory]:
@@ -131,6 +133,18 @@ def test_a_sandboxed_agent_completes_its_session_and_reaches_nothing_else(agent_
         host_port.accept()
     assert seen["read"] == "FileNotFoundError"  # the project directory is an empty mount
     assert not seen["env_leak"] and not gateway.unix_socket  # the socket's directory is gone with the gateway
+
+
+@needs_namespaces
+def test_the_example_agent_runs_as_a_sandboxed_command_named_relative_to_the_run(monkeypatch):
+    """``python examples/arith_agent.py`` from the project directory: ``python`` is the run's environment's
+    (first on the agent's PATH, whatever the rollout process's is), the script's directory is readable."""
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    actions = ("<tool>2+3</tool><|end|>", "<answer>5</answer><|end|>")
+    traj, gateway = run_episode(OpenAIAgentConfig(command=["python", "examples/arith_agent.py"]), actions=actions)
+    assert (traj.status, traj.reward, traj.correct) == ("finished", 1.0, True), traj.status_reason
+    assert gateway.counts.requests == 2
 
 
 @needs_namespaces
