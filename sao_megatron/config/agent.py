@@ -46,8 +46,8 @@ class OpenAIAgentConfig:
     command: list[str] = field(default_factory=list)
     """A program run per episode, e.g. ``["python", "my_agent.py"]``: the task on its stdin,
     ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` in its environment; exit code 0 ends the episode,
-    any other fails it (its stderr's tail in the reason). Relative paths in it that name files of
-    the run's working directory are made absolute (the agent runs in a private working directory)."""
+    any other fails it (its stderr's tail in the reason). In the sandbox, whose working directory is
+    private, relative paths in it that name files of the run's working directory are made absolute."""
     sandbox: AgentSandbox = "auto"
     """Where a ``command`` runs. ``auto``: in the sandbox (its own process group and uid, rlimits,
     the session timeout as wall clock, everything it started killed at the end; where the host

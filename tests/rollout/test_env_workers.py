@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 
@@ -20,7 +21,9 @@ from sao_megatron.driver.env_pool import EnvWorkerPool
 from sao_megatron.driver.roles import init_ray
 from sao_megatron.driver.session import Session
 from sao_megatron.envs import make_task
+from sao_megatron.envs.agent_sandbox import GatewayEndpoint
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
+from sao_megatron.envs.openai_agent import AgentError
 from sao_megatron.envs.safe_eval import calculator
 from sao_megatron.envs.sandbox import detect_isolation
 from sao_megatron.records import Trajectory
@@ -272,6 +275,37 @@ def in_process(worker: EnvWorker):
         return await getattr(worker, method)(*args)
 
     return call
+
+
+@pytest.mark.skipif(
+    not detect_isolation().full, reason="the sandbox's namespaces and uid drop (root, a kernel allowing them)"
+)
+def test_an_env_worker_that_cannot_reach_the_gateway_fails_the_episode_naming_it(tmp_path):
+    """The worker's relay to the gateway's TCP address finds nothing listening: the agent's failure says so."""
+    (tmp_path / "agent.py").write_text(AGENT)
+    tmp_path.chmod(0o755)
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    worker = EnvWorker(1)
+    cfg = OpenAIAgentConfig(command=[sys.executable, str(tmp_path / "agent.py")])
+    endpoint = GatewayEndpoint(f"http://127.0.0.1:{port}/sessions/s1/v1", "key", "/sessions/s1/v1")
+
+    async def go() -> None:
+        episode, *_ = await worker.open("openai_agent", {}, "tags")
+        try:
+            await worker.run_agent(episode, cfg, "What is 2+3?", endpoint, 30.0)
+        finally:
+            await worker.close(episode)
+
+    with pytest.raises(AgentError) as failure:
+        asyncio.run(go())
+    message = str(failure.value)
+    assert message.startswith(f"{sys.executable} exited with code 1: ")
+    assert message.endswith(
+        f"; env worker on {socket.gethostname()} could not reach the gateway at http://127.0.0.1:{port} "
+        "(ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', " + f"{port}))"
+    )
 
 
 def test_remote_env_is_async_only_and_keeps_its_tool_format():
