@@ -226,6 +226,17 @@ def test_a_command_agent_gets_the_task_on_stdin_and_the_session_in_its_environme
     assert loop.client.inputs[0] == load_tokenizer().apply_chat_template(user(), tokenize=True, return_dict=False)  # type: ignore[attr-defined]
 
 
+def test_a_gateway_on_every_interface_gives_agents_the_node_s_address():
+    """``rollout.gateway.host=0.0.0.0`` (env workers on other nodes): the URL names an address they can use."""
+
+    async def go(gateway, session):
+        models = await client(gateway, session).models.list()
+        return gateway.url, models.data[0].id
+
+    url, model = asyncio.run(in_session(scripted_loop([]), go, GatewayConfig(host="0.0.0.0")))
+    assert model == MODEL and not url.startswith("http://0.0.0.0:")
+
+
 def test_parallel_native_calls_under_the_qwen3_template(qwen3_tokenizer_dir):
     """Two calls in one action come back as two ``tool_calls``; their results are one observation; the
     session's ids equal the template's rendering of the whole conversation (generated in its own form,
