@@ -87,8 +87,9 @@ class GatewayEndpoint:
 
 
 class GatewayRelay:
-    """A Unix socket on this host relaying each connection to the gateway's TCP address: an env worker's
-    sandboxed agents reach the gateway on the rollout process's node through it. :meth:`start` once."""
+    """A Unix socket on this host relaying each connection to the gateway's TCP address: a sandboxed agent
+    on an env worker reaches the gateway on the rollout process's node through it (one per episode:
+    :meth:`start`, then :meth:`close`, which removes the socket's directory)."""
 
     def __init__(self, base_url: str) -> None:
         url = urllib.parse.urlsplit(base_url)

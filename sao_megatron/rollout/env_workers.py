@@ -91,8 +91,6 @@ class EnvWorker:
         self.calls: Counter[str] = Counter()
         self.running = 0
         """Environment calls (reset, step, reward) in progress now."""
-        self._relays: dict[str, GatewayRelay] = {}
-        """By gateway address: where this worker's sandboxed agents connect (started with the first)."""
 
     async def info(self) -> dict[str, Any]:
         """pid, host, episodes open now and at most so far, calls per method, calls in progress."""
@@ -160,22 +158,20 @@ class EnvWorker:
         self, episode_id: str, cfg: OpenAIAgentConfig, task: str, endpoint: GatewayEndpoint, timeout_s: float
     ) -> tuple[float | None, Where]:
         """Run the user's agent of an episode driven through the gateway (``rollout.env=openai_agent``) on
-        this worker: a sandboxed command reaches the gateway through this worker's :class:`GatewayRelay`."""
+        this worker: a sandboxed command reaches the gateway through a :class:`GatewayRelay` of the episode's own."""
         env = self._env(episode_id, "run_agent")
-        gateway = endpoint.base_url.split("/sessions/")[0]
-        relay = self._relays.get(gateway)
-        if relay is None:
-            relay = self._relays[gateway] = GatewayRelay(endpoint.base_url)
-            await relay.start()
-        failed_before = len(relay.failures)
-        here = dataclasses.replace(endpoint, unix_socket=relay.path)
+        relay = GatewayRelay(endpoint.base_url)  # the episode's own: its failures are this agent's
+        here = dataclasses.replace(endpoint, unix_socket=await relay.start())
         try:
             return await self._running(env.arun_agent(cfg, task, here, timeout_s))  # type: ignore[attr-defined]
         except AgentError as err:
-            if len(relay.failures) == failed_before:
+            if not relay.failures:
                 raise
-            cause = f"env worker on {self.where[1]} could not reach the gateway at {gateway} ({relay.failures[-1]})"
+            gateway = endpoint.base_url.split("/sessions/")[0]
+            cause = f"env worker on {self.where[1]} could not reach the gateway at {gateway} ({relay.failures[0]})"
             raise AgentError(f"{err}; {cause}") from err
+        finally:
+            relay.close()
 
     async def grade(self, episode_id: str, answer: str | None) -> tuple[RewardResult, Where]:
         """The episode's task reward for the agent's final ``answer`` (``rollout.env=openai_agent``)."""

@@ -4,12 +4,14 @@ call in a worker, the per-worker episode bound, a killed worker fails only its e
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
 import re
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 import pytest
@@ -298,8 +300,12 @@ def test_an_env_worker_that_cannot_reach_the_gateway_fails_the_episode_naming_it
         finally:
             await worker.close(episode)
 
+    relays = set(glob.glob(os.path.join(tempfile.gettempdir(), "sao_gw_relay_*")))
     with pytest.raises(AgentError) as failure:
         asyncio.run(go())
+    assert (
+        set(glob.glob(os.path.join(tempfile.gettempdir(), "sao_gw_relay_*"))) == relays
+    )  # the episode's relay is gone
     message = str(failure.value)
     assert message.startswith(f"{sys.executable} exited with code 1: ")
     assert message.endswith(
