@@ -512,8 +512,8 @@ class RouterSpec:
     startup_timeout_s: float = 120.0
     api_key: str | None = None
     """The engines' key (``EngineSpec.api_key``), which the router sends them; it reaches the router
-    on stdin (``_ROUTER_MAIN``), as the engines' does. sglang-router 0.3.2 does not check its own
-    clients' keys: keep ``host`` on loopback."""
+    on stdin (``_ROUTER_MAIN``), as the engines' does. sglang-router 0.3.2 also requires it of its own
+    clients (401 without it or with another; tests/rollout/test_engine_args.py)."""
 
 
 def _router_command(spec: RouterSpec, prometheus_port: int) -> list[str]:

@@ -272,3 +272,70 @@ def test_the_router_reads_its_key_from_stdin_and_passes_it_on_after_the_other_fl
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ["--port", "7", "--api-key", "s3cret"]
     missing = subprocess.run(command, input="", capture_output=True, text=True, env=env, timeout=60)
     assert missing.returncode == 1 and "no API key on stdin" in missing.stderr
+
+
+def test_a_real_router_gets_its_key_on_stdin_sends_it_to_engines_and_requires_it_of_clients(tmp_path):
+    """The real sglang-router in front of a stand-in engine that records each request's key: the key
+    reaches the router on stdin only (no process's command line holds it, nor the router's log), the
+    router sends it with every request to the engine, and refuses clients without it (401)."""
+    import asyncio
+    import secrets
+    import threading
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    import aiohttp.web
+
+    from sao_megatron.spawn import free_port
+
+    seen: list[tuple[str, str | None]] = []
+
+    async def answer(request):
+        seen.append((request.path, request.headers.get("Authorization")))
+        if request.path == "/generate":
+            return aiohttp.web.json_response({"text": "", "meta_info": {}})
+        return aiohttp.web.json_response({"status": "ok", "model_path": "m", "is_generation": True})
+
+    port, loop = free_port(), asyncio.new_event_loop()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        app = aiohttp.web.Application()
+        app.router.add_route("*", "/{tail:.*}", answer)
+        runner = aiohttp.web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(aiohttp.web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    key = secrets.token_hex(32)
+    spec = engine_mod.RouterSpec(
+        worker_urls=[f"http://127.0.0.1:{port}"], port=free_port(), log_path=str(tmp_path / "router.log"), api_key=key
+    )
+
+    def generate(url: str, auth: str | None) -> int:
+        headers = {"Content-Type": "application/json"} | ({"Authorization": auth} if auth else {})
+        body = json.dumps({"input_ids": [1, 2], "sampling_params": {}}).encode()
+        try:
+            return urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=60).status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    try:
+        with engine_mod.RouterProcess(spec) as router:
+            on_command_lines = []
+            for proc in Path("/proc").glob("[0-9]*"):
+                try:
+                    if key.encode() in (proc / "cmdline").read_bytes():
+                        on_command_lines.append(proc.name)
+                except OSError:  # ended meanwhile
+                    pass
+            statuses = [generate(router.url + "/generate", a) for a in (None, "Bearer other", f"Bearer {key}")]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    assert on_command_lines == []
+    assert statuses == [401, 401, 200]
+    assert seen and all(auth == f"Bearer {key}" for path, auth in seen if path == "/generate")
+    assert [path for path, _ in seen].count("/generate") == 1  # the refused ones never reached the engine
+    assert key not in Path(spec.log_path).read_text(errors="replace")
