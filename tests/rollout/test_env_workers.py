@@ -286,9 +286,9 @@ def test_an_env_worker_that_cannot_reach_the_gateway_fails_the_episode_naming_it
     """The worker's relay to the gateway's TCP address finds nothing listening: the agent's failure says so."""
     (tmp_path / "agent.py").write_text(AGENT)
     tmp_path.chmod(0o755)
-    with socket.socket() as unused:  # a port nothing listens on
-        unused.bind(("127.0.0.1", 0))
-        port = unused.getsockname()[1]
+    unused = socket.socket()  # bound, never listening, held to the end: connecting is refused, and no
+    unused.bind(("127.0.0.1", 0))  # other test's server can take the port meanwhile (a released one can be)
+    port = unused.getsockname()[1]
     worker = EnvWorker(1)
     cfg = OpenAIAgentConfig(command=[sys.executable, str(tmp_path / "agent.py")])
     endpoint = GatewayEndpoint(f"http://127.0.0.1:{port}/sessions/s1/v1", "key", "/sessions/s1/v1")
@@ -296,12 +296,12 @@ def test_an_env_worker_that_cannot_reach_the_gateway_fails_the_episode_naming_it
     async def go() -> None:
         episode, *_ = await worker.open("openai_agent", {}, "tags")
         try:
-            await worker.run_agent(episode, cfg, "What is 2+3?", endpoint, 30.0)
-        finally:
+            await worker.run_agent(episode, cfg, "What is 2+3?", endpoint, 120.0)  # a bound, not a wait: it fails in
+        finally:  # ~2 s alone, but the sandbox runs the agent at nice 10, and beside CI's load importing openai took >25 s
             await worker.close(episode)
 
     relays = set(glob.glob(os.path.join(tempfile.gettempdir(), "sao_gw_relay_*")))
-    with pytest.raises(AgentError) as failure:
+    with unused, pytest.raises(AgentError) as failure:
         asyncio.run(go())
     assert (
         set(glob.glob(os.path.join(tempfile.gettempdir(), "sao_gw_relay_*"))) == relays
