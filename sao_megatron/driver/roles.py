@@ -15,6 +15,7 @@ not train on.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from sao_megatron.config.rank import ActorRankConfig, CriticRankConfig
 from sao_megatron.workers.actor import ActorWorker, ExportReport
 from sao_megatron.workers.critic import CriticWorker
 from sao_megatron.workers.rank import RankCoordinates
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -379,13 +382,32 @@ def init_ray(
     }
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, runtime_env=quiet)
-    else:
-        ray.init(
-            num_cpus=num_cpus or os.cpu_count(),
-            num_gpus=num_gpus,
-            resources=resources,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=512 << 20,
-            runtime_env=quiet,
-        )
+        return
+    for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):
+        try:
+            ray.init(
+                num_cpus=num_cpus or os.cpu_count(),
+                num_gpus=num_gpus,
+                resources=resources,
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=512 << 20,
+                runtime_env=quiet,
+            )
+            return
+        except Exception as err:  # Ray raises a bare Exception for it
+            if RAY_START_TIMED_OUT not in str(err) or attempt == LOCAL_RAY_ATTEMPTS:
+                raise
+            ray.shutdown()  # ends the GCS and raylet this attempt started
+            log.warning(
+                "Ray's local node did not register within Ray's fixed 30 s (attempt %d of %d; is the "
+                "machine loaded?): starting it again",
+                attempt,
+                LOCAL_RAY_ATTEMPTS,
+            )
+
+
+LOCAL_RAY_ATTEMPTS = 3
+"""Starts of a local Ray before its start-up timeout fails the run: Ray waits a fixed 30 s for its
+raylet to register, which a loaded machine can miss (one run of 40 in a two-at-a-time sweep did)."""
+RAY_START_TIMED_OUT = "timed out during startup"

@@ -78,3 +78,56 @@ def test_a_local_ray_refuses_a_process_without_its_token(tmp_path):
         except subprocess.TimeoutExpired:
             driver.kill()
             driver.wait()
+
+
+class _FlakyRay:
+    """``ray.init`` that fails as Ray does when its raylet registers late, ``fails`` times, then starts."""
+
+    def __init__(
+        self, fails: int, message: str = "The current node timed out during startup. This could happen"
+    ) -> None:
+        self.fails, self.message = fails, message
+        self.inits = self.shutdowns = 0
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **kwargs) -> None:
+        self.inits += 1
+        if self.inits <= self.fails:
+            raise Exception(self.message)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+@pytest.mark.parametrize("fails", [0, 1, 2])
+def test_a_local_ray_that_registers_late_is_started_again(monkeypatch, caplog, fails):
+    from sao_megatron.driver import roles
+
+    flaky = _FlakyRay(fails)
+    monkeypatch.setattr(roles, "ray", flaky)
+    monkeypatch.setattr(roles, "local_ray_token", lambda: None)
+    monkeypatch.setenv("SAO_ENGINE_API_KEY", "k")
+    roles.init_ray(num_cpus=1)
+    assert (flaky.inits, flaky.shutdowns) == (fails + 1, fails)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "Ray's local node did not register within Ray's fixed 30 s"
+    ] * fails
+
+
+def test_a_local_ray_that_never_registers_or_fails_otherwise_fails_the_run(monkeypatch):
+    from sao_megatron.driver import roles
+
+    monkeypatch.setattr(roles, "local_ray_token", lambda: None)
+    monkeypatch.setenv("SAO_ENGINE_API_KEY", "k")
+    flaky = _FlakyRay(roles.LOCAL_RAY_ATTEMPTS)
+    monkeypatch.setattr(roles, "ray", flaky)
+    with pytest.raises(Exception, match="timed out during startup"):
+        roles.init_ray(num_cpus=1)
+    assert flaky.inits == roles.LOCAL_RAY_ATTEMPTS
+    other = _FlakyRay(1, "Ray has not been started yet: no GPUs")
+    monkeypatch.setattr(roles, "ray", other)
+    with pytest.raises(Exception, match="no GPUs"):
+        roles.init_ray(num_cpus=1)
+    assert (other.inits, other.shutdowns) == (1, 0)  # any other failure is not retried
