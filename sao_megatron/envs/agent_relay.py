@@ -2,7 +2,8 @@
 
 It runs inside the sandbox *from its source text* (``python -I -S -c <this file> SOCKET PATH
 COMMAND...``, as the sandbox's uid, in its network namespace whose only interface is loopback), so
-it uses the standard library only (an env worker's relay to the gateway reuses :func:`pump`)::
+it uses the standard library only (an env worker's relay to the gateway reuses :func:`pump`, an
+unsandboxed command :func:`keep_tail`)::
 
     127.0.0.1:<free port>  --each connection-->  SOCKET (a Unix socket on which the gateway listens)
     COMMAND < task  with  OPENAI_BASE_URL=http://127.0.0.1:<port>PATH,  OPENAI_API_KEY (inherited)
@@ -55,7 +56,8 @@ async def _relay(socket_path: str, failures: list[str], reader: asyncio.StreamRe
         writer.close()
 
 
-def _keep_tail(stderr: IO[bytes], tail: bytearray) -> None:
+def keep_tail(stderr: IO[bytes], tail: bytearray) -> None:
+    """Read ``stderr`` to EOF, keeping its last :data:`TAIL_BYTES` in ``tail`` (a thread's target)."""
     while data := stderr.read1(65536):  # type: ignore[attr-defined]  # a BufferedReader
         tail += data
         del tail[:-TAIL_BYTES]
@@ -76,7 +78,7 @@ async def _main(socket_path: str, url_path: str, command: list[str]) -> str:
     finally:
         os.unlink("main.py")
     tail = bytearray()
-    reader = threading.Thread(target=_keep_tail, args=(agent.stderr, tail), daemon=True)
+    reader = threading.Thread(target=keep_tail, args=(agent.stderr, tail), daemon=True)
     reader.start()
     code = await asyncio.to_thread(agent.wait)
     await asyncio.to_thread(reader.join, 0.5)  # what it left running may hold the pipe open

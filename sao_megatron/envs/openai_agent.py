@@ -26,11 +26,15 @@ import importlib
 import importlib.util
 import inspect
 import os
+import signal
+import subprocess
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sao_megatron.envs.agent_relay import keep_tail
 from sao_megatron.envs.agent_sandbox import GatewayEndpoint, SandboxedAgentError, run_sandboxed_command
 from sao_megatron.envs.base import Env, RewardResult, Sample, Split, StepResult, Task
 from sao_megatron.envs.format import ToolFormat, Turn, final_answer
@@ -169,24 +173,45 @@ async def run_agent(
 
 
 async def _run_command(command: list[str], task: str, base_url: str, api_key: str) -> None:
+    """``rollout.agent.sandbox=off``: the command as a plain subprocess, in a process group of its own.
+    Its exit is waited for in a thread, not by asyncio's subprocess, whose ``wait`` also waits for the
+    pipes a child of the agent may hold (the episode would hang to its session's timeout); then the
+    group is killed, so nothing the agent left in it outlives the episode (a child that leaves the
+    group does: ``off`` is no sandbox). Cancelled (the session timed out), the agent goes with its group."""
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             env=env,
+            start_new_session=True,
         )
     except OSError as err:
         raise AgentError(f"cannot start {command[0]!r}: {err}") from err
+    tail = bytearray()
+    reader = threading.Thread(target=keep_tail, args=(proc.stderr, tail), daemon=True)
+    reader.start()
     try:
-        _, stderr = await proc.communicate(task.encode())
-    except BaseException:  # cancelled (the session timed out): the agent must not outlive its session
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        raise
-    if proc.returncode != 0:
-        tail = stderr.decode(errors="replace").strip()[-500:]
-        raise AgentError(f"{command[0]} exited with code {proc.returncode}: {tail}")
+        code = await asyncio.to_thread(_feed_and_wait, proc, task.encode())
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group the agent led: what it left running
+        except OSError:
+            pass  # nothing left in it
+    await asyncio.to_thread(reader.join, 0.5)  # a child outside the group may still hold the pipe
+    if code != 0:
+        message = bytes(tail).decode(errors="replace").strip()[-500:]
+        raise AgentError(f"{command[0]} exited with code {code}: {message}")
+
+
+def _feed_and_wait(proc: subprocess.Popen, task: bytes) -> int:
+    """Write the task to the agent's stdin and close it (an agent that exits unread is fine); its exit code."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(task)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    return proc.wait()

@@ -226,6 +226,55 @@ def test_a_command_agent_gets_the_task_on_stdin_and_the_session_in_its_environme
     assert loop.client.inputs[0] == load_tokenizer().apply_chat_template(user(), tokenize=True, return_dict=False)  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("exit_code", [0, 4])
+def test_an_unsandboxed_command_agent_ends_with_its_exit_though_a_child_holds_its_stderr(tmp_path, exit_code):
+    """rollout.agent.sandbox=off: a child the agent left in its process group, holding its stderr, neither
+    keeps the episode open (to the session's timeout, as waiting for the pipe did) nor outlives it."""
+    import os
+    import sys
+    import time
+    import uuid
+
+    marker = f"sao-agent-test-{uuid.uuid4().hex}"
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import os, subprocess, sys, openai\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', {marker!r}])\n"
+        "task = sys.stdin.read()\n"
+        "api = openai.OpenAI(base_url=os.environ['OPENAI_BASE_URL'], api_key=os.environ['OPENAI_API_KEY'])\n"
+        "r = api.chat.completions.create(model='sao-policy', messages=[{'role': 'user', 'content': task}])\n"
+        f"sys.stderr.write('the agent says goodbye\\n'); sys.exit({exit_code})\n"
+    )
+    cfg = OpenAIAgentConfig(command=[sys.executable, str(script)], sandbox="off")
+
+    def children() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                    found.append(int(pid))
+            except OSError:
+                pass
+        return found
+
+    started = time.monotonic()
+    try:
+        [traj], gateway, _ = episode(cfg, ["<answer>5</answer><|end|>"], timeout_s=120.0)
+        took = time.monotonic() - started
+        if exit_code == 0:
+            assert (traj.status, traj.reward) == ("finished", 1.0), traj.status_reason
+        else:
+            assert traj.status == "failed" and traj.status_reason.startswith(
+                f"agent: {sys.executable} exited with code 4"
+            )
+            assert traj.status_reason.endswith("the agent says goodbye")
+        assert took < 60.0 and not gateway.counts.dropped  # not held open to the session's timeout
+        assert children() == []
+    finally:
+        for pid in children():  # only when the test failed: what it started, by pid
+            os.kill(pid, 9)
+
+
 def test_a_gateway_on_every_interface_gives_agents_the_node_s_address():
     """``rollout.gateway.host=0.0.0.0`` (env workers on other nodes): the URL names an address they can use."""
 
