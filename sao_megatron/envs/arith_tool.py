@@ -13,6 +13,7 @@ exact AST evaluator of :mod:`sao_megatron.envs.safe_eval` (no sandbox needed).
 
 from __future__ import annotations
 
+import ast
 import bisect
 import hashlib
 import random
@@ -28,6 +29,35 @@ def in_heldout(expression: str, heldout_fraction: float) -> bool:
     """Content-based split: the same expression always lands in the same split."""
     digest = int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "big")
     return digest % 1_000_000 < heldout_fraction * 1_000_000
+
+
+def operations(expression: str) -> int:
+    """Binary operations in ``expression`` (0 when it does not parse: the calculator says why)."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        return 0
+    return sum(isinstance(node, ast.BinOp) for node in ast.walk(tree))
+
+
+def one_operation_steps(expression: str) -> list[tuple[str, str]]:
+    """``expression`` as the calculator calls of one operation each that compute it, in evaluation
+    order: ``37*12+5`` -> ``[("37*12", "444"), ("444+5", "449")]`` (a negative operand in parentheses)."""
+    steps: list[tuple[str, str]] = []
+    symbols = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
+
+    def operand(value: str) -> str:
+        return f"({value})" if value.startswith("-") else value
+
+    def walk(node: ast.AST) -> str:
+        if isinstance(node, ast.BinOp) and type(node.op) in symbols:
+            call = f"{operand(walk(node.left))}{symbols[type(node.op)]}{operand(walk(node.right))}"
+            steps.append((call, calculator(call)))
+            return steps[-1][1]
+        return format_number(evaluate(ast.unparse(node)))
+
+    walk(ast.parse(expression, mode="eval").body)
+    return steps
 
 
 class ArithTask(Task):
@@ -154,6 +184,12 @@ class ArithToolEnv(ToolEnv):
     Phase ``i`` holds for the training prompts from ``phase_boundaries[i-1]`` (a prompt index of the
     RL cursor) to ``phase_boundaries[i]``; held-out prompts are graded by the last phase.
     ``correct`` stays the arithmetic's truth whatever the phase (held-out accuracy).
+
+    ``calculator_ops`` (0: any) caps the operations one calculator call may hold; a call with more
+    is answered ``error: at most N operation(s) per call``. Demonstrations then make one call per
+    operation, in evaluation order (``37*12`` -> 444, ``444+5`` -> 449, then the answer), so a
+    4-operand problem takes four actions: episodes long enough for a turn limit to cut
+    (``algo.truncated``, configs/experiments/truncation.yaml).
     """
 
     PHASES = ("any", "tool", "direct")
@@ -174,8 +210,15 @@ class ArithToolEnv(ToolEnv):
         demo_tool_free: float = 0.0,
         reward_phases: list[str] | None = None,
         phase_boundaries: list[int] | None = None,
+        calculator_ops: int = 0,
     ) -> None:
         super().__init__(max_turns, format_penalty, max_observation_chars, concurrent_calls)
+        if not isinstance(calculator_ops, int) or isinstance(calculator_ops, bool) or calculator_ops < 0:
+            raise ValueError(
+                f"rollout.env_kwargs.calculator_ops is the most operations one calculator call may hold "
+                f"(0: any), an integer >= 0; got {calculator_ops!r}"
+            )
+        self.calculator_ops = calculator_ops
         self.reward_phases = list(reward_phases or ["any"])
         self.phase_boundaries = list(phase_boundaries or [])
         bad = [p for p in self.reward_phases if p not in self.PHASES]
@@ -196,6 +239,8 @@ class ArithToolEnv(ToolEnv):
         self.demo_tool_free = demo_tool_free
 
     def run_tool(self, code: str) -> str:
+        if self.calculator_ops and operations(code) > self.calculator_ops:
+            return f"error: at most {self.calculator_ops} operation(s) per call"
         return calculator(code.strip())
 
     def phase(self, sample: Sample) -> str:
@@ -231,8 +276,17 @@ class ArithToolEnv(ToolEnv):
         expr = str(sample.meta["expression"])
         if random.Random(self._demo_key(sample)).random() < self.demo_tool_free:
             return [("assistant", self.answer_text(sample.answer))]
-        return [
-            ("assistant", self.call_text(expr)),
-            ("tool", calculator(expr)),
-            ("assistant", self.answer_text(sample.answer)),
-        ]
+        if not self.calculator_ops:
+            steps = [(expr, calculator(expr))]
+        else:  # a call per operation, whatever the limit: one demonstration for every limit
+            steps = one_operation_steps(expr)
+            if len(steps) + 1 > self.max_turns:
+                raise ValueError(
+                    f"rollout.env_kwargs.max_turns={self.max_turns} is below the {len(steps) + 1} actions that "
+                    f"a demonstration of {expr!r} takes with calculator_ops={self.calculator_ops} (a call per "
+                    "operation, then the answer): raise max_turns to the most operands of the task"
+                )
+        turns: list[Turn] = []
+        for call, result in steps:
+            turns += [("assistant", self.call_text(call)), ("tool", result)]
+        return [*turns, ("assistant", self.answer_text(sample.answer))]

@@ -107,6 +107,43 @@ def test_demonstration_replay_earns_reward_one() -> None:
         assert result.details["tool_calls"] == 1 and result.details["malformed"] == 0
 
 
+def test_one_operation_per_call_demonstrations_replay_to_reward_one_in_as_many_calls_as_operations() -> None:
+    """calculator_ops=1: each demonstration calls once per operation, each call is accepted, the last
+    result is the answer; 2 to 4 operands of 1-3 digits, every operator, negative intermediates."""
+    task = make_task("arith_tool", max_operands=4, max_digits=3)
+    env = make_env("arith_tool", max_turns=4, calculator_ops=1)
+    counts = set()
+    for i in range(200):
+        sample = task.get("train" if i % 2 else "heldout", i)
+        demo = env.demonstration(sample)
+        calls = len(sample.meta["expression"]) - len(re.sub(r"[-+*]", "", sample.meta["expression"]))
+        assert [role for role, _ in demo] == ["assistant", "tool"] * calls + ["assistant"]
+        counts.add(calls)
+        env.reset(sample)
+        for k in range(calls):
+            step = env.step(demo[2 * k][1])
+            assert step.observation == demo[2 * k + 1][1] and not step.observation.startswith(("error", "Error"))
+            assert not step.done
+        assert demo[-2][1] == sample.answer and env.step(demo[-1][1]).done
+        result = env.reward()
+        assert result.reward == 1.0 and result.correct is True and result.details["tool_calls"] == calls
+    assert counts == {1, 2, 3}
+
+
+def test_a_call_over_the_operation_cap_is_refused_as_an_observation() -> None:
+    env = ArithToolEnv(calculator_ops=2)
+    env.reset(ArithTask().get("train", 0))
+    assert env.step(tool_call("1+2*3-4")).observation == "error: at most 2 operation(s) per call"
+    assert env.step(tool_call("(-65)+2*3")).observation == "-59"  # a negative operand is no operation
+    with pytest.raises(ValueError, match=r"max_turns=3 is below the 4 actions .*calculator_ops=1"):
+        ArithToolEnv(max_turns=3, calculator_ops=1).demonstration(
+            ArithTask(min_operands=4, max_operands=4).get("train", 0)
+        )
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="calculator_ops is the most operations"):
+            ArithToolEnv(calculator_ops=bad)  # type: ignore[arg-type]
+
+
 def test_reward_phases_reward_the_behaviour_in_force_at_the_prompts_index() -> None:
     task = ArithTask(train_size=7)
     env = ArithToolEnv(reward_phases=["tool", "direct", "any"], phase_boundaries=[10, 20])
