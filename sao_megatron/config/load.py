@@ -324,9 +324,10 @@ def validate(cfg: SAOConfig) -> None:
     validate_gateway(cfg.rollout, cfg.algo.group_size, bool(cfg.cluster.ray_address))
     validate_routing_replay(cfg)
     validate_data(cfg.data, evaluates=cfg.train.eval_prompts > 0)
-    for name in ("eval_prompts", "eval_samples"):
+    for name in ("eval_prompts", "eval_samples", "eval_max_turns"):
         if getattr(cfg.train, name) < 0:
-            raise ConfigError(f"train.{name}={getattr(cfg.train, name)} must be >= 0 (0 turns it off)")
+            zero = "0 uses rollout.loop.max_turns" if name == "eval_max_turns" else "0 turns it off"
+            raise ConfigError(f"train.{name}={getattr(cfg.train, name)} must be >= 0 ({zero})")
     if cfg.train.max_skipped_steps < 1:
         raise ConfigError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be >= 1")
     validate_run(cfg.run)

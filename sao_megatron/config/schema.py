@@ -414,6 +414,9 @@ class TrainConfig:
     samples, the paper's main figure with k=16); 0 skips the sampled evaluation."""
     eval_sample_temperature: float = 1.0
     """Temperature of the ``eval_samples`` episodes (paper: 1.0)."""
+    eval_max_turns: int = 0
+    """Turn limit of evaluation episodes (0: ``rollout.loop.max_turns``): train under a tighter limit
+    than the task is judged at (``algo.truncated``)."""
     save_every: int = 0
     """Checkpoint every n steps (0: only at the end)."""
     max_skipped_steps: int = 3

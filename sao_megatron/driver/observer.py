@@ -23,7 +23,9 @@ def learner_metrics(o: StepOutcome) -> dict[str, float]:
     out |= {f"critic/{k}": v for k, v in o.critic.items()}
     if o.values is not None and o.returns is not None:
         out["critic/explained_var"] = algo.explained_variance(o.values, o.returns, o.batch.action_mask)
-        out["critic/explained_var_first"] = algo.first_action_explained_variance(o.values, o.returns, o.batch.action_mask)
+        out["critic/explained_var_first"] = algo.first_action_explained_variance(
+            o.values, o.returns, o.batch.action_mask
+        )
     out |= {(k if k.startswith("dis/") else f"actor/{k}"): v for k, v in o.actor.items()}
     out |= o.sync
     out["time/step_s"] = o.seconds

@@ -434,7 +434,8 @@ class Session:
         Each accuracy comes with its standard error over the prompts (``_se``: binomial for the
         greedy one, the per-prompt means' for the sampled one): the noise of the evaluation set.
 
-        Failed episodes count as wrong. All episodes run concurrently (``rollout.max_concurrent``).
+        Failed episodes count as wrong. All episodes run concurrently (``rollout.max_concurrent``),
+        under ``train.eval_max_turns`` when set.
         """
         t = self.cfg.train
         size = self.task.size("heldout")
@@ -443,9 +444,11 @@ class Session:
         if n <= 0 or not clients:
             return {}
         k = t.eval_samples
-        settings = [dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_temperature)]
+        loop_cfg = self.cfg.rollout.loop
+        loop_cfg = dataclasses.replace(loop_cfg, max_turns=t.eval_max_turns or loop_cfg.max_turns)
+        settings = [dataclasses.replace(loop_cfg, temperature=t.eval_temperature)]
         if k > 0:
-            settings.append(dataclasses.replace(self.cfg.rollout.loop, temperature=t.eval_sample_temperature))
+            settings.append(dataclasses.replace(loop_cfg, temperature=t.eval_sample_temperature))
         policy = self.cfg.rollout.update_policy
         loops = [
             [

@@ -35,7 +35,7 @@ def test_every_new_field_has_a_docstring():
     source = inspect.getsource(schema)
     for cls, names in (
         (DataConfig, [f.name for f in dataclasses.fields(DataConfig)]),
-        (TrainConfig, ["eval_temperature", "eval_samples", "eval_sample_temperature"]),
+        (TrainConfig, ["eval_temperature", "eval_samples", "eval_sample_temperature", "eval_max_turns"]),
     ):
         body = inspect.getsource(cls)
         for name in names:
@@ -49,6 +49,7 @@ def test_every_new_field_has_a_docstring():
     [
         (["train.eval_samples=-1"], "train.eval_samples=-1 must be >= 0"),
         (["train.eval_samples=2.5"], "train.eval_samples: expected an integer"),
+        (["train.eval_max_turns=-1"], "train.eval_max_turns=-1 must be >= 0"),
         (["data.train=a.jsonl"], "data.train is set but data.eval is empty; set data.eval=FILE"),
         (["data.train=a.jsonl", "data.eval=b.jsonl", "data.answer_field="], "data.answer_field is empty"),
         (["data.meta_fields=solution"], "data.meta_fields: expected a list"),

@@ -32,9 +32,11 @@ class ScriptedEvalLoop:
 
     calls: list[tuple[float, int, str]] = []
     seen: Counter = Counter()
+    max_turns: set[int] = set()
 
     def __init__(self, client, tokenizer, loop_cfg, engine_name="", update_policy="retract", gateway=None) -> None:
         self.temperature = loop_cfg.temperature
+        ScriptedEvalLoop.max_turns.add(loop_cfg.max_turns)
 
     async def run(self, env, sample, split="train", index=-1, submitted_at=None) -> Result:
         await asyncio.sleep(0)
@@ -60,7 +62,7 @@ def make_session(overrides: list[str]) -> Session:
 
 @pytest.fixture(autouse=True)
 def scripted(monkeypatch):
-    ScriptedEvalLoop.calls, ScriptedEvalLoop.seen = [], Counter()
+    ScriptedEvalLoop.calls, ScriptedEvalLoop.seen, ScriptedEvalLoop.max_turns = [], Counter(), set()
     monkeypatch.setattr(session_module, "AgentLoop", ScriptedEvalLoop)
 
 
@@ -79,6 +81,13 @@ def test_greedy_pass1_and_mean_accuracy_over_k_samples() -> None:
     assert temps == {0.0: 8, 0.7: 32}
     assert {split for _, _, split in ScriptedEvalLoop.calls} == {"heldout"}
     assert sorted(i for t, i, _ in ScriptedEvalLoop.calls if t == 0.0) == list(range(8))
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [([], 5), (["train.eval_max_turns=7"], 7)])
+def test_evaluation_episodes_take_the_loops_turn_limit_unless_eval_max_turns_is_set(overrides, expected) -> None:
+    session = make_session(["train.eval_prompts=4", "train.eval_samples=2", "rollout.loop.max_turns=5", *overrides])
+    asyncio.run(session.evaluate())
+    assert ScriptedEvalLoop.max_turns == {expected}  # the greedy and the sampled episodes alike
 
 
 def test_without_samples_only_pass1_and_prompts_capped_at_the_heldout_size() -> None:
