@@ -21,6 +21,7 @@ KEEP = (
     "rollout/response_tokens",
     "rollout/action_tokens",
     "rollout/turns",
+    "rollout/truncated",
     "lag/",
     "dis/kept_frac/lag",
     "actor/kept_frac",
