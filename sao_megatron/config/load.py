@@ -328,6 +328,12 @@ def validate(cfg: SAOConfig) -> None:
         if getattr(cfg.train, name) < 0:
             zero = "0 uses rollout.loop.max_turns" if name == "eval_max_turns" else "0 turns it off"
             raise ConfigError(f"train.{name}={getattr(cfg.train, name)} must be >= 0 ({zero})")
+    window, steps = cfg.train.value_pretrain_stop_window, cfg.train.value_pretrain_steps
+    if window < 1 or (steps > 0 and window > steps):
+        raise ConfigError(
+            f"train.value_pretrain_stop_window={window} with train.value_pretrain_steps={steps}: the stop "
+            f"averages the last window steps, so use 1 to {max(steps, 1)}"
+        )
     if cfg.train.max_skipped_steps < 1:
         raise ConfigError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be >= 1")
     validate_run(cfg.run)

@@ -39,6 +39,10 @@ RetryFrom = Literal["scratch", "turn"]
 """Where an episode retried after an engine fault starts again (``rollout.episode_retry_from``)."""
 RouterBiasUpdate = Literal["freeze", "train"]
 """What training does to the MoE router's expert bias (``actor.router_bias_update``)."""
+ValueStopMetric = Literal["explained_var", "explained_var_first"]
+"""What value pretraining's stop watches (``train.value_pretrain_stop_on``): the critic's explained
+variance over every action token, or at each trajectory's first action token (the baseline the
+advantage of the episode's first decision is measured against)."""
 RoutingReplayMode = Literal["off", "record", "on"]
 """Rollout routing replay (``rollout.routing_replay``): ``off``; ``record``: the engines return the
 top-k experts of every position and the actor measures its agreement with them without replaying;
@@ -402,6 +406,13 @@ class TrainConfig:
     """Critic-only steps on rollouts of the frozen SFT policy (0 skips)."""
     value_pretrain_target_ev: float = 0.5
     """Stop value pretraining early once explained variance reaches this."""
+    value_pretrain_stop_on: ValueStopMetric = "explained_var"
+    """The explained variance that stop watches: ``explained_var`` (every action token) or
+    ``explained_var_first`` (each trajectory's first action token)."""
+    value_pretrain_stop_window: int = 1
+    """Steps whose mean that explained variance is (the last ones; >= 1). One batch's figure at the
+    first action token rests on B values, so a window of a few steps keeps a lucky batch from
+    stopping the stage."""
     steps: int = 100
     """Learner steps of RL."""
     eval_every: int = 0

@@ -1,7 +1,7 @@
 """The stages of ``sao train``: SFT on demonstrations, then value pretraining and RL as one loop.
 
 Value pretraining is the RL loop with the actor frozen and its own stop rule (explained
-variance reached); see :class:`Stage`.
+variance reached, over every action token or at the first, over a window of steps); see :class:`Stage`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,13 +54,21 @@ class Stage:
 def value_pretraining(cfg: SAOConfig) -> Stage:
     """Critic-only steps on rollouts of the frozen policy until explained variance is reached.
 
-    Prompts come from far beyond the RL cursor, so the RL data stays unseen."""
-    target = cfg.train.value_pretrain_target_ev
+    The stop watches ``train.value_pretrain_stop_on`` averaged over the last
+    ``train.value_pretrain_stop_window`` steps; prompts come from far beyond the RL cursor, so the
+    RL data stays unseen."""
+    t = cfg.train
+    key, recent = f"critic/{t.value_pretrain_stop_on}", deque(maxlen=t.value_pretrain_stop_window)
+
+    def done(metrics: dict[str, float]) -> bool:
+        recent.append(metrics.get(key, math.nan))
+        return len(recent) == recent.maxlen and sum(recent) / len(recent) >= t.value_pretrain_target_ev  # NaN: never
+
     return Stage(
         "value_pretrain",
-        cfg.train.value_pretrain_steps,
+        t.value_pretrain_steps,
         trains_actor=lambda step: False,
-        done=lambda m: m.get("critic/explained_var", math.nan) >= target,  # NaN: never
+        done=done,
         resumable=False,
         first_prompt=1 << 40,
         synchronous=False,

@@ -35,7 +35,17 @@ def test_every_new_field_has_a_docstring():
     source = inspect.getsource(schema)
     for cls, names in (
         (DataConfig, [f.name for f in dataclasses.fields(DataConfig)]),
-        (TrainConfig, ["eval_temperature", "eval_samples", "eval_sample_temperature", "eval_max_turns"]),
+        (
+            TrainConfig,
+            [
+                "eval_temperature",
+                "eval_samples",
+                "eval_sample_temperature",
+                "eval_max_turns",
+                "value_pretrain_stop_on",
+                "value_pretrain_stop_window",
+            ],
+        ),
     ):
         body = inspect.getsource(cls)
         for name in names:
@@ -50,6 +60,13 @@ def test_every_new_field_has_a_docstring():
         (["train.eval_samples=-1"], "train.eval_samples=-1 must be >= 0"),
         (["train.eval_samples=2.5"], "train.eval_samples: expected an integer"),
         (["train.eval_max_turns=-1"], "train.eval_max_turns=-1 must be >= 0"),
+        (["train.value_pretrain_stop_on=ev"], "train.value_pretrain_stop_on"),
+        (
+            ["train.value_pretrain_steps=5", "train.value_pretrain_stop_window=6"],
+            "train.value_pretrain_stop_window=6 with train.value_pretrain_steps=5: the stop averages the "
+            "last window steps, so use 1 to 5",
+        ),
+        (["train.value_pretrain_stop_window=0"], "train.value_pretrain_stop_window=0"),
         (["data.train=a.jsonl"], "data.train is set but data.eval is empty; set data.eval=FILE"),
         (["data.train=a.jsonl", "data.eval=b.jsonl", "data.answer_field="], "data.answer_field is empty"),
         (["data.meta_fields=solution"], "data.meta_fields: expected a list"),

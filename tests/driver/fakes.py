@@ -162,10 +162,12 @@ class FakeActor:
 
 class FakeCritic:
     """``CriticGroup``: predicts 0 until it has made ``accurate_after`` updates, then the exact return
-    (gamma = lam_critic = 1: the episode reward on every action token)."""
+    (gamma = lam_critic = 1: the episode reward on every action token; with ``first_only``, at each
+    trajectory's first action token only, 0 elsewhere)."""
 
-    def __init__(self, accurate_after: int | None = None, update_s: float = 0.0):
+    def __init__(self, accurate_after: int | None = None, update_s: float = 0.0, first_only: bool = False):
         self.accurate_after = accurate_after
+        self.first_only = first_only
         self.update_s = update_s
         self.values_calls: list[Call] = []
         self.updates: list[Call] = []
@@ -176,9 +178,15 @@ class FakeCritic:
     async def values(self, placed: TrainBatch, size: int, width: int) -> torch.Tensor:
         assert (size, width) == tuple(placed.tokens.shape)
         self.values_calls.append(Call(indices(placed), None, time.monotonic(), step=len(self.values_calls) + 1))
-        if self.accurate_after is not None and len(self.updates) >= self.accurate_after:
-            return placed.rewards[:, None].expand(size, width).clone()
-        return torch.zeros(size, width)
+        if self.accurate_after is None or len(self.updates) < self.accurate_after:
+            return torch.zeros(size, width)
+        exact = placed.rewards[:, None].expand(size, width).clone()
+        if self.first_only:
+            mask = placed.action_mask > 0
+            first = torch.zeros_like(mask)
+            first[torch.arange(size), mask.int().argmax(dim=-1)] = True
+            exact[~first] = 0.0
+        return exact
 
     async def update(self, placed: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         call = Call(indices(placed), None, time.monotonic(), step=len(self.values_calls))

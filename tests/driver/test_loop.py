@@ -216,6 +216,27 @@ def test_value_pretraining_stops_at_target_explained_variance(tmp_path):
     assert all(i >= 1 << 40 for c in s.critic.values_calls for i in c.indices)  # beyond the RL cursor
 
 
+@pytest.mark.parametrize("stop_on", ["explained_var", "explained_var_first"])
+def test_value_pretraining_stops_on_the_chosen_explained_variance_over_a_window(tmp_path, stop_on):
+    """A critic exact at each first action token only, from its 3rd update on (K = 1): there the
+    first-token EV is 0, 0, 0, 1, 1, ... and the all-token EV stays below 0.75. A window of 2 steps
+    and a target of 0.75 stop at step 5 (means 0.5 at step 4, 1.0 at step 5) on the first-token EV,
+    and never on the all-token one."""
+    cfg = config(
+        "train.value_pretrain_steps=7",
+        "train.value_pretrain_target_ev=0.75",
+        f"train.value_pretrain_stop_on={stop_on}",
+        "train.value_pretrain_stop_window=2",
+        "critic.updates_per_step=1",
+    )
+    s = FakeSession(cfg, critic=FakeCritic(accurate_after=3, first_only=True))
+    state, rows = run(s, value_pretraining(cfg), tmp_path, RunState(stage="value_pretrain"))
+    rows = [r for r in rows if r["stage"] == "value_pretrain"]
+    assert [r["critic/explained_var_first"] for r in rows[:5]] == pytest.approx([0.0, 0.0, 0.0, 1.0, 1.0])
+    assert all(r["critic/explained_var"] < 0.75 for r in rows)
+    assert len(rows) == (5 if stop_on == "explained_var_first" else 7)
+
+
 def test_stop_during_actor_update_completes_the_step(tmp_path):
     cfg = config("train.steps=10")
     s = FakeSession(cfg, actor=FakeActor(update_s=0.4))
