@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -262,7 +263,7 @@ class _ServerProcess:
         """A secret the server reads as one line on stdin (else stdin is ``/dev/null``)."""
         return None
 
-    def start(self):
+    def start(self) -> Self:
         self._check()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115  (owned by the child for its lifetime)
@@ -372,7 +373,7 @@ class _ServerProcess:
             pass
         self.proc.wait(timeout=grace_s)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         self.start()
         try:
             self.wait_healthy()
@@ -429,12 +430,6 @@ class EngineProcess(_ServerProcess):
             needs = multi_rank_env(ranks_here, world=self.spec.tensor_parallel)
             env.update({k: v for k, v in needs.items() if k not in os.environ})
         return {**env, **self.spec.env}
-
-    def start(self) -> EngineProcess:
-        return super().start()
-
-    def __enter__(self) -> EngineProcess:
-        return super().__enter__()
 
 
 # ---- sglang-router ----------------------------------------------------------------------------
@@ -599,9 +594,3 @@ class RouterProcess(_ServerProcess):
             return False
         healthy = int(ready.get("healthy_workers", 0))
         return ready.get("status") == "ready" and healthy >= len(self.spec.worker_urls)
-
-    def start(self) -> RouterProcess:
-        return super().start()
-
-    def __enter__(self) -> RouterProcess:
-        return super().__enter__()
