@@ -22,6 +22,7 @@ KEEP = (
     "rollout/action_tokens",
     "rollout/turns",
     "rollout/truncated",
+    "rollout/prompt_index",
     "lag/",
     "dis/kept_frac/lag",
     "actor/kept_frac",

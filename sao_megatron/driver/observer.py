@@ -39,10 +39,14 @@ def batch_metrics(
 
     ``token_lag`` ``[B, T]``: :func:`algo.policy_lag` against the policy the batch trained;
     ``taken_at``: when the learner took the batch (``time.time()``): ``buffer/wait_s`` is each
-    trajectory's time from finishing to being taken, not counting the step that trained it."""
+    trajectory's time from finishing to being taken, not counting the step that trained it.
+    ``rollout/prompt_index``: the batch's mean prompt index (the data cursor's position): without
+    ``algo.max_batches_ahead`` the engines run ahead of the learner and the surplus is dropped as
+    stale, so the cursor advances faster than steps x batch size."""
     n = len(trajectories)
     mask = action_mask > 0
     lags = token_lag.amax(dim=-1).float()  # a trajectory's lag is its oldest action token's
+    indices = [t.sample_index for t in trajectories if t.sample_index is not None]  # the prompt cursor's
     out = {
         "rollout/batch_size": float(n),
         "rollout/reward": sum(t.reward for t in trajectories) / n,
@@ -52,6 +56,7 @@ def batch_metrics(
         "rollout/turns": sum(t.num_turns for t in trajectories) / n,
         "rollout/truncated": sum(t.status == "truncated" for t in trajectories) / n,
         "rollout/multi_version": sum(len(set(t.action_versions)) > 1 for t in trajectories) / n,
+        "rollout/prompt_index": sum(indices) / len(indices) if indices else float("nan"),
         "rollout/episode_s": sum(t.finished_at - t.started_at for t in trajectories) / n,
         "buffer/wait_s": sum(max(0.0, taken_at - t.finished_at) for t in trajectories) / n,
         "lag/mean": float(lags.mean()),

@@ -145,6 +145,7 @@ def test_batches_are_handed_out_as_they_become_ready(tmp_path):
     assert state.step == 3 and state.version == 3 and s.syncs == [1, 2, 3]
     assert state.trained_prompts == [[k + 1, "train", i, 0] for k, b in enumerate(batches) for i in b]
     assert all(r["rollout/in_flight_at_take"] > 0 for r in rows)  # slow episodes still running
+    assert [r["rollout/prompt_index"] for r in rows] == pytest.approx([sum(b) / len(b) for b in batches])
 
 
 def test_buffer_order_backpressure_and_lag_bound(tmp_path):
@@ -482,12 +483,14 @@ def test_flow_control_keeps_the_engines_at_most_n_batches_ahead_of_a_slow_learne
     assert len(s.loop.episodes) <= (4 + ahead) * 4
     assert s.buffer is not None and s.buffer.stats.dropped_stale == 0
     assert max(r["lag/max"] for r in rows) <= ahead
+    assert all(r["rollout/prompt_index"] < (r["step"] - 1 + ahead) * 4 for r in rows)  # the cursor keeps pace
 
     free = FakeSession(
         config("train.steps=4", "algo.max_policy_lag=1", "rollout.max_concurrent=16"),
         ScriptedLoop(duration=lambda i: 0.01),
         actor=FakeActor(update_s=0.2),
     )
-    run(free, rl(free.cfg, True), tmp_path / "free")
+    _, free_rows = run(free, rl(free.cfg, True), tmp_path / "free")
+    assert free_rows[-1]["rollout/prompt_index"] > (4 + ahead) * 4  # the cursor ran ahead of steps x batch
     assert len(free.loop.episodes) > 3 * len(s.loop.episodes)  # no cap: generated, then dropped as stale
     assert free.buffer is not None and free.buffer.stats.dropped_stale > 0
