@@ -325,3 +325,30 @@ def test_recovery_counts_the_steps_until_a_trailing_mean_regains_90_percent(tmp_
     # a switch with no steps before it in the runs: no row
     assert main(["compare", str(tmp_path), "--metric", "rollout/reward", "--recovery", "2"]) == 0
     assert "after step 2" not in capsys.readouterr().out
+
+
+def test_cursor_steps_finds_where_the_prompt_cursor_crossed_an_index():
+    """Batches of 4; step k's take saw 4k trained plus waiting, dropped and in-flight episodes
+    started. Index 9 is first started by step 2 (8 + 1 + 0 + 1 = 10 > 9); the batch mean first
+    reaches it at step 3. Without rollout/batch_size the tool needs --batch-size."""
+    import importlib.util
+
+    from sao_megatron.config import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("cursor_steps", REPO_ROOT / "tools" / "cursor_steps.py")
+    assert spec and spec.loader
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    counts = {"buffer/waiting": 1.0, "buffer/dropped_stale": 0.0, "rollout/in_flight_at_take": 1.0}
+    rows = [
+        {"step": 1, "stage": "value_pretrain", "rollout/batch_size": 4.0, "buffer/waiting": 99.0},
+        {"step": 1, "stage": "rl", "rollout/batch_size": 4.0, **counts, "rollout/prompt_index": 1.5},
+        {"step": 2, "stage": "rl", "rollout/batch_size": 4.0, **counts, "rollout/prompt_index": 6.0},
+        {"step": 3, "stage": "rl", "rollout/batch_size": 4.0, **counts, "rollout/prompt_index": 9.5},
+    ]
+    assert tool.crossings(rows, 9) == (2, 3)
+    assert tool.crossings(rows, 100) == (None, None)
+    bare = [{k: v for k, v in r.items() if k not in ("rollout/batch_size", "rollout/prompt_index")} for r in rows]
+    assert tool.crossings(bare, 9, batch_size=4) == (2, None)
+    with pytest.raises(ValueError, match="pass --batch-size"):
+        tool.crossings(bare, 9)

@@ -23,6 +23,8 @@ KEEP = (
     "rollout/turns",
     "rollout/truncated",
     "rollout/prompt_index",
+    "rollout/batch_size",
+    "rollout/in_flight_at_take",
     "lag/",
     "dis/kept_frac/lag",
     "actor/kept_frac",
