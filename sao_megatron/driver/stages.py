@@ -133,6 +133,7 @@ class StageRun:
         self.source = RolloutSource(self.manager, self.buffer, prompts if stage.synchronous else None)
         self.observer = StepObserver(self.manager, self.buffer, len(s.engines))
         self.step = self.first = state.step if stage.resumable else 0
+        self.warned_surplus = False
         self.skipped_in_a_row = 0
         log.set_total(stage.name, stage.steps)
         self._allow()
@@ -166,6 +167,7 @@ class StageRun:
                 [self.step, t.split, t.sample_index, t.reward_details.get("group_index", 0)] for t in taken.trajectories
             ]
         self._check_skipped(outcome)  # the step is recorded whole, then the run may stop
+        self._warn_surplus()
         if stage.eval_every and self.step % stage.eval_every == 0:
             metrics |= await evaluate_paused(self.s, self.manager, state.version)
         self.log.log(self.step, stage.name, metrics)
@@ -176,6 +178,28 @@ class StageRun:
             await self.checkpoint()
         self._allow()
         return metrics
+
+    def _warn_surplus(self) -> None:
+        """Once a run: the engines, uncapped, have generated more episodes that the lag bound dropped
+        than the learner trained (engine time wasted, and the data cursor running ahead of the steps)."""
+        a = self.s.cfg.algo
+        trained = (self.step - self.first) * a.batch_size
+        dropped = self.buffer.stats.dropped_stale
+        if self.warned_surplus or a.max_batches_ahead is not None or self.stage.synchronous or dropped <= trained:
+            return
+        self.warned_surplus = True
+        log.warning(
+            "%s: the engines ran ahead of the learner: %d episodes dropped as stale (algo.max_policy_lag=%s) "
+            "against %d trained by step %d. algo.max_batches_ahead=N starts episodes at most N batches "
+            "ahead: no engine time on episodes that will be dropped, fresher trajectories, and prompt "
+            "indices that follow the steps (a task keyed to them, such as arith_tool's reward phases, then "
+            "switches at a known step; rollout/prompt_index shows where a run is)",
+            self.stage.name,
+            dropped,
+            a.max_policy_lag,
+            trained,
+            self.step,
+        )
 
     def _check_skipped(self, outcome: StepOutcome) -> None:
         """Count steps in a row that skipped an update (non-finite loss or gradient); stop the run at

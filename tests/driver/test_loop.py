@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -465,7 +466,7 @@ def test_batches_hold_distinct_prompts_when_the_cursor_wraps_a_small_dataset(tmp
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_flow_control_keeps_the_engines_at_most_n_batches_ahead_of_a_slow_learner(tmp_path, ahead):
+def test_flow_control_keeps_the_engines_at_most_n_batches_ahead_of_a_slow_learner(tmp_path, ahead, caplog):
     """Fast episodes, a 0.2-s learner: with algo.max_batches_ahead=n the k-th fresh episode starts
     only once k <= (updates done + n) x batch, so nothing goes stale; without it the engines run on."""
     cfg = config(
@@ -490,7 +491,11 @@ def test_flow_control_keeps_the_engines_at_most_n_batches_ahead_of_a_slow_learne
         ScriptedLoop(duration=lambda i: 0.01),
         actor=FakeActor(update_s=0.2),
     )
-    _, free_rows = run(free, rl(free.cfg, True), tmp_path / "free")
+    assert "ran ahead of the learner" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="sao_megatron.driver.stages"):
+        _, free_rows = run(free, rl(free.cfg, True), tmp_path / "free")
+    assert caplog.text.count("the engines ran ahead of the learner") == 1  # once a run, naming the fix
+    assert "algo.max_batches_ahead=N" in caplog.text
     assert free_rows[-1]["rollout/prompt_index"] > (4 + ahead) * 4  # the cursor ran ahead of steps x batch
     assert len(free.loop.episodes) > 3 * len(s.loop.episodes)  # no cap: generated, then dropped as stale
     assert free.buffer is not None and free.buffer.stats.dropped_stale > 0
