@@ -182,7 +182,9 @@ class ArithToolEnv(ToolEnv):
     configs/experiments/adaptation.yaml): ``tool`` rewards a correct answer reached with at least one
     calculator call, ``direct`` one given without any, ``any`` every correct answer (the default).
     Phase ``i`` holds for the training prompts from ``phase_boundaries[i-1]`` (a prompt index of the
-    RL cursor) to ``phase_boundaries[i]``; held-out prompts are graded by the last phase.
+    RL cursor) to ``phase_boundaries[i]``; held-out prompts are graded by the last phase. A boundary
+    is a prompt index, not a step: uncapped engines run ahead of the learner (the lag bound drops
+    the surplus), so set ``algo.max_batches_ahead`` for a switch at a known step.
     ``correct`` stays the arithmetic's truth whatever the phase (held-out accuracy).
 
     ``calculator_ops`` (0: any) caps the operations one calculator call may hold; a call with more
