@@ -381,17 +381,18 @@ RECOVERY_SPAN = 3
 or after the switch, reaches ``RECOVERY_SHARE`` of the mean over the ``RECOVERY_SPAN`` steps before it."""
 
 
-def recovery_steps(records: list[dict], metric: str, switch: int) -> float | None:
+def recovery_steps(records: list[dict], metric: str, switch: int, until: int | None = None) -> float | None:
     """RL steps from ``switch`` (the first step of a new reward) until the metric recovers (see
     ``RECOVERY_SHARE``): ``t - switch + 1`` for the recovering step ``t``, so at least
-    ``RECOVERY_SPAN``. A run that never recovers counts one step past its end (censored; the caller
-    says so). None when the steps before the switch are missing."""
+    ``RECOVERY_SPAN``. The phase ends before ``until`` (the next switch) or at the run's last step;
+    a run that does not recover within it counts one step past its end (censored; the caller says
+    so). None when the steps before the switch are missing."""
     by_step = {int(r["step"]): float(r[metric]) for r in records if r.get("stage") == "rl" and _number(r.get(metric))}
     before = [by_step.get(s) for s in range(switch - RECOVERY_SPAN, switch)]
     if any(v is None for v in before) or not by_step:
         return None
     target = RECOVERY_SHARE * statistics.fmean(v for v in before if v is not None)
-    last = max(by_step)
+    last = max(by_step) if until is None else min(max(by_step), until - 1)
     for t in range(switch + RECOVERY_SPAN - 1, last + 1):
         span = [by_step.get(s) for s in range(t - RECOVERY_SPAN + 1, t + 1)]
         if all(v is not None for v in span) and statistics.fmean(v for v in span if v is not None) >= target:
@@ -411,7 +412,8 @@ def compare(
     runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation; for each of
     ``windows`` the metric's mean over those RL steps; with ``paired_with`` an arm, each of these
     per run minus that arm's, run by run of the same name, i.e. seed by seed; for each step of
-    ``recoveries``, where the reward switched, :func:`recovery_steps`) and, with ``out_dir``, one
+    ``recoveries``, where the reward switched, :func:`recovery_steps` within its phase, which ends at
+    the next of them) and, with ``out_dir``, one
     PNG per metric of the arms' mean curves with a +-1 standard-error band."""
     groups = group_runs(paths)
     records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
@@ -430,10 +432,16 @@ def compare(
     rows += [
         (f"{m} steps {a}-{b}", m, lambda r, m, w=(a, b): window_mean(r, m, w)) for m in metrics for a, b in windows
     ]
+    switches = sorted(set(recoveries))
+    ends = dict(zip(switches, [*switches[1:], None], strict=True))  # a phase ends at the next switch
     rows += [
-        (f"{m} steps to recover {RECOVERY_SHARE:.0%} after step {s}", m, lambda r, m, s=s: recovery_steps(r, m, s))
+        (
+            f"{m} steps to recover {RECOVERY_SHARE:.0%} after step {s}",
+            m,
+            lambda r, m, s=s: recovery_steps(r, m, s, ends[s]),
+        )
         for m in metrics
-        for s in recoveries
+        for s in switches
     ]
     for label, metric, reduce in rows:
         for arm, runs in records.items():

@@ -325,6 +325,16 @@ def test_recovery_counts_the_steps_until_a_trailing_mean_regains_90_percent(tmp_
     # a switch with no steps before it in the runs: no row
     assert main(["compare", str(tmp_path), "--metric", "rollout/reward", "--recovery", "2"]) == 0
     assert "after step 2" not in capsys.readouterr().out
+    # a second switch at step 11 ends the first one's phase at step 10: "fast" still recovers there
+    # (5 steps); "slow" is censored one past the phase, 10 - 6 + 2 = 6, not one past the run (7)
+    assert main(["compare", str(tmp_path), "--metric", "rollout/reward", "--recovery", "11", "--recovery", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "| rollout/reward steps to recover 90% after step 6 | fast | 2 | 5 +- 0 |" in out
+    assert "| rollout/reward steps to recover 90% after step 6 | slow | 2 | 6 +- 0 |" in out
+    # ... and at step 10, "fast" has not recovered by step 9 either: censored at 9 - 6 + 2 = 5
+    assert main(["compare", str(tmp_path), "--metric", "rollout/reward", "--recovery", "6", "--recovery", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "| rollout/reward steps to recover 90% after step 6 | slow | 2 | 5 +- 0 |" in out
 
 
 def test_cursor_steps_finds_where_the_prompt_cursor_crossed_an_index():
