@@ -433,7 +433,7 @@ def compare(
         (f"{m} steps {a}-{b}", m, lambda r, m, w=(a, b): window_mean(r, m, w)) for m in metrics for a, b in windows
     ]
     switches = sorted(set(recoveries))
-    ends = dict(zip(switches, [*switches[1:], None], strict=True))  # a phase ends at the next switch
+    ends = {s: switches[i + 1] if i + 1 < len(switches) else None for i, s in enumerate(switches)}  # the next switch
     rows += [
         (
             f"{m} steps to recover {RECOVERY_SHARE:.0%} after step {s}",
