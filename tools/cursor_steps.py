@@ -15,8 +15,9 @@ Two readings per index, from each run's ``metrics.jsonl``:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from sao_megatron.observe import read_metrics
 
 STARTED = ("buffer/dropped_stale", "buffer/waiting", "rollout/in_flight_at_take")
 
@@ -54,7 +55,7 @@ def main() -> None:
         raise SystemExit(f"{args.dir}: no <arm>/seed<s>/metrics.jsonl under it")
     print("run | " + " | ".join(f"index {i}: started by step / trained from step" for i in args.index))
     for metrics in runs:
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = read_metrics(metrics.parent)  # a resumed run's repeated steps once, as sao compare reads them
         if not any(r.get("stage") == "rl" for r in rows):
             continue  # a shared start: no RL steps
         cells = []

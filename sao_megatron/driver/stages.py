@@ -183,8 +183,7 @@ class StageRun:
         """Once a run: the engines, uncapped, have generated more episodes that the lag bound dropped
         than the learner trained (engine time wasted, and the data cursor running ahead of the steps)."""
         a = self.s.cfg.algo
-        trained = (self.step - self.first) * a.batch_size
-        dropped = self.buffer.stats.dropped_stale
+        trained, dropped = self.buffer.stats.handed_out, self.buffer.stats.dropped_stale  # both kept across a resume
         if self.warned_surplus or a.max_batches_ahead is not None or self.stage.synchronous or dropped <= trained:
             return
         self.warned_surplus = True
