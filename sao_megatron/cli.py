@@ -284,21 +284,27 @@ def cmd_sweep(args) -> int:
     return 1 if failed else 0
 
 
+def compare_options(args) -> dict:
+    """``sao compare``'s arguments as :func:`sao_megatron.sweep.compare`'s keywords (but ``out_dir``);
+    ``tests/test_results_table.py`` runs the README's quoted commands through it."""
+    from sao_megatron.sweep import parse_window
+
+    return {
+        "paths": [Path(p) for p in args.runs],
+        "metrics": args.metric or ["eval/accuracy"],
+        "windows": [parse_window(w) for w in args.window or []],
+        "paired_with": args.paired_with,
+        "recoveries": args.recovery or [],
+    }
+
+
 def cmd_compare(args) -> int:
-    """Mean +- standard error and 95% intervals over seeds, per arm, and overlaid curves."""
-    from sao_megatron.sweep import compare, parse_window
+    """Mean +- standard error and 95% intervals over seeds, per arm, the runs' provenance and
+    overlaid curves."""
+    from sao_megatron.sweep import compare
 
     try:
-        print(
-            compare(
-                [Path(p) for p in args.runs],
-                args.metric or ["eval/accuracy"],
-                Path(args.out) if args.out else None,
-                [parse_window(w) for w in args.window or []],
-                args.paired_with,
-                args.recovery or [],
-            )
-        )
+        print(compare(**compare_options(args), out_dir=Path(args.out) if args.out else None))
     except ValueError as err:
         print(f"compare: {err}", file=sys.stderr)
         return 2
@@ -416,7 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", metavar="ARM", help="run only these arms")
     p.add_argument("--dry-run", action="store_true", help="print each run's command and whether it is done")
     p.set_defaults(fn=cmd_sweep)
-    p = sub.add_parser("compare", help="curves and a table (mean +- s.e., 95%% CI over seeds) of runs by arm")
+    p = sub.add_parser(
+        "compare",
+        help="curves and a table (mean +- s.e., 95%% CI over seeds) of runs by arm, with their start, end and commit",
+    )
     p.add_argument("runs", nargs="+", help="a sweep's out_dir, or run directories (<arm>/seed<s>)")
     p.add_argument("--metric", action="append", help="metric to compare (repeatable; default eval/accuracy)")
     p.add_argument(

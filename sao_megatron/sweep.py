@@ -20,12 +20,14 @@ A sweep file::
 Runs go to ``<out_dir>/<arm>/seed<s>`` one after the other, seed by seed (``--parallel N``: N at a
 time), each a
 ``sao train ... run.seed=S run.run_dir=...`` (``SAO_TRAIN`` replaces the command, as in the
-launchers). A run that finished leaves ``done.json`` and is skipped by a rerun; one that was
+launchers). A run that finished leaves ``done.json`` (its exit, wall time, UTC start and end, and
+the code's commit: :mod:`sao_megatron.provenance`) and is skipped by a rerun; one that was
 stopped resumes from its complete checkpoint (``--resume-if-present``): a sweep killed at any
 point continues where it stopped. Sweep files may share an ``out_dir``: an arm with the same name
 and seed is the same run, done once (keep its overrides identical). ``sao sweep`` ends with the
 comparison of its own arms in ``<out_dir>/compare_<name>/``; ``sao compare <out_dir>`` (or run
-directories grouped as ``<arm>/seed<s>``) reads each run's ``metrics.jsonl``.
+directories grouped as ``<arm>/seed<s>``) reads each run's ``metrics.jsonl`` and prints, under its
+table, each arm's provenance from the runs' ``done.json``.
 
 ``shared_start`` (a list of overrides, possibly empty) makes every seed start its arms from one
 run: ``<out_dir>/_start/seed<s>`` is ``sao train`` of the common overrides, these and
@@ -55,6 +57,7 @@ from pathlib import Path
 
 import yaml
 
+from sao_megatron import provenance
 from sao_megatron.config import REPO_ROOT, ConfigError, load_config
 from sao_megatron.observe import read_metrics
 
@@ -205,7 +208,10 @@ def _train_command() -> list[str]:
 
 
 def run_one(sweep: Sweep, arm: str, seed: int, run_dir: Path, log=print) -> dict:
-    """One run of the grid, or its ``done.json`` when it finished before."""
+    """One run of the grid, or its ``done.json`` when it finished before. Each attempt appends its
+    start (UTC) and code (:func:`sao_megatron.provenance.code_version`) to ``attempts.jsonl``; the
+    ``done.json`` of the one that finishes records the first attempt's start, its own end, its own
+    code and every attempt (a stopped run resumed on other code shows it)."""
     done = run_dir / "done.json"
     if done.exists():
         return json.loads(done.read_text())
@@ -215,12 +221,23 @@ def run_one(sweep: Sweep, arm: str, seed: int, run_dir: Path, log=print) -> dict
         begin_from(start, run_dir)
     cmd = sweep.command(arm, seed, run_dir)
     log(f"[sweep {sweep.name}] {arm} seed {seed}: {shlex.join(cmd)}")
+    attempt = {"started_utc": provenance.utc_now(), **provenance.code_version()}
+    with (run_dir / "attempts.jsonl").open("a") as f:  # at the start: a killed attempt is on record too
+        f.write(json.dumps(attempt) + "\n")
     t0 = time.time()
     with (run_dir / "sweep.log").open("a") as out:
         rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
     result = {"arm": arm, "seed": seed, "exit": rc, "wall_s": time.time() - t0}
     if rc == 0:
-        done.write_text(json.dumps(result))
+        attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines() if line]
+        # started: the first attempt's start; the code: the attempt that finished (each attempt's is kept)
+        done.write_text(
+            json.dumps(
+                result
+                | attempt
+                | {"started_utc": attempts[0]["started_utc"], "ended_utc": provenance.utc_now(), "attempts": attempts}
+            )
+        )
     log(
         f"[sweep {sweep.name}] {arm} seed {seed}: exit {rc} in {result['wall_s']:.0f} s"
         + ("" if rc == 0 else f"; see {run_dir / 'sweep.log'} (a rerun resumes it)")
@@ -400,32 +417,24 @@ def recovery_steps(records: list[dict], metric: str, switch: int, until: int | N
     return float(last - switch + 2)
 
 
-def compare(
-    paths: list[Path],
+def compare_rows(
+    groups: dict[str, list[Path]],
+    records: dict[str, list[list[dict]]],
     metrics: list[str],
-    out_dir: Path | None = None,
     windows: Sequence[tuple[int, int]] = (),
     paired_with: str | None = None,
     recoveries: Sequence[int] = (),
-) -> str:
-    """A markdown table (per arm and metric: mean +- standard error and the 95% interval over its
-    runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation; for each of
-    ``windows`` the metric's mean over those RL steps; with ``paired_with`` an arm, each of these
-    per run minus that arm's, run by run of the same name, i.e. seed by seed; for each step of
-    ``recoveries``, where the reward switched, :func:`recovery_steps` within its phase, which ends at
-    the next of them) and, with ``out_dir``, one
-    PNG per metric of the arms' mean curves with a +-1 standard-error band."""
-    groups = group_runs(paths)
-    records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
+) -> list[tuple[str, ArmStats]]:
+    """The rows of :func:`compare`'s table as (label, the arm's values over its runs), in its order;
+    ``records`` holds each run's metrics, by arm, in the order of ``groups``. A row without values
+    is left out."""
     if paired_with is not None and paired_with not in groups:
         raise ValueError(f"paired with {paired_with!r}: no such arm; the arms are {sorted(groups)}")
-    lines = ["| metric | arm | n | mean +- s.e. | 95% CI |", "|---|---|---|---|---|"]
+    out: list[tuple[str, ArmStats]] = []
 
     def row(label: str, arm: str, values: list[float]) -> None:
         if values:
-            s = ArmStats(arm, values)
-            ci = f"[{s.mean - s.ci95:.4g}, {s.mean + s.ci95:.4g}]" if len(values) > 1 else "-"
-            lines.append(f"| {label} | {arm} | {len(values)} | {s.mean:.4g} +- {s.stderr:.2g} | {ci} |")
+            out.append((label, ArmStats(arm, values)))
 
     rows = [(m, m, final_value) for m in metrics]
     rows += [(f"{m} gain", m, gain) for m in metrics if m.startswith("eval/")]
@@ -460,7 +469,49 @@ def compare(
                 arm,
                 [x - y for x, y in pairs if x is not None and y is not None],
             )
-    table = "\n".join(lines) + "\n"
+    return out
+
+
+def _done(run: Path) -> dict | None:
+    done = run / "done.json"
+    return json.loads(done.read_text()) if done.exists() else None
+
+
+def run_provenance(groups: dict[str, list[Path]]) -> dict[str, list[dict | None]]:
+    """Each compared run's ``done.json`` by arm (None where it has none), and under ``_start`` those of
+    the shared starts beside them (``<out_dir>/_start/seed<s>`` of a run ``<out_dir>/<arm>/seed<s>``)."""
+    out: dict[str, list[dict | None]] = {arm: [_done(r) for r in runs] for arm, runs in groups.items()}
+    starts = sorted(
+        {r.parent.parent / Sweep.START / r.name for runs in groups.values() for r in runs if r.name.startswith("seed")}
+    )
+    if found := [_done(s) for s in starts if (s / "metrics.jsonl").exists()]:
+        out[Sweep.START] = found
+    return out
+
+
+def compare(
+    paths: list[Path],
+    metrics: list[str],
+    out_dir: Path | None = None,
+    windows: Sequence[tuple[int, int]] = (),
+    paired_with: str | None = None,
+    recoveries: Sequence[int] = (),
+) -> str:
+    """A markdown table (per arm and metric: mean +- standard error and the 95% interval over its
+    runs, and n; for ``eval/*`` metrics also the gain, last minus first evaluation; for each of
+    ``windows`` the metric's mean over those RL steps; with ``paired_with`` an arm, each of these
+    per run minus that arm's, run by run of the same name, i.e. seed by seed; for each step of
+    ``recoveries``, where the reward switched, :func:`recovery_steps` within its phase, which ends at
+    the next of them: :func:`compare_rows`), then the runs' provenance (UTC start and end, code
+    commit: :func:`sao_megatron.provenance.summary`) and, with ``out_dir``, one
+    PNG per metric of the arms' mean curves with a +-1 standard-error band."""
+    groups = group_runs(paths)
+    records = {arm: [read_metrics(r) for r in runs] for arm, runs in groups.items()}
+    lines = ["| metric | arm | n | mean +- s.e. | 95% CI |", "|---|---|---|---|---|"]
+    for label, s in compare_rows(groups, records, metrics, windows, paired_with, recoveries):
+        ci = f"[{s.mean - s.ci95:.4g}, {s.mean + s.ci95:.4g}]" if len(s.values) > 1 else "-"
+        lines.append(f"| {label} | {s.arm} | {len(s.values)} | {s.mean:.4g} +- {s.stderr:.2g} | {ci} |")
+    table = "\n".join(lines) + "\n\n" + provenance.summary(run_provenance(groups))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         plots = [_plot(records, metric, out_dir) for metric in metrics]

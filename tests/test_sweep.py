@@ -143,7 +143,9 @@ def test_arms_of_a_seed_begin_from_one_shared_start_unless_they_opt_out(tmp_path
     assert calls[0] == "_start/seed1 fresh True"
     assert sorted(calls[1:]) == ["high/seed1 final_eval=None True", "low/seed1 final_eval=None True"]
     out = capsys.readouterr().out
-    assert "| _start" not in out and "| eval/accuracy | own | 2 |" in out
+    assert "| eval/accuracy | own | 2 |" in out
+    assert not [line for line in out.splitlines() if line.startswith("| eval/") and "| _start |" in line]
+    assert "| _start | 2 of 2 |" in out  # the starts are not compared, but their provenance is printed
     # a shared arm's curve begins at its start's evaluation: seed s's start is s/100, its last eps/10 + s/100 + 0.002
     assert "| eval/accuracy gain | low | 2 | 0.102 +- 0 |" in out
     assert "shared: 8 finished runs (arms and their starts) took" in out  # 3 arms x 2 seeds + 2 starts
@@ -275,6 +277,12 @@ def test_a_snapshot_keeps_what_compare_reads_and_sums_the_runs_wall_time(sweep_f
     assert main(["compare", str(tmp_path / "copy")]) == 0
     table = {line for line in capsys.readouterr().out.splitlines() if line.startswith("| eval/accuracy |")}
     assert len(table) == 2 and table == {line for line in original.splitlines() if line.startswith("| eval/accuracy |")}
+    # the reduced metrics keep each run's provenance: compare prints the same starts, ends and commits
+    assert main(["compare", str(tmp_path / "copy")]) == 0
+    copied_rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| low | 3 of 3 |")]
+    assert copied_rows and copied_rows == [
+        line for line in original.splitlines() if line.startswith("| low | 3 of 3 |")
+    ]
 
 
 def test_compare_leaves_empty_a_metric_an_arm_never_logged_in_its_rl_steps(tmp_path, capsys):
@@ -362,3 +370,79 @@ def test_cursor_steps_finds_where_the_prompt_cursor_crossed_an_index():
     assert tool.crossings(bare, 9, batch_size=4) == (2, None)
     with pytest.raises(ValueError, match="pass --batch-size"):
         tool.crossings(bare, 9)
+
+
+def _git(cwd, *args):
+    import subprocess
+
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(cwd), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def test_done_json_records_utc_start_end_and_the_code_commit_and_compare_prints_them(
+    sweep_file, tmp_path, monkeypatch, capsys
+):
+    from datetime import datetime
+
+    from sao_megatron import provenance
+
+    monkeypatch.setenv("STUB_FAIL", "high/seed2")  # fails once, then resumes: two attempts
+    assert main(["sweep", str(sweep_file)]) == 1
+    assert main(["sweep", str(sweep_file)]) == 0
+    head = _git(provenance.PACKAGE_DIR, "rev-parse", "HEAD")
+    out = tmp_path / "out"
+    for done_path in out.glob("*/seed*/done.json"):
+        done = json.loads(done_path.read_text())
+        started, ended = (datetime.fromisoformat(done[k]) for k in ("started_utc", "ended_utc"))
+        assert started.utcoffset() is not None and started.utcoffset().total_seconds() == 0  # UTC, offset written
+        assert started <= ended and (ended - started).total_seconds() >= done["wall_s"] - 1
+        assert done["commit"] == head and isinstance(done["dirty"], bool)
+    resumed = json.loads((out / "high" / "seed2" / "done.json").read_text())
+    assert len(resumed["attempts"]) == 2 and resumed["started_utc"] == resumed["attempts"][0]["started_utc"]
+    assert resumed["started_utc"] <= resumed["attempts"][1]["started_utc"]
+
+    # compare: per arm, the runs recording provenance, the first start, the last end and the code
+    (out / "low" / "seed3" / "done.json").write_text('{"arm": "low", "seed": 3, "exit": 0, "wall_s": 1.0}')
+    capsys.readouterr()
+    assert main(["compare", str(out)]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if " of " in line}
+    dones = [json.loads((out / "high" / f"seed{s}" / "done.json").read_text()) for s in (1, 2, 3)]
+    first, last = min(d["started_utc"] for d in dones), max(d["ended_utc"] for d in dones)
+    code = head[:7] + (" dirty" if dones[0]["dirty"] else "")
+    assert rows["high"] == f"| high | 3 of 3 | {first} | {last} | {code} x3 |"
+    assert rows["low"].startswith("| low | 2 of 3 |")  # a done.json from before provenance is not counted
+    (out / "low" / "seed1" / "done.json").unlink()
+    (out / "low" / "seed2" / "done.json").unlink()
+    assert main(["compare", str(out)]) == 0
+    assert "| low | 0 of 3 | - | - | not recorded (done.json written before provenance was recorded) |" in (
+        capsys.readouterr().out
+    )
+
+
+def test_code_version_reads_head_and_tracked_changes_and_says_when_there_is_no_checkout(tmp_path):
+    from sao_megatron import provenance
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    version = provenance.code_version(plain)
+    assert version["commit"] is None and version["dirty"] is None
+    assert version["no_commit"].startswith(f"not a git checkout: {plain}")
+    assert provenance.describe(version).startswith("not a git checkout")
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "a.py")
+    _git(repo, "commit", "-q", "-m", "a")
+    head = _git(repo, "rev-parse", "HEAD")
+    assert provenance.code_version(repo) == {"commit": head, "dirty": False}
+    (repo / "new.py").write_text("")  # untracked: not counted
+    assert provenance.code_version(repo)["dirty"] is False
+    (repo / "a.py").write_text("x = 2\n")
+    assert provenance.code_version(repo) == {"commit": head, "dirty": True}
+    assert provenance.describe({"commit": head, "dirty": True}) == f"{head[:7]} dirty"

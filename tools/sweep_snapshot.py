@@ -1,8 +1,9 @@
 """Copy a sweep's results into the repository: each run's ``metrics.jsonl`` reduced to the metrics
 docs/RESULTS.md reads (evaluations, reward, lengths, lag, DIS kept fractions, critic fit, timing,
 the buffer and what the lag bound selected)
-and its ``done.json``, under ``DEST/<arm>/seed<s>/``. ``sao compare`` runs on the copy as on the
-original, so every table in docs/RESULTS.md can be recomputed from the repository.
+and its ``done.json`` as it is (exit, wall time, UTC start and end, code commit), under
+``DEST/<arm>/seed<s>/``. ``sao compare`` runs on the copy as on the original, provenance included,
+so every table in docs/RESULTS.md can be recomputed from the repository.
 
     .venv/bin/python tools/sweep_snapshot.py runs/sweeps/arith benchmarks/results/sweeps/arith
 """
