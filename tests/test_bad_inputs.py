@@ -445,6 +445,15 @@ CASES: list[tuple[str, Build, str]] = [
     ("swe-task-missing-fail-to-pass", _swe_tasks(_swe_row_without("FAIL_TO_PASS")),
      r"^{tmp}/tasks\.jsonl:1: no field 'FAIL_TO_PASS' \(the row has: .*\); an SWE task needs .*FAIL_TO_PASS"),
     ("swe-task-file-empty", _swe_tasks(""), r"^{tmp}/tasks\.jsonl: no tasks \(the file is empty\)"),
+    # ---- numeric settings out of range (every numeric field: tests/config/test_ranges.py)
+    ("loop-temperature-negative", _overrides("rollout.loop.temperature=-1"),
+     r"^rollout\.loop\.temperature=-1\.0 must be >= 0 \(0: greedy\); set it to e\.g\. 1\.0$"),
+    ("train-steps-negative", _overrides("train.steps=-5"),
+     r"^train\.steps=-5 must be >= 0 \(0: no RL step, the stages before it only\); set it to e\.g\. 100$"),
+    ("eval-every-negative", _overrides("train.eval_every=-1"),
+     r"^train\.eval_every=-1 must be >= 0 \(0: evaluate only before the first step and after the last\); "),
+    ("learning-rate-nan", _overrides("actor.optim.lr=.nan"),
+     r"^actor\.optim\.lr=nan is not a finite number; set it to e\.g\. 1e-06$"),
     # ---- routing replay (rollout.routing_replay)
     ("routing-replay-on-a-dense-model", _overrides("model.num_experts=0", "rollout.routing_replay=on"),
      r"^rollout\.routing_replay=on needs an MoE model, but model\.num_experts=0 \(dense: no routers to replay\); "

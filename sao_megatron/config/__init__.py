@@ -7,8 +7,9 @@ A run is configured in three layers, each only overriding the one before:
    (``configs/models/<name>.yaml`` or a path) and may override single shape fields;
 3. command-line ``key.sub=value`` overrides (values parsed as YAML scalars/lists).
 
-Unknown keys, wrong types, values outside a field's ``Literal`` choices and inconsistent parallel
-layouts raise :class:`ConfigError` with a one-line reason and the fix, before any process starts
+Unknown keys, wrong types, values outside a field's ``Literal`` choices, numbers that are not
+finite or out of their range (:mod:`sao_megatron.config.ranges`) and inconsistent parallel layouts
+raise :class:`ConfigError` with a one-line reason and the fix, before any process starts
 (:mod:`sao_megatron.config.load`). The resolved config is written as ``config.yaml`` into every run
 directory (:func:`save_config`).
 """

@@ -18,6 +18,7 @@ from sao_megatron.algo.choices import GROUP_ESTIMATORS, uses_critic
 from sao_megatron.config import hf
 from sao_megatron.config.cluster import validate_cluster
 from sao_megatron.config.parse import build, read_yaml
+from sao_megatron.config.ranges import check_ranges
 from sao_megatron.config.schema import (
     DEFAULT_RUN_CONFIG,
     MODEL_CONFIG_DIR,
@@ -302,6 +303,7 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig, role: str) -> None:
 
 
 def validate(cfg: SAOConfig) -> None:
+    check_ranges(cfg, SAOConfig())  # first: a NaN passes every comparison below
     validate_model(cfg.model)
     validate_parallel(cfg.actor.parallel, cfg.model, "actor")
     validate_parallel(cfg.critic.parallel, cfg.model, "critic")
@@ -351,7 +353,7 @@ def validate(cfg: SAOConfig) -> None:
 
 def validate_algo(a: AlgoConfig) -> None:
     if a.eps_low < 0 or a.eps_high < 0:
-        raise ConfigError(f"algo.eps_low={a.eps_low}, eps_high={a.eps_high} must be >= 0")
+        raise ConfigError(f"algo.eps_low={a.eps_low}, algo.eps_high={a.eps_high} must be >= 0")
     if not 0 <= a.gamma <= 1 or not 0 <= a.lam_critic <= 1:
         raise ConfigError(f"algo.gamma={a.gamma}, algo.lam_critic={a.lam_critic} must be in [0, 1]")
     if a.lam != "adaptive" and not 0 <= a.lam <= 1:
@@ -514,9 +516,12 @@ def validate_gateway(r: RolloutConfig, group_size: int = 1, cluster_run: bool = 
         raise ConfigError(f"rollout.gateway.session_timeout_s={g.session_timeout_s} must be > 0 (seconds), e.g. 600")
     if not g.served_model_name:
         raise ConfigError("rollout.gateway.served_model_name is empty; name the model agents ask for, e.g. sao-policy")
+    a = r.agent
+    for key, low in (("memory_mb", 64), ("cpu_s", 1), ("processes", 8)):
+        if getattr(a, key) < low:
+            raise ConfigError(f"rollout.agent.{key}={getattr(a, key)} must be >= {low} (a sandboxed agent's limit)")
     if r.env != "openai_agent":
         return
-    a = r.agent
     if bool(a.entry_point) == bool(a.command):
         raise ConfigError(
             f"rollout.env=openai_agent needs exactly one of rollout.agent.entry_point (got {a.entry_point!r}) and "
@@ -530,9 +535,6 @@ def validate_gateway(r: RolloutConfig, group_size: int = 1, cluster_run: bool = 
             "in the rollout process and cannot be sandboxed; give the agent as rollout.agent.command or set "
             "rollout.agent.sandbox=auto"
         )
-    for key, low in (("memory_mb", 64), ("cpu_s", 1), ("processes", 8)):
-        if getattr(a, key) < low:
-            raise ConfigError(f"rollout.agent.{key}={getattr(a, key)} must be >= {low} (a sandboxed agent's limit)")
     if r.env_workers > 0 and a.entry_point:
         raise ConfigError(
             f"rollout.agent.entry_point={a.entry_point!r} with rollout.env_workers={r.env_workers}: an entry "

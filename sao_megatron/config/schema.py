@@ -416,6 +416,7 @@ class TrainConfig:
     steps: int = 100
     """Learner steps of RL."""
     eval_every: int = 0
+    """Evaluate every n RL steps (0: only before the first step and after the last)."""
     eval_prompts: int = 64
     """Held-out prompts per evaluation."""
     eval_temperature: float = 0.0

@@ -70,8 +70,8 @@ def _validate_router(m: ModelConfig) -> None:
     groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
     if groups < 1 or not 1 <= chosen <= groups:
         raise ConfigError(
-            f"model.moe_router_group_topk={chosen} must be in [1, moe_router_num_groups={groups}] and "
-            "moe_router_num_groups >= 1"
+            f"model.moe_router_group_topk={chosen} must be in [1, model.moe_router_num_groups={groups}] and "
+            "model.moe_router_num_groups >= 1"
         )
     if groups == 1:
         if chosen != 1:
