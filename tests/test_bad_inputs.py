@@ -510,6 +510,28 @@ CASES: list[tuple[str, Build, str]] = [
      r"^400 invalid_value n: n=2: the gateway samples one choice per request \(n=1\)$"),
     ("gateway-temperature-out-of-range", lambda tmp: bad_request({"model": MODEL, "messages": USER, "temperature": 3}),
      r"^400 invalid_value temperature: temperature=3 is outside \[0\.0, 2\.0\]$"),
+    ("gateway-temperature-nan", lambda tmp: bad_request({"model": MODEL, "messages": USER, "temperature": float("nan")}),
+     r"^400 invalid_value temperature: temperature=nan is not a finite number$"),
+    ("gateway-regex-does-not-compile", lambda tmp: bad_request({"model": MODEL, "messages": USER, "regex": "([a-z"}),
+     r"^400 invalid_value regex: regex '\(\[a-z' does not compile: "),
+    ("gateway-tool-calls-not-a-list", lambda tmp: bad_request({"model": MODEL, "messages": [
+        *USER, {"role": "assistant", "tool_calls": 5}]}),
+     r"^400 invalid_value messages\[1\]\.tool_calls: tool_calls must be a list, on an assistant message; got 5 "),
+    ("gateway-stream-options-not-an-object", lambda tmp: bad_request({"model": MODEL, "messages": USER, "stream": True,
+                                                                     "stream_options": 5}),
+     r"^400 invalid_type stream_options: stream_options must be an object such as \{\"include_usage\": true\}, got 5$"),
+    ("gateway-n-true", lambda tmp: bad_request({"model": MODEL, "messages": USER, "n": True}),
+     r"^400 invalid_type n: n must be an integer, got True$"),
+    ("gateway-max-tokens-not-an-integer", lambda tmp: bad_request({"model": MODEL, "messages": USER,
+                                                                  "max_completion_tokens": 8, "max_tokens": 8.5}),
+     r"^400 invalid_type max_tokens: max_tokens must be an integer, got 8\.5$"),
+    ("gateway-image-content", lambda tmp: bad_request({"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+     r"^400 invalid_value messages\[0\]\.content\[0\]: content part .* only text parts "),
+    ("gateway-role-the-template-cannot-render", lambda tmp: bad_request({"model": MODEL, "messages": [
+        {"role": "developer", "content": "Be brief."}, *USER]}),  # the tiny template renders neither it nor system
+     r"^400 unsupported_role messages\[0\]\.role: messages\[0\]\.role='developer': the checkpoint's chat template "
+     r"does not render a developer message first in the conversation; put its text into a user message$"),
 ]
 # fmt: on
 

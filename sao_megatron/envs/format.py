@@ -18,8 +18,11 @@ one id each, so a tiny model spends one token per tag.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Literal
+
+from jinja2 import TemplateError
 
 PAD = "<|pad|>"
 EOT = "<|endoftext|>"
@@ -125,6 +128,27 @@ template); ``json`` = the native ``<tool_call>{"name": .., "arguments": {..}}</t
 templates that render tool schemas (Qwen3, Hermes-style)."""
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+"""A reasoning block of an action (Qwen3, DeepSeek-R1)."""
+_THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + r".*?" + re.escape(THINK_CLOSE), re.DOTALL)
+
+
+def outline(text: str) -> str:
+    """``text`` without its reasoning blocks and whitespace: what a template's re-rendering of earlier
+    turns must keep (:meth:`ChatFormat.continuation_text`)."""
+    return "".join(_THINK_BLOCK.sub("", text).split())
+
+
+def _after_nth(text: str, marker: str, n: int) -> int:
+    """The index right after the ``n``-th occurrence of ``marker`` in ``text``; -1 if there are fewer."""
+    at = -len(marker)
+    for _ in range(n):
+        at = text.find(marker, at + len(marker))
+        if at < 0:
+            return -1
+    return at + len(marker)
+
+
 class ChatTemplateError(ValueError):
     """The chat template breaks the suffix assumption (see :meth:`ChatFormat.observation_ids`)."""
 
@@ -169,8 +193,24 @@ class ChatFormat:
         if not self.end_marker:
             raise ChatTemplateError("the tokenizer has no eos token to end assistant turns")
         self.stop_token_ids: tuple[int, ...] = (int(tokenizer.convert_tokens_to_ids(self.end_marker)),)
+        self._renders: dict[tuple[str, bool], bool] = {}
 
     # -- rendering -------------------------------------------------------------------------
+    def renders(self, role: str, first: bool) -> bool:
+        """Whether the template renders a message of ``role`` first in the conversation (``first``) or
+        after a user and an assistant turn: a probe message's text appears in the rendering (a template
+        may raise on a role, the tiny template does, or drop it silently, as Qwen3's drops
+        ``developer``). Probed once per role and place."""
+        if (role, first) not in self._renders:
+            probe = {"role": role, "content": "sao-role-probe"}
+            user = {"role": "user", "content": "u"}
+            messages = [probe, user] if first else [user, {"role": "assistant", "content": "a"}, probe, user]
+            try:
+                self._renders[role, first] = probe["content"] in self.render(messages)
+            except TemplateError:
+                self._renders[role, first] = False
+        return self._renders[role, first]
+
     def _kwargs(self, add_generation_prompt: bool) -> dict:
         kwargs: dict = {"tools": self.tools, "add_generation_prompt": add_generation_prompt}
         if self.enable_thinking is not None:
@@ -220,47 +260,55 @@ class ChatFormat:
         calls), given to the template as consecutive ``tool`` messages (Qwen3 renders them as one
         user turn of several ``<tool_response>`` blocks; the tiny template as consecutive
         ``<|tool|>..<|assistant|>`` observations).
-        Method (suffix rendering): ``before`` = render(history without its last action);
-        ``after`` = render(history + the tool messages, add_generation_prompt=True). The
-        observation is the part of ``after`` following the first end marker after ``before``,
-        i.e. after the last action's end marker (``<|end|>`` / ``<|im_end|>``), up to and
-        including the next generation prompt.
+        Method (suffix rendering): ``after`` = render(history + the tool messages,
+        add_generation_prompt=True). The observation is the part of ``after`` following the last
+        action's end marker (``<|end|>`` / ``<|im_end|>``; found by counting end markers, see
+        :meth:`continuation_text`), up to and including the next generation prompt.
 
-        Assumptions, checked (:class:`ChatTemplateError` otherwise): appending the action and
-        the tool messages does not change how the template renders the conversation before the
-        action (``after`` starts with ``before``), the rendering of the history alone also
-        starts with ``before`` and ends the action with the end marker, and the action's own
-        text holds no end marker. The action's rendering itself may differ from what was
-        generated (Qwen3 drops empty ``<think>`` blocks of earlier turns): only the part after
-        its end marker is used, the trajectory keeps the generated ids.
+        Assumptions, checked (:class:`ChatTemplateError` otherwise): the rendering of the history
+        alone ends the action with the end marker after the unchanged conversation before it, the
+        action's own text holds no end marker, and appending the new messages changes the rendering
+        of the history before them at most in :func:`outline` (see :meth:`continuation_text`). The
+        action's rendering itself may differ from what was generated (Qwen3 drops empty ``<think>``
+        blocks of earlier turns): only the part after its end marker is used, the trajectory keeps
+        the generated ids.
         """
         return self.continuation_text(history, self.tool_messages(outputs))
 
     def continuation_text(self, history: Sequence[dict], new_messages: Sequence[dict]) -> str:
         """The template's text for ``new_messages`` (tool results, a user turn) after ``history``,
-        which ends with the assistant's last action, up to and including the next generation prompt:
-        the suffix method and checks of :meth:`observation_text`."""
+        which ends with the assistant's last action, up to and including the next generation prompt.
+
+        The rule: with ``k`` the number of end markers in ``render(history)`` up to and including the
+        action's, the text is what follows the ``k``-th end marker of ``render(history +
+        new_messages, add_generation_prompt=True)``. The history's part of that rendering (before the
+        cut) may differ from ``render(history)``'s only inside reasoning blocks and in whitespace
+        (their :func:`outline` s are equal): Qwen3's template drops every ``<think>`` block of the
+        assistant turns before the last user message, so a user turn after an answer re-renders the
+        earlier turns without their reasoning. The session keeps the ids the engine saw for them.
+        Any other difference (a turn added, removed or edited by the template) is a
+        :class:`ChatTemplateError`."""
         if not history or history[-1].get("role") != "assistant":
             raise ChatTemplateError("the history must end with the assistant's action")
         if self.end_marker in str(history[-1].get("content", "")):
             raise ChatTemplateError(f"the action's text contains the end marker {self.end_marker!r}")
         before = self.render(history[:-1])
         alone = self.render(history)
-        after = self.render([*history, *new_messages], True)
         if not alone.startswith(before) or self.end_marker not in alone[len(before) :]:
             raise ChatTemplateError(
                 "the chat template does not render the action as a turn ending with "
                 f"{self.end_marker!r} after the unchanged conversation before it"
             )
-        if not after.startswith(before):
+        action_end = alone.find(self.end_marker, len(before)) + len(self.end_marker)
+        turns = alone.count(self.end_marker, 0, action_end)
+        after = self.render([*history, *new_messages], True)
+        cut = _after_nth(after, self.end_marker, turns)
+        if cut < 0 or outline(after[:cut]) != outline(alone[:action_end]):
             raise ChatTemplateError(
-                "the chat template renders the conversation before the last action "
-                "differently once a tool result follows it"
+                "the chat template renders the conversation before the new messages differently once they "
+                "follow it (beyond dropped reasoning and whitespace)"
             )
-        cut = after.find(self.end_marker, len(before))
-        if cut < 0:
-            raise ChatTemplateError(f"no {self.end_marker!r} after the action in the rendered conversation")
-        return after[cut + len(self.end_marker) :]
+        return after[cut:]
 
     def observation_ids(self, history: Sequence[dict], outputs: str | Sequence[str]) -> list[int]:
         """:meth:`observation_text` tokenised on its own. Exact in context because it starts right

@@ -20,7 +20,9 @@ bookkeeping (observations, segments) is :mod:`sao_megatron.rollout.gateway_sessi
 A streamed answer is generated whole, then sent as chunks: the engine call is token-in/token-out.
 ``tool_choice`` ``required`` or a named function is accepted but not enforced (the model samples
 freely: training needs its own distribution's logprobs). Bad requests get the OpenAI error JSON
-``{"error": {"message", "type", "code", "param"}}`` with a 4xx naming the field (docs/rollout.md).
+``{"error": {"message", "type", "code", "param"}}`` with a 4xx naming the field, every field checked
+before anything reaches the engine (:mod:`sao_megatron.rollout.gateway_request`; docs/rollout.md); an
+engine's own refusal of a request (HTTP 400, 413, 422) is passed on as a 400, not an engine failure.
 
 The gateway runs on the rollout process's asyncio loop, one per run, listening on
 ``rollout.gateway.host:port`` (loopback, a free port by default) and, for sandboxed command agents,
@@ -56,7 +58,8 @@ from sao_megatron.envs.openai_agent import AgentError
 from sao_megatron.records import Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineError
-from sao_megatron.rollout.gateway_session import GatewaySession, RequestError, declared_tools
+from sao_megatron.rollout.gateway_request import RequestError, parse_request
+from sao_megatron.rollout.gateway_session import GatewaySession
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,9 @@ SESSION_HEADER = "X-SAO-Session"
 MAX_SYNC_AGENTS = 512
 """Sync agent functions running at once, at most (threads; ``rollout.max_concurrent`` bounds the episodes)."""
 MAX_CLOSED_IDS = 65536
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ENGINE_REQUEST_ERRORS = (400, 413, 422)
+"""Engine statuses that refuse the request itself (a regex its grammar backend cannot compile, a prompt
+too long): passed on to the agent as 400, not an engine failure."""
 
 
 @dataclass
@@ -325,11 +330,10 @@ class Gateway:
         session: GatewaySession | None = None
         try:
             session = self._session(request)
-            body = await self._json(request)
-            args = parse_request(body, self.cfg.served_model_name)
+            chat = parse_request(await self._json(request), self.cfg.served_model_name)
             self.counts.requests += 1
             async with session.lock:
-                reply = await session.complete(*args)
+                reply = await session.complete(chat)
         except RequestError as err:
             return web.json_response(err.to_json(), status=err.status)
         except ChatTemplateError as err:
@@ -338,6 +342,9 @@ class Gateway:
             )
             return web.json_response(failure.to_json(), status=400)
         except EngineError as err:
+            if err.status in ENGINE_REQUEST_ERRORS:  # about the request: the agent's to fix, the engine is fine
+                failure = RequestError(400, f"the engine refused the request: {err}", "engine_refused_request")
+                return web.json_response(failure.to_json(), status=400)
             if session is not None:
                 session.engine_error = str(err)
             failure = RequestError(502, f"the engine failed: {err}", "engine_error", kind="server_error")
@@ -354,12 +361,10 @@ class Gateway:
             "total_tokens": reply.prompt_tokens + reply.completion_tokens,
         }
         head = {"id": completion_id, "created": created, "model": self.cfg.served_model_name}
-        if not body.get("stream"):
+        if not chat.stream:
             choice = {"index": 0, "message": reply.message(), "finish_reason": reply.finish_reason, "logprobs": None}
             return web.json_response({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
-        return await _stream(
-            request, head, reply, usage if (body.get("stream_options") or {}).get("include_usage") else None
-        )
+        return await _stream(request, head, reply, usage if chat.include_usage else None)
 
 
 async def _stream(request: web.Request, head: dict, reply, usage: dict | None) -> web.StreamResponse:
@@ -391,141 +396,3 @@ async def _stream(request: web.Request, head: dict, reply, usage: dict | None) -
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
-
-
-def parse_request(body: dict, model: str) -> tuple[list[dict], list[dict], dict, bool]:
-    """``(messages, tools, sampling, parse_tools)`` of a chat-completions body, or a
-    :class:`RequestError` naming the field."""
-    if "model" not in body:
-        raise RequestError(400, "model is required", "missing_required_parameter", "model")
-    if body["model"] != model:
-        raise RequestError(
-            404,
-            f"the model {body['model']!r} does not exist; this gateway serves {model!r}",
-            "model_not_found",
-            "model",
-        )
-    tools = _tools(body.get("tools"))
-    messages = _messages(body.get("messages"), declared_tools(tools))
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise RequestError(400, f"n={n!r}: the gateway samples one choice per request (n=1)", "invalid_value", "n")
-    sampling = {
-        "max_tokens": _number(body, "max_completion_tokens", int, 1, None) or _number(body, "max_tokens", int, 1, None),
-        "temperature": _number(body, "temperature", float, 0.0, 2.0),
-        "top_p": _number(body, "top_p", float, 1e-9, 1.0),
-        "seed": _number(body, "seed", int, None, None),
-        "stop": _stop(body.get("stop")),
-        "regex": _regex(body.get("regex")),
-    }
-    choice = body.get("tool_choice", "auto")
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if name not in declared_tools(tools):
-            raise RequestError(
-                400,
-                f"tool_choice names {name!r}, not one of the declared tools",
-                "invalid_value",
-                "tool_choice.function.name",
-            )
-    elif choice not in (None, "auto", "none", "required"):
-        raise RequestError(
-            400, f"tool_choice={choice!r}: use auto, none, required or a function", "invalid_value", "tool_choice"
-        )
-    if not isinstance(body.get("stream", False), bool):
-        raise RequestError(400, "stream must be true or false", "invalid_type", "stream")
-    return messages, tools, sampling, choice != "none"
-
-
-def _number(body: dict, key: str, kind: type, low: float | None, high: float | None) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
-        raise RequestError(
-            400, f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}", "invalid_type", key
-        )
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise RequestError(400, f"{key}={value} is outside [{low}, {high}]", "invalid_value", key)
-    return kind(value)
-
-
-def _stop(stop: Any) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(400, "stop must be a string or a list of up to 4 non-empty strings", "invalid_value", "stop")
-    return stops
-
-
-def _regex(regex: Any) -> str:
-    """SGLang's extension of the API (``extra_body={"regex": ...}``): constrained decoding."""
-    if regex is None:
-        return ""
-    if not isinstance(regex, str):
-        raise RequestError(
-            400, "regex must be a string (a regular expression the output must match)", "invalid_type", "regex"
-        )
-    return regex
-
-
-def _tools(tools: Any) -> list[dict]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise RequestError(400, "tools must be a list of function tools", "invalid_type", "tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise RequestError(
-                400, 'each tool must be {"type": "function", "function": {...}}', "invalid_value", f"tools[{i}]"
-            )
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise RequestError(
-                400, "a function tool needs a name", "missing_required_parameter", f"tools[{i}].function.name"
-            )
-    return tools
-
-
-def _messages(messages: Any, declared: dict[str, dict]) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages must be a non-empty list", "invalid_value", "messages")
-    calls: set[str] = set()
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else None
-            raise RequestError(
-                400,
-                f"messages[{i}].role={role!r}: use one of {', '.join(ROLES)}",
-                "invalid_value",
-                f"messages[{i}].role",
-            )
-        content = m.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise RequestError(
-                400, "content must be a string or a list of content parts", "invalid_type", f"messages[{i}].content"
-            )
-        for j, call in enumerate(m.get("tool_calls") or ()):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if m["role"] != "assistant" or not isinstance(fn, dict):
-                raise RequestError(
-                    400,
-                    "only assistant messages carry tool_calls, each with a function",
-                    "invalid_value",
-                    f"messages[{i}].tool_calls[{j}]",
-                )
-            if fn.get("name") not in declared:
-                raise RequestError(
-                    400,
-                    f"a call of {fn.get('name')!r}, which tools does not declare",
-                    "unknown_tool",
-                    f"messages[{i}].tool_calls[{j}].function.name",
-                )
-            calls.add(str(call.get("id")))
-        if m["role"] == "tool" and m.get("tool_call_id") not in calls:
-            raise RequestError(
-                400,
-                f"tool_call_id {m.get('tool_call_id')!r} answers no earlier tool call",
-                "invalid_value",
-                f"messages[{i}].tool_call_id",
-            )
-    return messages

@@ -4,21 +4,27 @@ A session is one episode of a user's agent (:mod:`sao_megatron.rollout.gateway`)
 engine (the :class:`~sao_megatron.rollout.agent_loop.AgentLoop` running the episode). Token
 bookkeeping, per chat-completions request::
 
-    messages = the request's (OpenAI schema), normalised: role, content (reasoning dropped), calls
-    if the open segment's messages are a prefix of them, the last of those is the assistant
-       message this session returned, and only tool / user / system messages follow it:
+    known = the request's messages, each normalised (:func:`normalise`)
+    if the tools are the open segment's, its known messages are a prefix of these, the last of them
+       is the assistant message this session returned, and no assistant message follows it:
          ids = the template's rendering of the new messages after the segment's last action
                (ChatFormat.continuation_text: after its end marker, up to the generation prompt)
-         append ids as an observation                            (action_mask 0)
-    else (the agent rewrote its history: compaction, dropped thinking, a sub-agent; new tools):
+         observation = ids                                       (action_mask 0)
+    else (a real rewrite: a message removed or edited, compaction, a sub-agent; other tools):
          a new segment: prompt ids = apply_chat_template(messages, tools, generation prompt)
-    action = engine.generate(segment prompt + response)          (action_mask 1, logprob, version)
+    action = engine.generate(segment prompt + response + observation)  (action_mask 1, logprob, version)
+    record observation and action (only now: a request refused or failed records nothing)
 
-The generated ids are kept as the engine produced them, never re-tokenised: an agent that sends an
-answer back re-rendered differently (Qwen3 drops old ``<think>`` blocks) does not break the prefix,
-since messages are compared, not renderings. Each segment becomes its own
-:class:`~sao_megatron.records.Trajectory`; the segments of a session share its prompt id, its session
-id and its reward (docs/algo.md, "Gateway segments").
+Two messages are the same turn when :func:`normalise` agrees: the role, the content as text (text
+parts joined, surrounding whitespace stripped; an assistant's reasoning, ``reasoning_content`` or a
+``<think>`` block, dropped) and the tool calls' names and arguments (parsed JSON: key order and
+spacing aside); ids and other keys are not compared. So an agent that sends the session's answers
+back as the API gave them, with or without their reasoning, re-spelt or reordered, extends the
+sequence; what the template then renders differently for the earlier turns (Qwen3 drops their
+``<think>`` blocks once a newer user message follows) is not re-tokenised: the recorded ids are the
+ones the engine saw, and the observation is only the new messages' part of the rendering. Each
+segment becomes its own :class:`~sao_megatron.records.Trajectory`; the segments of a session share
+its prompt id, its session id and its reward (docs/algo.md, "Gateway segments").
 """
 
 from __future__ import annotations
@@ -27,12 +33,11 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sao_megatron.envs.base import Sample
-from sao_megatron.envs.format import ChatFormat, escape_specials
+from sao_megatron.envs.format import THINK_CLOSE, THINK_OPEN, ChatFormat, escape_specials
 from sao_megatron.envs.tool_parse import (
     Answer,
     NativeCall,
@@ -44,20 +49,7 @@ from sao_megatron.envs.tool_parse import (
 from sao_megatron.records import EndCause, Status, Trajectory
 from sao_megatron.rollout.agent_loop import AgentLoop, Episode
 from sao_megatron.rollout.client import SamplingParams
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-class RequestError(Exception):
-    """A request the gateway refuses: HTTP ``status`` and the OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None, kind: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-
-    def to_json(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}}
+from sao_megatron.rollout.gateway_request import ChatRequest, RequestError
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -110,6 +102,24 @@ class Segment:
 
 
 @dataclass
+class Step:
+    """What one request adds to the session, recorded only once its action is generated: the segment it
+    continues (or a new one), the observation ids of its new messages, the messages then known."""
+
+    seg: Segment
+    fresh: bool
+    """A new segment (the request rewrote the history)."""
+    observation: list[int]
+    known: list[tuple]
+    rendered: list[dict]
+
+    @property
+    def context(self) -> list[int]:
+        """What the engine is sent: the segment's ids and the observation."""
+        return self.seg.context + self.observation
+
+
+@dataclass
 class Reply:
     """One completion: the assistant message and why it ended."""
 
@@ -155,9 +165,22 @@ class GatewaySession:
         loop's do at its limits, whatever the agent does next)."""
 
     # -- token bookkeeping ----------------------------------------------------------------------
-    def _template_message(self, message: dict, tool_format: str) -> dict:
-        """An OpenAI message as the checkpoint's chat template reads it (user text escaped)."""
+    def _template_message(self, message: dict, index: int, chat: ChatFormat) -> dict:
+        """An OpenAI message as the checkpoint's chat template reads it (user text escaped; ``developer``
+        as ``system`` where the template renders only the latter), or a 400 naming a role it cannot render."""
         role = message["role"]
+        if role in ("system", "developer") and not chat.renders(role, index == 0):
+            if role == "developer" and chat.renders("system", index == 0):
+                role = "system"
+            else:
+                where = "first in the conversation" if index == 0 else "after other turns"
+                raise RequestError(
+                    400,
+                    f"messages[{index}].role={role!r}: the checkpoint's chat template does not render a {role} "
+                    f"message {where}; put its text into a user message",
+                    "unsupported_role",
+                    f"messages[{index}].role",
+                )
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
@@ -165,7 +188,7 @@ class GatewaySession:
         if role != "assistant":
             return {"role": role, "content": escape_specials(content)}
         calls = message.get("tool_calls") or []
-        if tool_format == "tags":  # the tiny template knows no tool_calls: the calls are tags in the text
+        if chat.tool_format == "tags":  # the tiny template knows no tool_calls: the calls are tags in the text
             body = "".join(f"<tool>{_first_argument(c)}</tool>" for c in calls)
             return {"role": "assistant", "content": content + body}
         out: dict[str, Any] = {"role": "assistant", "content": content}
@@ -176,8 +199,9 @@ class GatewaySession:
             ]
         return out
 
-    def _segment_for(self, messages: list[dict], tools: list[dict]) -> Segment:
-        """The segment the request continues (its new messages appended as an observation), or a new one."""
+    def _step(self, messages: list[dict], tools: list[dict]) -> Step:
+        """The segment the request continues (its new messages as an observation), or a new one; nothing
+        is recorded yet."""
         known = [normalise(m) for m in messages]
         seg = self.segments[-1] if self.segments else None
         if (
@@ -188,28 +212,29 @@ class GatewaySession:
             and seg.known[-1][0] == "assistant"
             and all(k[0] != "assistant" for k in known[len(seg.known) :])
         ):
-            new = [self._template_message(m, seg.chat.tool_format) for m in messages[len(seg.known) :]]
+            start = len(seg.known)
+            new = [self._template_message(m, start + j, seg.chat) for j, m in enumerate(messages[start:])]
             ids = seg.chat.encode(seg.chat.continuation_text(seg.rendered, new))
-            seg.ep.add_observation(ids)
-            seg.known, seg.rendered = known, [*seg.rendered, *new]
-            return seg
+            return Step(seg, False, ids, known, [*seg.rendered, *new])
         chat = ChatFormat(self.loop.tokenizer, tools=tools, enable_thinking=self.loop.cfg.enable_thinking)
-        rendered = [self._template_message(m, chat.tool_format) for m in messages]
-        seg = Segment(chat, tools, chat.messages_ids(rendered), Episode([], [], [], [], []), known, rendered)
-        self.segments.append(seg)
-        return seg
+        rendered = [self._template_message(m, i, chat) for i, m in enumerate(messages)]
+        fresh = Segment(chat, tools, chat.messages_ids(rendered), Episode([], [], [], [], []))
+        return Step(fresh, True, [], known, rendered)
 
-    async def complete(self, messages: list[dict], tools: list[dict], sampling: dict, parse_tools: bool) -> Reply:
-        """Serve one request: extend or open a segment, generate one action, parse its calls.
+    async def complete(self, request: ChatRequest) -> Reply:
+        """Serve one request: extend or open a segment, generate one action, parse its calls; the request's
+        messages and action are recorded only once the action is generated (a refused or failed request
+        leaves the session as it was, so its retry continues the same segment).
 
-        ``sampling``: ``max_tokens`` (None: ``rollout.loop.max_new_tokens``), ``temperature``,
-        ``top_p``, ``stop``, ``seed``, ``regex``. A context beyond ``rollout.loop.max_context_tokens`` (or a
-        segment beyond ``max_response_tokens``) is refused (400 ``context_length_exceeded``)."""
+        ``request.sampling.max_tokens`` None: ``rollout.loop.max_new_tokens``; likewise temperature and
+        top_p. A context beyond ``rollout.loop.max_context_tokens`` (or a segment beyond
+        ``max_response_tokens``) is refused (400 ``context_length_exceeded``)."""
         cfg = self.loop.cfg
         self.requests += 1
-        seg = self._segment_for(messages, tools)
-        context = seg.context
-        room = min(cfg.max_context_tokens - len(context), cfg.max_response_tokens - len(seg.ep.response_ids))
+        step = self._step(request.messages, request.tools)
+        seg, context, ask = step.seg, step.context, request.sampling
+        response = len(seg.ep.response_ids) + len(step.observation)
+        room = min(cfg.max_context_tokens - len(context), cfg.max_response_tokens - response)
         if room <= 0:
             error = RequestError(
                 400,
@@ -220,40 +245,37 @@ class GatewaySession:
             )
             self.truncated = f"token budget exhausted: {error.message}"
             raise error
-        asked = sampling.get("max_tokens") or cfg.max_new_tokens
         params = SamplingParams(
-            max_new_tokens=min(asked, room),
-            temperature=cfg.temperature if sampling.get("temperature") is None else float(sampling["temperature"]),
-            top_p=cfg.top_p if sampling.get("top_p") is None else float(sampling["top_p"]),
+            max_new_tokens=min(ask.max_tokens or cfg.max_new_tokens, room),
+            temperature=cfg.temperature if ask.temperature is None else ask.temperature,
+            top_p=cfg.top_p if ask.top_p is None else ask.top_p,
             stop_token_ids=seg.chat.stop_token_ids,
-            stop=tuple(sampling.get("stop") or ()),
-            seed=sampling.get("seed"),
-            regex=sampling.get("regex") or "",
+            stop=ask.stop,
+            seed=ask.seed,
+            regex=ask.regex,
         )
         action = await self.loop.generate(context, params, seg.ep)
         if isinstance(action, str):
             self.engine_error = action
             raise RequestError(502, f"the engine failed: {action}", "engine_error", kind="server_error")
-        seg.ep.add_action(action)
         text = seg.chat.action_content(self.loop.tokenizer.decode(action.ids, skip_special_tokens=False))
-        reasoning, content, calls = self._parse(text, seg, parse_tools)
+        reasoning, content, calls = self._parse(text, seg, request.parse_tools)
+        cut = action.finish_reason == "length" and (not action.ids or action.ids[-1] not in seg.chat.stop_token_ids)
         reply = Reply(
             content=content,
             reasoning=reasoning,
             tool_calls=calls,
-            finish_reason="tool_calls"
-            if calls
-            else (
-                "length"
-                if action.finish_reason == "length" and action.ids[-1] not in seg.chat.stop_token_ids
-                else "stop"
-            ),
+            finish_reason="tool_calls" if calls else ("length" if cut else "stop"),
             prompt_tokens=len(context),
             completion_tokens=len(action.ids),
         )
-        message = reply.message()
-        seg.known = [*seg.known, normalise(message)]
-        seg.rendered = [*seg.rendered, seg.chat.assistant_message(text)]
+        if step.fresh:
+            self.segments.append(seg)
+        elif step.observation:
+            seg.ep.add_observation(step.observation)
+        seg.ep.add_action(action)
+        seg.known = [*step.known, normalise(reply.message())]
+        seg.rendered = [*step.rendered, seg.chat.assistant_message(text)]
         self.final_answer = content
         return reply
 
@@ -343,8 +365,3 @@ def _first_argument(call: dict) -> str:
     if isinstance(arguments, dict) and arguments:
         return str(next(iter(arguments.values())))
     return str(arguments)
-
-
-def declared_tools(tools: Sequence[dict] | None) -> dict[str, dict]:
-    """Tool name -> its function schema."""
-    return {t["function"]["name"]: t["function"] for t in tools or ()}

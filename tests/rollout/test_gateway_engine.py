@@ -1,5 +1,6 @@
 """The gateway on the real CPU engine with the real Qwen3 chat template, driven by the official
-``openai`` client: a three-turn tool conversation (one call, two parallel calls streamed, an answer).
+``openai`` client: a three-turn tool conversation (one call, two parallel calls streamed, an answer),
+and user follow-ups after tool calls (one call, then two parallel calls), each one segment.
 
 The tiny random Qwen3-MoE would almost never write a well-formed call, so each request carries
 SGLang's ``regex`` (``extra_body``, the engine's structured decoding): every token is still the
@@ -126,3 +127,57 @@ def test_a_three_turn_tool_conversation_through_the_openai_client(qwen3_engine):
         at = turn.end
     assert canonical + tok.encode("\n") == list(whole)
     assert tok.decode(traj.prompt_ids + traj.response_ids) + "\n" == tok.decode(whole)
+
+
+def test_user_follow_ups_after_tool_calls_through_the_openai_client(qwen3_engine):
+    """Ask, one call, its result, an answer, a follow-up; two parallel calls, their results, an answer, a
+    second follow-up; an answer. Qwen3's template re-renders each answered turn without its ``<think>``
+    block once a follow-up comes: still one segment whose ids are what the engine saw."""
+    engine, model = qwen3_engine
+    tok = load_tokenizer(model)
+
+    async def go():
+        async with EngineClient(engine.url) as client:
+            recording = Recording(client)
+            loop = AgentLoop(recording, tok, AgentLoopConfig(max_new_tokens=96, max_context_tokens=4096))  # type: ignore[arg-type]
+            gateway = Gateway(GatewayConfig(), OpenAIAgentConfig())
+            await gateway.start()
+            session = gateway.open(loop, Sample("q", "2+3?", ""))
+            api = openai.AsyncOpenAI(base_url=gateway.base_url(session), api_key=session.key, max_retries=0)
+            ask: dict[str, Any] = dict(model="sao-policy", tools=[CALCULATOR], temperature=0.0)
+            messages: list = [{"role": "user", "content": "2+3?"}]
+            seen = []  # the messages of each request
+
+            async def turn(regex: str):
+                seen.append(list(messages))
+                reply = await api.chat.completions.create(messages=messages, extra_body={"regex": regex}, **ask)
+                messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+                return reply.choices[0].message.tool_calls or []
+
+            try:
+                for calls_regex, follow_up in ((CALL, "And tomorrow?"), (CALL + "\n" + CALL, "Thanks, and 4*5?")):
+                    calls = await turn(THINK + calls_regex)
+                    messages.extend({"role": "tool", "tool_call_id": c.id, "content": "5"} for c in calls)
+                    await turn(THINK + "[0-9]{1,3}")
+                    messages.append({"role": "user", "content": follow_up})
+                await turn(THINK + "[a-z]{1,8}")
+            finally:
+                await gateway.close()
+            return seen, session, recording.inputs
+
+    seen, session, inputs = asyncio.run(go())
+    assert len(session.segments) == 1 and len(inputs) == 5
+    [traj] = session.trajectories("finished", "", 1.0, None, {})
+    assert len(traj.turns) == 5 and [m["role"] for m in seen[3][-3:]] == ["assistant", "tool", "tool"]
+    assert len(seen[1][-2]["tool_calls"]) == 1 and len(seen[3][-3]["tool_calls"]) == 2  # one call, two parallel
+    for k, turn in enumerate(traj.turns):  # each request extends the recorded ids; these are what the engine saw
+        assert inputs[k] == traj.prompt_ids + traj.response_ids[: turn.start]
+    for k in range(1, 5):  # observation k: the template's rendering of request k's new messages
+        ids = traj.response_ids[traj.turns[k - 1].end : traj.turns[k].start]
+        rendering = tok.apply_chat_template(
+            [{"content": "", **m} for m in seen[k]], tools=[CALCULATOR], tokenize=False, add_generation_prompt=True
+        )
+        assert rendering.endswith(tok.decode(ids)) and ids == tok.encode(tok.decode(ids), add_special_tokens=False)
+        if seen[k][-1]["role"] == "user":
+            follow_up = seen[k][-1]["content"]
+            assert tok.decode(ids) == f"\n<|im_start|>user\n{follow_up}<|im_end|>\n<|im_start|>assistant\n"
