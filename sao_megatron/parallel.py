@@ -17,11 +17,16 @@ import torch.distributed as dist
 from torch.distributed import Store, TCPStore  # pyright: ignore[reportPrivateImportUsage]  # public API
 
 from sao_megatron.config import ParallelConfig
+from sao_megatron.runtime import strict_nccl
 
 
 def resolve_backend(backend: str = "auto") -> str:
+    """``auto``: nccl with CUDA, gloo otherwise; :data:`~sao_megatron.runtime.strict_nccl.NAME` (the
+    NCCL contract on CPU, for tests) is registered in this process when named."""
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == strict_nccl.NAME:
+        strict_nccl.register()
     return backend
 
 
@@ -51,10 +56,13 @@ def init_distributed(
         return
     backend = resolve_backend(backend)
     device = None
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if backend == "nccl":  # bound to its GPU: NCCL makes the world's communicator at once and splits
         # every later group's from it (Megatron's, the weight sync's gathers) instead of a fresh one each
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    elif backend == strict_nccl.NAME:  # the same choice of device; the backend binds its world itself
+        strict_nccl.set_device(local_rank % strict_nccl.device_count())
     init_method = None if store is not None else f"tcp://{master_addr}:{master_port}"
     dist.init_process_group(
         backend=backend,

@@ -29,7 +29,7 @@ EngineDtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 """SGLang ``--dtype`` values."""
 WeightSync = Literal["distributed", "disk"]
 """``distributed``: broadcast groups, one per actor pipeline stage -> engines; ``disk``: engines load a saved copy."""
-Backend = Literal["auto", "nccl", "gloo"]
+Backend = Literal["auto", "nccl", "gloo", "strict_nccl"]
 """torch.distributed backend of the trainer ranks."""
 NodeGroup = Literal["actor", "critic", "rollout"]
 """A node group of a cluster run (``cluster.*_nodes``; its nodes advertise ``sao_<group>`` to Ray)."""
@@ -487,7 +487,10 @@ class RunConfig:
     seed: int = 1234
     """Seed of every RNG (torch, python, data order)."""
     backend: Backend = "auto"
-    """torch.distributed backend: ``auto`` (nccl with CUDA, gloo otherwise), ``nccl`` or ``gloo``."""
+    """torch.distributed backend: ``auto`` (nccl with CUDA, gloo otherwise), ``nccl``, ``gloo``, or
+    ``strict_nccl``: NCCL's contract on CPU, for tests (enqueue-only ops, a watchdog per group,
+    communicators split from the bound world; ``sao_megatron.runtime.strict_nccl``); the weight
+    sync's groups then use it too."""
     wandb_project: str = ""
     """Also log metrics to this Weights & Biases project (needs ``wandb`` installed); empty: off."""
     export_timeout_s: float = 0.0

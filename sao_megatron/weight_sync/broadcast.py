@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.config import ModelConfig
+from sao_megatron.runtime.strict_nccl import is_nccl_like
 from sao_megatron.weight_sync.gate import SyncGate
 from sao_megatron.weight_sync.streams import GatherStreams
 from sao_megatron.weight_sync.transport import (
@@ -26,6 +27,15 @@ from sao_megatron.weight_sync.transport import (
 
 if TYPE_CHECKING:  # imported by sync() when it runs: Megatron stays out of the package's import
     from sao_megatron.models.hf_weights import HFWeightStream
+
+
+def sync_backend(world_backend: str) -> str:
+    """The sync groups' backend for a trainer world on ``world_backend``: the world's own when it is
+    NCCL-like (``nccl``, or ``strict_nccl``: NCCL's contract on CPU, for tests), else nccl with CUDA
+    and gloo without."""
+    if is_nccl_like(world_backend):
+        return world_backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 class BroadcastSync:
@@ -65,7 +75,7 @@ class BroadcastSync:
         self.module, self.model_cfg, self.policy = module, model_cfg, policy
         self.bucket_timeout_s, self.senders = bucket_timeout_s, senders
         self._feed_groups: dict = {}  # the gathers' process groups, by members (HFWeightStream)
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.backend = sync_backend(dist.get_backend() if dist.is_initialized() else "gloo")
         self.engine_tp, self.flat, self.bucket_bytes = engine_tp, resolve_flat(flat, self.backend), bucket_mb << 20
         self.inflight_bytes, self.timeout_s, self.gb_per_s = inflight_mb << 20, timeout_s, gb_per_s
         self.sender: WeightSync | None = None  # this rank's group, on a pipeline stage's sender

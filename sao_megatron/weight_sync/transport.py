@@ -23,6 +23,7 @@ from torch.distributed import Store  # pyright: ignore[reportPrivateImportUsage]
 from sao_megatron.faults import kill_point
 from sao_megatron.parallel import open_store
 from sao_megatron.rollout.client import EngineClient, EngineError
+from sao_megatron.runtime.strict_nccl import is_nccl_like
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def new_group(
     prefixed = PrefixStore(group_name, store)
     with _env_lock:
         saved = {k: os.environ.get(k) for k in _UNWATCHED}
-        if backend == "nccl":
+        if is_nccl_like(backend):
             os.environ.update(_UNWATCHED)
         try:
             group, _ = _new_process_group_helper(
@@ -136,7 +137,7 @@ def resolve_flat(flat: bool | None, backend: str) -> bool:
     a bucket as one byte buffer under NCCL (one collective per bucket instead of one per tensor: a
     Qwen3-30B-A3B sync is ~18.9k tensors) and tensor by tensor under gloo, where the flat copy was
     measured slower (docs/PERFORMANCE.md)."""
-    return backend == "nccl" if flat is None else flat
+    return is_nccl_like(backend) if flat is None else flat
 
 
 def prefetched[T](items: Iterator[T], depth: int = 1) -> Iterator[T]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import re
 import socket
 import urllib.request
@@ -115,7 +116,8 @@ class FakeEngine:
         return self._answer(entry, True)
 
     async def init_group(self, request: web.Request) -> web.Response:
-        from sao_megatron.parallel import join_store
+        from sao_megatron.parallel import join_store, resolve_backend
+        from sao_megatron.runtime import strict_nccl
         from sao_megatron.weight_sync import new_group
 
         body = await request.json()
@@ -127,6 +129,10 @@ class FakeEngine:
             world_size=body["world_size"],
             backend=body["backend"],
         )
+
+        resolve_backend(body["backend"])  # strict_nccl: registered in this process
+        # an engine's GPU is not one of the trainer's; a fake engine has none to name (as the CPU shim)
+        os.environ.setdefault(strict_nccl.DEVICE_ENV, "none")
 
         def join() -> Any:
             store = join_store(body["master_address"], body["master_port"], body["world_size"], timeout_s=60)

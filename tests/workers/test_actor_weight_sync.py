@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from sao_megatron.models.hf_io import TensorSpec
 from sao_megatron.weight_sync import sync_order
-from tests.distributed import run_distributed
+from tests.distributed import BACKEND_ENV, run_distributed, world_backend
 from tests.workers.fake_engine import EngineProcess, Faults, weight_name, weight_value
 
 SHAPES = [  # per pipeline stage, per bucket: its tensors' shapes (ragged stages: 3 and 2 buckets)
@@ -256,8 +256,26 @@ def test_sync_sends_every_bucket_in_order_and_reuses_the_groups(engines: list[En
         ]
         assert sorted(_brief(x) for x in log[-2:]) == _groups("/destroy_weights_update_group", "sao_weight_sync")
         assert all(x["success"] for x in log), log
-        assert [(x["rank"], x["world_size"], x["backend"]) for x in log[:2]] == [(e + 1, 3, "gloo")] * 2
+        assert [(x["rank"], x["world_size"], x["backend"]) for x in log[:2]] == [(e + 1, 3, world_backend())] * 2
         assert log[2]["mode"] == "retract"
+        _assert_clean_updates(log)
+
+
+def test_the_sync_forms_its_groups_and_sends_every_bucket_under_ncclS_contract(
+    engines: list[EngineProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same two syncs with the trainer world and every group on the strict NCCL-contract
+    backend (``runtime/strict_nccl``): the world bound to each rank's device as ``parallel.py``
+    binds an NCCL world, so a sender group made by splitting it (members outside the world) fails
+    here naming the call site, as NCCL would hang in it."""
+    monkeypatch.setenv(BACKEND_ENV, "strict_nccl")
+    monkeypatch.setenv("SAO_STRICT_SPLIT_WAIT_S", "5")
+    ranks, logs = _run(engines, [Faults(), Faults()], [1, 2])
+    for call in range(2):
+        _assert_synced([ranks[0][call], ranks[1][call]], "sao_weight_sync")
+    for log in logs:
+        assert {x["backend"] for x in log if x["endpoint"] == "/init_weights_update_group"} == {"strict_nccl"}
+        assert all(x["success"] for x in log), log
         _assert_clean_updates(log)
 
 

@@ -8,10 +8,17 @@ device-to-host copies, and a CPU engine has no device, so once that module is im
 registration becomes a no-op when CUDA is absent. Nothing changes where CUDA is present, and the
 launcher runs this stand-in only on CPU and only with the SGLang version it was written for
 (``SUPPORTED_SGLANG``).
+
+With ``SAO_STRICT_NCCL=1`` (a test running the weight sync under the strict NCCL-contract backend)
+it also makes ``strict_nccl`` a backend of the process, so SGLang's own ``init_custom_process_group``
+joins the sync's groups with it. An engine rank's GPU is chosen inside SGLang's scheduler process,
+where this shim has no hook, so engine ranks are left out of that backend's one-device-per-rank
+check (``SAO_STRICT_DEVICE=none``).
 """
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 _TARGET = "sglang.srt.mem_cache.pool_host.common"
@@ -44,3 +51,10 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, _PatchAfterImport())
+
+
+if os.environ.get("SAO_STRICT_NCCL") == "1":
+    os.environ.setdefault("SAO_STRICT_DEVICE", "none")
+    from sao_megatron.runtime import strict_nccl
+
+    strict_nccl.register()
