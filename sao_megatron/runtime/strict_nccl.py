@@ -551,6 +551,15 @@ class StrictGroup(dist.ProcessGroup):
     def name(self) -> str:
         return NAME
 
+    @property
+    def group_name(self) -> str:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """torch's C++ group keeps its name on its backends, which a Python group has none of."""
+        return self.backend.group_name
+
+    @property
+    def group_desc(self) -> str:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return self.backend.group_name
+
     def abort(self) -> None:
         self.backend.abort()
 

@@ -67,14 +67,26 @@ def new_group(
     from a TCP store the same way ``init_process_group`` does, under a prefix of its own. Under
     NCCL it is built with :data:`_UNWATCHED` set: torch reads those per group, at construction,
     and has no per-group option for them (``ProcessGroupNCCL.Options`` carries none).
+
+    It is never split from this process's world. A world bound to its device (``parallel.py``
+    passes ``device_id`` for NCCL, which ends the one-GPU funnel) makes torch 2.14's
+    ``_new_process_group_helper`` hand the world's communicator to the new group as ``split_from``
+    (``ncclCommSplit``), a collective of the whole world whose other ranks never join it and whose
+    engine members are not in it: the first sync hung there. The default group is unbound while
+    this group is made (NeMo-RL does the same around its side group), so NCCL makes it from the
+    store (``ncclCommInitRank``) with exactly its own members.
     """
     from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
 
     prefixed = PrefixStore(group_name, store)
+    world = _world.default_pg if dist.is_initialized() else None
     with _env_lock:
         saved = {k: os.environ.get(k) for k in _UNWATCHED}
+        bound = world.bound_device_id if world is not None else None
         if is_nccl_like(backend):
             os.environ.update(_UNWATCHED)
+        if world is not None:
+            world.bound_device_id = None
         try:
             group, _ = _new_process_group_helper(
                 world_size,
@@ -86,6 +98,8 @@ def new_group(
                 timeout=timedelta(seconds=timeout_s),
             )
         finally:
+            if world is not None:
+                world.bound_device_id = bound
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)

@@ -170,44 +170,71 @@ def test_an_op_whose_peer_died_hangs_until_the_timeout_where_gloo_fails_at_once(
     assert "timed out" not in gloo and gloo != "completed", gloo  # gloo: the closed connection, at once
 
 
-def _split_outside_the_world(rank: int, world: int) -> str:
-    """A side group whose other member is outside the bound world, built the way the weight sync
-    builds its groups (default-group path, its own store)."""
-    from sao_megatron.parallel import open_store
+def _side_group(backend: str, store, world_size: int, rank: int, name: str, split: bool):
+    """A group outside the world, made as ``weight_sync.transport.new_group`` made it at 27cb784
+    (``split``: torch's helper with the world bound, which splits) or as it makes it now."""
+    from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper
+
     from sao_megatron.weight_sync.transport import new_group
 
-    store = open_store("127.0.0.1", 2)
+    if not split:
+        return new_group(backend, store, world_size, rank, name, timeout_s=30)
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        PrefixStore(name, store),
+        group_name=GroupName(name),
+        timeout=timedelta(seconds=30),
+    )
+    return group
+
+
+def _split_outside_the_world(rank: int, world: int, split: bool) -> str:
+    """A side group whose other member is outside the bound world (an engine's rank)."""
     import multiprocessing as mp
 
-    peer = mp.get_context("spawn").Process(target=_outside_member, args=(store.port,), daemon=True)
+    from sao_megatron.parallel import open_store
+
+    store = open_store("127.0.0.1", 2)
+    peer = mp.get_context("spawn").Process(target=_outside_member, args=(store.port, split), daemon=True)
     peer.start()
     try:
-        new_group(STRICT, store, 2, 0, "side", timeout_s=30)
+        group = _side_group(STRICT, store, 2, 0, "side", split)
     except strict_nccl.NcclWouldHang as err:
-        return str(err)
-    finally:
         peer.join(60)
-    return "formed"
+        return str(err)
+    dist.broadcast(torch.ones(2), src=0, group=group)
+    peer.join(60)
+    return "formed" if peer.exitcode == 0 else f"peer exit {peer.exitcode}"
 
 
-def _outside_member(port: int) -> None:
+def _outside_member(port: int, split: bool) -> None:
     from sao_megatron.parallel import join_store
-    from sao_megatron.weight_sync.transport import new_group
 
     strict_nccl.register()
     strict_nccl.set_device(1)
     store = join_store("127.0.0.1", port, 2)
     try:
-        new_group(STRICT, store, 2, 1, "side", timeout_s=30)
+        group = _side_group(STRICT, store, 2, 1, "side", split)
     except strict_nccl.NcclWouldHang:
-        pass
+        return
+    t = torch.zeros(2)
+    group.broadcast([t], dist.BroadcastOptions()).wait()
+    assert t.tolist() == [1.0, 1.0]
 
 
-def test_a_split_rank_never_joined_by_its_parent_or_with_members_outside_it_fails_naming_the_call_site(monkeypatch):
+def test_a_group_split_from_the_bound_world_with_members_outside_it_fails_naming_the_call_site(monkeypatch):
     monkeypatch.setenv(strict_nccl.SPLIT_WAIT_ENV, "5")
-    got = run_world(_split_outside_the_world, 1, backend=STRICT, timeout_s=120)[0]
-    assert "NCCL would hang here" in got
-    assert "transport.py" in got  # the call site
+    got = run_world(_split_outside_the_world, 1, True, backend=STRICT, timeout_s=120)[0]
+    assert "NCCL would hang here" in got and "splitting the bound world" in got
+    assert "test_strict_nccl.py" in got  # the call site
+
+
+def test_the_weight_syncs_side_group_is_made_without_splitting_the_bound_world(monkeypatch):
+    monkeypatch.setenv(strict_nccl.SPLIT_WAIT_ENV, "5")
+    assert run_world(_split_outside_the_world, 1, False, backend=STRICT, timeout_s=120) == ["formed"]
 
 
 def _splits_in_different_orders(rank: int, world: int) -> str:
