@@ -27,7 +27,7 @@ torch 2.14.1's ``ProcessGroupNCCL`` and ``distributed_c10d`` have them:
   instead.
 - **Communicators split from a bound world.** A world built by this backend is bound to this
   process's device (``init_process_group(device_id=...)`` does that for NCCL; on CPU the group's
-  ``bound_device_id`` is a ``meta`` device of the rank's index, tensors stay on the CPU), and torch then hands every later group the world's
+  ``bound_device_id`` is the rank's CUDA device, by name only: tensors stay on the CPU), and torch then hands every later group the world's
   backend as ``split_from`` (``_new_process_group_helper``: ``ncclCommSplit``). A split is a
   collective over the parent: every parent rank must take part in each split, members and
   non-members (``perform_nocolor_split``) alike, in the same order, and the new group's members
@@ -607,10 +607,12 @@ def _create(opts, backend_options=None) -> StrictGroup:
     group = StrictGroup(backend)
     if default_group or parent is not None:
         # NCCL binds the world to the rank's device when init_process_group gets device_id, and torch
-        # then splits every later group from it (and binds the split to the same device).
-        # init_process_group refuses a CUDA device on a machine without one, so the binding here is
-        # a device that holds no data ("meta"); tensors and object collectives stay on the CPU
-        group.bound_device_id = torch.device("meta", _device or 0)
+        # then splits every later group from it (and binds each new group to the same device).
+        # init_process_group refuses a CUDA device on a machine without one, so the binding is set
+        # here: the rank's CUDA device as a name only (tensors stay on the CPU; this group's barrier
+        # is its own, so nothing is allocated there). Gloo groups made beside it (Megatron's) are
+        # registered for CUDA as well, as torch needs of a group bound to a device
+        group.bound_device_id = torch.device("cuda", _device or 0)
     return group
 
 

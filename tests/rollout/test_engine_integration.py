@@ -96,8 +96,12 @@ def engine(checkpoints, taken_port, api_key, tmp_path_factory):
         api_key=api_key,
         return_routed_experts=True,  # rollout.routing_replay (asked for by the routing tests only)
     )
-    with EngineProcess(spec) as proc:
-        yield proc
+    # strict_nccl registered in the engine's processes (its shim), so the sync tests can form their
+    # groups on it as well as on gloo; nothing else changes for a gloo group
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SAO_STRICT_NCCL", "1")
+        with EngineProcess(spec) as proc:
+            yield proc
 
 
 def test_an_engine_whose_port_was_taken_restarts_on_a_fresh_one(engine, taken_port):
@@ -409,11 +413,17 @@ def _hf_logprobs(model_dir, ids):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
 
 
-def test_distributed_weight_sync_serves_new_weights(engine, checkpoints):
+@pytest.mark.parametrize("backend", ["gloo", "strict_nccl"])
+def test_distributed_weight_sync_serves_new_weights(engine, checkpoints, backend):
+    """``strict_nccl``: the trainer side and the engine's side of the group under the NCCL contract
+    (ops that only enqueue, the watchdog, no split from a world), the engine's through its shim."""
     import torch
     from safetensors.torch import load_file
 
+    from sao_megatron.parallel import resolve_backend
     from sao_megatron.weight_sync import WeightSync
+
+    resolve_backend(backend)
 
     new = load_file(str(checkpoints[1] / "model.safetensors"))
     names = sorted(new)
@@ -421,13 +431,14 @@ def test_distributed_weight_sync_serves_new_weights(engine, checkpoints):
     ids = [2, 60, 61, 62, 63, 64, 3, 70, 71, 72]
 
     async def go():
-        sync = WeightSync([engine.url], backend="gloo")  # master_port 0: bound at connect()
+        sync = WeightSync([engine.url], backend=backend, group_name=f"sync_{backend}")  # master_port 0: at connect()
         await sync.connect()
         report = await sync.update(buckets, version=7)
         async with EngineClient(engine.url) as client:
             scored = await client.score(ids, start=1)
             gen = await client.generate([2, 40, 3], SamplingParams(max_new_tokens=3))
             await client.update_weights_from_disk(str(checkpoints[0]), "8")
+        await sync.close()
         return report, scored, gen
 
     report, scored, gen = run(go())

@@ -36,6 +36,7 @@ from sao_megatron.observe import RunLog
 from sao_megatron.rollout.client import SamplingParams
 from sao_megatron.rollout.engine import EngineProcess
 from sao_megatron.tokenizer import load_tokenizer
+from tests.distributed import world_backend
 from tests.test_from_hf_families import config as hf_config
 from tests.test_from_hf_families import make_tiny
 from tests.test_pipeline import actor_logprobs, engine_vs_actor
@@ -60,6 +61,8 @@ RUN = [
     "train.sft_batch_size=8",
     "train.eval_prompts=0",
 ]
+if world_backend() == "strict_nccl":  # SAO_TEST_BACKEND: the actor world, its sync groups and the
+    RUN.append("run.backend=strict_nccl")  # engines' side (their shim, SAO_STRICT_NCCL) under NCCL's contract
 GROUP_LINE = re.compile(r"rank_offset=(\d+), rank=(\d+), world_size=(\d+), group_name=")
 
 
@@ -70,7 +73,9 @@ def _engine_rss_mb(engine: EngineProcess) -> float:
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
 
 
-def test_two_tp2_engines_in_one_group_serve_the_actor_at_two_versions(tmp_path):
+def test_two_tp2_engines_in_one_group_serve_the_actor_at_two_versions(tmp_path, monkeypatch):
+    if world_backend() == "strict_nccl":
+        monkeypatch.setenv("SAO_STRICT_NCCL", "1")
     hf = tmp_path / "mixtral_tiny"
     make_tiny("mixtral", hf)
     cfg = hf_config(tmp_path, hf, RUN)

@@ -9,7 +9,7 @@ import torch
 from sao_megatron.batch import MicroBatching, build_batch
 from sao_megatron.config import ParallelConfig
 from sao_megatron.workers.micro import seq_multiple
-from tests.distributed import run_distributed
+from tests.distributed import BACKEND_ENV, run_distributed
 from tests.workers import ragged_cases
 
 
@@ -73,14 +73,19 @@ def test_micro_batches_pad_to_the_layout_multiple_with_exact_masks():
             assert torch.equal(mb.positions, torch.arange(t).expand(2, t))
 
 
-@pytest.fixture(scope="module")
-def worlds() -> dict[str, list[dict]]:
-    """Every layout's per-rank results; one spawned world per world size runs all its layouts."""
+@pytest.fixture(scope="module", params=["gloo", "strict_nccl"])
+def worlds(request) -> dict[str, list[dict]]:
+    """Every layout's per-rank results; one spawned world per world size runs all its layouts. Twice:
+    on gloo, and on the strict NCCL-contract backend (``runtime/strict_nccl``: the world bound to each
+    rank's device as for NCCL, so each of Megatron's groups is a split of it that every rank must take
+    in one order; its gloo groups beside them; ops that only enqueue; a watchdog)."""
     out: dict[str, list[dict]] = {}
-    for size in sorted({world for world, _, _ in LAYOUTS.values()}):
-        mine = {name: (overrides, long_row) for name, (world, overrides, long_row) in LAYOUTS.items() if world == size}
-        per_rank = run_distributed(ragged_cases.case_layouts, size, mine)
-        out.update({name: [r[name] for r in per_rank] for name in mine})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(BACKEND_ENV, request.param)
+        for size in sorted({world for world, _, _ in LAYOUTS.values()}):
+            mine = {n: (overrides, long_row) for n, (world, overrides, long_row) in LAYOUTS.items() if world == size}
+            per_rank = run_distributed(ragged_cases.case_layouts, size, mine)
+            out.update({name: [r[name] for r in per_rank] for name in mine})
     return out
 
 
