@@ -81,6 +81,7 @@ RANGES: dict[str, Range] = {
     "rollout.loop.temperature": Range(0, meaning="0: greedy"),
     "rollout.loop.top_p": Range(0, 1, low_open=True, meaning="1 samples from the whole distribution"),
     "rollout.weight_sync_gb_per_s": POSITIVE,
+    "rollout.engine_restart_window_steps": Range(0, meaning="0: the whole run, the restart budget never refills"),
     "train.sft_steps": Range(0, meaning="0 skips SFT"),
     "train.sft_batch_size": AT_LEAST_ONE,
     "train.sft_lr": Range(0),

@@ -300,10 +300,20 @@ class RolloutConfig:
     failure_window: int = 100
     """Episodes the failure share is measured over (the check starts once this many finished)."""
     engine_max_restarts: int = 3
-    """Restarts of one engine (its process exited, or it stopped answering) before it is dropped and
-    the run continues on the others; with none left the run stops. A restarted engine starts as
-    at the run's start (random weights; the last export with ``weight_sync: disk``) and takes
-    episodes once a weight sync gave it the current version."""
+    """Restarts of one engine (its process exited, it stopped answering, or a weight sync aborted its
+    broadcast group) within ``engine_restart_window_steps`` learner steps; at its next failure it is
+    dropped and the run continues on the others; with none left the run stops. A restarted engine
+    starts as at the run's start (random weights; the last export with ``weight_sync: disk``) and
+    takes episodes once a weight sync gave it the current version."""
+    engine_restart_window_steps: int = 20
+    """The RL learner steps (``state.step``; value-pretraining steps do not advance it) over which
+    ``engine_max_restarts`` counts an engine's restarts: a restart at step s counts at steps s to
+    s + this - 1; 0: over the whole run (the budget never refills). Why 20: a crash loop (an engine
+    that cannot serve, a bad node) shows as several restarts within a few steps, often within one (a
+    restart takes minutes), and is still dropped; transient faults spread over a long run (a slow
+    link's timeout, an aborted weight sync, which restarts every engine of its group) do not
+    accumulate, so three of them in a 500-step run no longer stop it. An engine that needs more than
+    ``engine_max_restarts`` restarts within 20 steps is dropped."""
     engine_check_s: float = 5.0
     """Period of the engine watchdog: each engine's process is polled and its ``/model_info`` asked;
     an exited process, or three missed answers in a row, marks the engine down for a restart."""
