@@ -9,9 +9,10 @@ broadcast group re-formed with the new URL) before it is marked up again. A sync
 because an engine died restarts that engine and syncs again; one whose broadcast group was aborted
 (:class:`~sao_megatron.weight_sync.SyncAborted`: an engine died or refused mid-broadcast, seen under
 NCCL only as ``rollout.weight_sync_timeout_s`` passing) restarts every engine of the group, since
-each may still hold the aborted collective (docs/training.md, "When a weight sync fails"). After
-``rollout.engine_max_restarts`` restarts an engine is dropped; with none left the run stops
-(:class:`EnginesLost`).
+each may still hold the aborted collective (docs/training.md, "When a weight sync fails"); those
+restarts run at once, so the outage is one restart, not one per engine. After
+``rollout.engine_max_restarts`` restarts within ``rollout.engine_restart_window_steps`` learner steps
+an engine is dropped; with none left the run stops (:class:`EnginesLost`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class Session:
         """The policy version the engines serve (the last synced; behind ``state.version`` between delayed syncs)."""
         self._watchdog: asyncio.Task | None = None
         self._recovering: dict[int, asyncio.Task] = {}
+        self._restart_steps: dict[int, list[int]] = {}
+        """Per engine, the learner step (``state.step``) of each of its restarts: the restart budget."""
         self._policy_exported = False  # <run_dir>/hf/policy holds the actor's current weights
 
     @classmethod
@@ -247,8 +250,7 @@ class Session:
                     lost,
                 )
                 self.sync_recoveries += 1
-                for i in lost:
-                    await self._restart(i)
+                await self._restart_all(lost)
         metrics["sync/recovered"] = float(self.sync_recoveries)
         self.served_version = version
         for i in states.live():
@@ -327,9 +329,34 @@ class Session:
             if i not in states.dropped:
                 await self.sync_weights(self.state.version)  # the actor's, before it takes episodes
 
+    async def _restart_all(self, engines: list[int]) -> None:
+        """:meth:`_restart` every one of ``engines`` at once and wait for all; then raise the first
+        error, if any (each engine's failure is handled in its own restart, as one at a time). No
+        order among them is needed: each engine has its own GPUs (its own placement group on a
+        cluster) and its own fresh port (two probes that meet on one port are retried by the server's
+        start, as at the run's start), its stop comes before its start inside :meth:`_restart` (it
+        frees that engine's GPUs), and episodes reach none of them before the sync that follows marks
+        them up. The launches are
+        synchronous calls on the event loop (a process spawn, a Ray placement) and so still one
+        after another; the health waits, the model load and warm-up of each server, overlap."""
+        results = await asyncio.gather(*(self._restart(i) for i in engines), return_exceptions=True)
+        for err in results:
+            if isinstance(err, BaseException):
+                raise err
+
+    def _recent_restarts(self, i: int) -> int:
+        """Engine ``i``'s restarts within the last ``rollout.engine_restart_window_steps`` learner
+        steps (0: the whole run); older ones are forgotten."""
+        window, step = self.cfg.rollout.engine_restart_window_steps, self.state.step
+        steps = self._restart_steps.setdefault(i, [])
+        if window:
+            steps[:] = [s for s in steps if step - s < window]
+        return len(steps)
+
     async def _restart(self, i: int) -> None:
         """Replace engine ``i`` by a fresh server (same index, a new port), not yet synced nor up; or
-        drop it after ``rollout.engine_max_restarts`` restarts. The caller holds :attr:`weights_lock`.
+        drop it after ``rollout.engine_max_restarts`` restarts within the last
+        ``rollout.engine_restart_window_steps`` learner steps. The caller holds :attr:`weights_lock`.
         The server starts as at :meth:`start`: random weights (``<run_dir>/hf/engine``) with the
         broadcast weight sync, else the last export (``<run_dir>/hf/policy``)."""
         from sao_megatron.driver.engines import start_engines
@@ -340,21 +367,28 @@ class Session:
             source, load_format = self.run_dir / "hf" / "policy", "auto"
 
         states, limit = self.engine_states, self.cfg.rollout.engine_max_restarts
+        window = self.cfg.rollout.engine_restart_window_steps
         states.mark_down(i)
         await asyncio.to_thread(self.engines[i].stop)  # what is left of it (SGLang's subprocesses)
         await self.clients[i].close()
         while True:
-            if states.restarts[i] >= limit:
-                why = f"dead after {states.restarts[i]} restart(s) (rollout.engine_max_restarts={limit})"
+            if (recent := self._recent_restarts(i)) >= limit:
+                within = f"within {window} step(s)" if window else "in this run"
+                why = (
+                    f"dead after {recent} restart(s) {within} (rollout.engine_max_restarts={limit} "
+                    f"per rollout.engine_restart_window_steps={window})"
+                )
                 log.error("engine%d dropped: %s", i, why)
                 states.drop(i, why)
                 if states.error is not None:
                     raise EnginesLost(
-                        f"{states.error}; the run cannot continue without engines. See the "
-                        f"engine logs in {self.run_dir / 'logs'}, or raise rollout.engine_max_restarts"
+                        f"{states.error}; the run cannot continue without engines. See the engine logs in "
+                        f"{self.run_dir / 'logs'}, or raise rollout.engine_max_restarts or lower "
+                        "rollout.engine_restart_window_steps"
                     )
                 return
-            states.restarts[i] += 1
+            states.restarts[i] += 1  # since the process started: the metric and the restart's log name
+            self._restart_steps[i].append(self.state.step)
             try:
                 (engine,) = await start_engines(
                     self.cfg, source, self.run_dir, [i], restart=states.restarts[i], load_format=load_format
@@ -367,7 +401,12 @@ class Session:
         # (and is retried) rather than continue on weights of another version.
         self.clients[i] = await EngineClient(engine.url).__aenter__()
         log.warning(
-            "engine%d restarted (%d of rollout.engine_max_restarts=%d) at %s", i, states.restarts[i], limit, engine.url
+            "engine%d restarted (%d of rollout.engine_max_restarts=%d within rollout.engine_restart_window_steps=%d) at %s",
+            i,
+            self._recent_restarts(i),
+            limit,
+            window,
+            engine.url,
         )
 
     async def _watch(self) -> None:

@@ -8,6 +8,7 @@ is SIGKILLed twice mid-run is the last test of the shared session in ``tests/tes
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -17,10 +18,13 @@ import pytest
 from sao_megatron.config import load_config
 from sao_megatron.driver.run_state import RunState
 from sao_megatron.driver.session import Session
+from sao_megatron.driver.stages import rl
 from sao_megatron.rollout.agent_loop import AgentLoop
 from sao_megatron.rollout.client import EngineClient
 from sao_megatron.rollout.manager import EnginesLost, EngineStates, RolloutManager
 from sao_megatron.weight_sync import SyncAborted
+from tests.driver.fakes import FakeActor, FakeSession, ScriptedLoop
+from tests.driver.test_loop import assert_accounted, config, run, trained
 from tests.rollout.fakes import CountingTask, make_trajectory
 
 
@@ -142,9 +146,19 @@ class FakeClient:
         return str((await self.model_info())["weight_version"])
 
 
-def fake_session(tmp_path: Path, monkeypatch, max_restarts: int, engines: int = 2) -> Session:
+def fake_session(
+    tmp_path: Path,
+    monkeypatch,
+    max_restarts: int,
+    engines: int = 2,
+    window: int = 20,
+    restart_s: float = 0.0,
+    restarts: list[tuple[float, float]] | None = None,
+) -> Session:
     """A Session over FakeEngines: ``start_engines`` and ``EngineClient`` replaced; the actor's sync
-    labels every listed engine's weights (and fails if one is dead)."""
+    labels every listed engine's weights (and fails if one is dead). A restart's health wait blocks a
+    thread for ``restart_s`` seconds, as a real server's does; each restart's (start, end) in
+    ``time.monotonic()`` is appended to ``restarts``."""
     import sao_megatron.driver.engines as engines_mod
     import sao_megatron.driver.session as session_mod
 
@@ -153,6 +167,7 @@ def fake_session(tmp_path: Path, monkeypatch, max_restarts: int, engines: int = 
         [
             f"rollout.engine_max_restarts={max_restarts}",
             f"rollout.num_engines={engines}",
+            f"rollout.engine_restart_window_steps={window}",
             "rollout.engine_check_s=0.05",
         ],
     )
@@ -165,11 +180,17 @@ def fake_session(tmp_path: Path, monkeypatch, max_restarts: int, engines: int = 
     s.loops = [SimpleNamespace(client=c) for c in s.clients]  # type: ignore[list-item]
     s.engine_states = EngineStates(engines, on_failure=s._episode_failed)
     s.weights_lock, s.served_version, s._watchdog, s._recovering = asyncio.Lock(), 0, None, {}
+    s._restart_steps, s.sync_recoveries = {}, 0
     s.state = RunState()
     s.sync_address, s._engines_ready = "127.0.0.1", None
 
     async def start_engines(cfg, model_path, run_dir, indices=None, restart=0, load_format="auto"):
         assert (model_path.name, load_format) == ("engine", "dummy")  # random weights, then the sync
+        start = time.monotonic()
+        if restart_s:
+            await asyncio.to_thread(time.sleep, restart_s)
+        if restarts is not None:
+            restarts.append((start, time.monotonic()))
         new = [FakeEngine(f"http://e{i}.r{restart}") for i in indices or []]
         clients.update({e.url: FakeClient(e) for e in new})
         return new
@@ -266,3 +287,151 @@ def test_an_aborted_sync_group_restarts_every_engine_of_it_and_counts_the_recove
         assert s.engine_states.restarts == [1, 1] and s.sync_recoveries == 1
 
     asyncio.run(go())
+
+
+def _aborted_at(s: Session, calls: set[int]) -> list[list[str]]:
+    """Make the actor's sync of ``s`` raise :class:`SyncAborted` on its calls numbered ``calls``
+    (1-based); returns the URLs of every call, in order."""
+    synced, urls_of_calls = s.actor.sync_weights, []
+
+    async def sync_weights(urls, version, address):
+        urls_of_calls.append(list(urls))
+        if len(urls_of_calls) in calls:
+            raise SyncAborted(f"weight sync to version {version} failed: a broadcast did not complete in time")
+        return await synced(urls, version, address)
+
+    s.actor = SimpleNamespace(sync_weights=sync_weights)  # type: ignore[assignment]
+    return urls_of_calls
+
+
+def test_the_engines_of_an_aborted_sync_restart_in_parallel(tmp_path, monkeypatch):
+    """Both engines of an aborted group restart at once: the outage, from the sync's start to both
+    serving the version again, is one restart plus the sync. Each fake restart blocks a thread for
+    3 s, as a real server's health wait does; one after the other they would take 6 s or more."""
+    windows: list[tuple[float, float]] = []
+    s = fake_session(tmp_path, monkeypatch, max_restarts=2, restart_s=3.0, restarts=windows)
+    calls = _aborted_at(s, {1})
+
+    async def go():
+        t0 = time.monotonic()
+        async with s.weights_lock:
+            metrics = await s.sync_weights(1)
+        outage = time.monotonic() - t0
+        assert 3.0 <= outage < 5.0, f"outage {outage:.1f} s for two 3-s restarts"
+        assert max(start for start, _ in windows) < min(end for _, end in windows)  # they overlapped
+        assert calls == [["http://e0", "http://e1"], ["http://e0.r1", "http://e1.r1"]]
+        assert metrics["sync/recovered"] == 1.0 and s.engine_states.up == [True, True]
+        assert [await c.weight_version() for c in s.clients] == ["1", "1"]
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("failures", "stops"),
+    [
+        ((5, 25, 45), False),  # more steps apart than the window: the budget refills
+        ((5, 14, 15), False),  # step 5's restart counts at steps 5..14 only
+        ((5, 6, 7), True),  # three within one window: the third finds the budget of 2 spent
+        ((5, 10, 14), True),
+    ],
+)
+def test_the_restart_budget_counts_restarts_within_a_window_of_steps(tmp_path, monkeypatch, failures, stops):
+    """Aborted syncs at the learner steps ``failures`` of a 60-step run, each restarting both engines,
+    under ``rollout.engine_max_restarts=2`` per ``rollout.engine_restart_window_steps=10``: spread out,
+    the run goes on; within one window, both engines are dropped and the run stops, the message
+    naming both keys."""
+    s = fake_session(tmp_path, monkeypatch, max_restarts=2, window=10)
+    calls: list[int] = []  # the step of each call of the actor's sync
+    synced = s.actor.sync_weights
+
+    async def sync_weights(urls, version, address):
+        calls.append(s.state.step)
+        if s.state.step in failures and calls.count(s.state.step) == 1:  # the step's first try fails
+            raise SyncAborted(f"weight sync to version {version} failed: a broadcast did not complete in time")
+        return await synced(urls, version, address)
+
+    s.actor = SimpleNamespace(sync_weights=sync_weights)  # type: ignore[assignment]
+
+    async def go():
+        for step in range(1, 61):
+            s.state.step = s.state.version = step
+            async with s.weights_lock:
+                await s.sync_weights(step)
+
+    if not stops:
+        asyncio.run(go())
+        assert s.engine_states.dropped == set() and s.sync_recoveries == 3
+        assert s.engine_states.restarts == [3, 3]  # the metric still counts every restart of the run
+        return
+    with pytest.raises(EnginesLost) as err:
+        asyncio.run(go())
+    message = str(err.value)
+    assert "rollout.engine_max_restarts" in message and "rollout.engine_restart_window_steps" in message, message
+    assert "dead after 2 restart(s) within 10 step(s)" in message, message
+    assert s.state.step == failures[-1] and s.engine_states.dropped == {0, 1}
+
+
+class EngineBoundLoop(ScriptedLoop):
+    """A scripted episode on engine ``i`` of ``session``; it fails as one whose server went away (a
+    connection error, retried elsewhere by the manager) when that engine was stopped while it ran."""
+
+    def __init__(self, session: Session, i: int):
+        super().__init__(duration=lambda index: 0.2, name=f"engine{i}")
+        self.session, self.i, self.lost = session, i, 0
+
+    async def run(self, env, sample, split="train", index=-1, submitted_at=None):
+        engine = self.session.engines[self.i]
+        traj = await super().run(env, sample, split, index, submitted_at)
+        traj.engine = self.engine_name
+        if engine is not self.session.engines[self.i] or not engine.alive():
+            self.lost += 1
+            traj.status, traj.status_reason = (
+                "failed",
+                "engine: /generate: ServerDisconnectedError: Server disconnected",
+            )
+        return traj
+
+
+def test_the_loop_loses_no_trajectory_and_trains_none_twice_across_an_aborted_sync(tmp_path, monkeypatch):
+    """The learner loop (real manager, buffer and learner step) over the session's real engine-fault
+    handling on two fake engines: the sync after the second step is aborted, both engines restart
+    at once while episodes are in flight on them. Those episodes fail as their servers go and run
+    again once an engine is back; every prompt the cursor passed is trained once or still waiting,
+    and ``sync/recovered`` in the step metrics counts the recovery from that step on."""
+    windows: list[tuple[float, float]] = []
+    real = fake_session(tmp_path / "engines", monkeypatch, max_restarts=2, restart_s=1.0, restarts=windows)
+    calls = _aborted_at(real, {2})
+    cfg = config("train.steps=5")
+    state = RunState(stage="rl")
+    real.state = state  # the restart budget's clock is the loop's step
+    loops = [EngineBoundLoop(real, 0), EngineBoundLoop(real, 1)]
+    fake = FakeSession(cfg, loops[0], actor=FakeActor(update_s=0.05), engines=real.engines)
+    fake.weights_lock = real.weights_lock  # the learner step holds it through the sync, as Session's does
+
+    def manager(buffer, version, cursor):
+        for loop in loops:
+            loop.version = lambda: real.served_version  # as an engine: the weights it was last synced to
+        fake.rollout_manager = RolloutManager(
+            cast(list[AgentLoop], loops),
+            fake.task,
+            cfg.rollout.env,
+            lambda t: buffer.admit(t, version()),
+            group_size=cfg.algo.group_size,
+            max_concurrent=cfg.rollout.max_concurrent,
+            cursor=cursor,
+            engines=real.engine_states,
+            episode_max_retries=cfg.rollout.episode_max_retries,
+        )
+        return fake.rollout_manager
+
+    fake.manager = manager  # type: ignore[method-assign]
+    fake.sync_weights = real.sync_weights  # type: ignore[method-assign]
+    state, lines = run(fake, rl(cfg, True), tmp_path / "run", state)
+    assert state.step == 5 and len(calls) == 6  # five syncs, the second twice
+    assert calls[2] == ["http://e0.r1", "http://e1.r1"] and real.engine_states.restarts == [1, 1]
+    assert max(start for start, _ in windows) < min(end for _, end in windows)  # the restarts overlapped
+    assert sum(loop.lost for loop in loops) >= 1  # episodes were in flight on the stopped servers
+    indices = trained(fake)
+    assert len(indices) == len(set(indices)) == 5 * cfg.algo.batch_size  # none trained twice
+    assert_accounted(fake.checkpoints[-1], indices)  # none lost
+    assert [line["sync/recovered"] for line in lines if line.get("stage") == "rl"] == [0.0, 1.0, 1.0, 1.0, 1.0]
