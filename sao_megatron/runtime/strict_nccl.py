@@ -454,7 +454,7 @@ class StrictBackend(_C10dBackend):
         return self._enqueue(
             "ALLGATHER_INTO_TENSOR_COALESCED",
             True,
-            lambda: self.gloo.allgather_into_tensor_coalesced(outputs, inputs, opts),
+            lambda: self.gloo.all_gather_single_coalesced(outputs, inputs, opts),
             outputs,
         )
 
@@ -463,6 +463,11 @@ class StrictBackend(_C10dBackend):
         sent = inputs if root else self._snapshot(inputs)
         flat = [t for group in outputs for t in group]
         return self._enqueue("GATHER", root, lambda: self.gloo.gather(outputs, sent, opts), flat)
+
+    def gather_single(self, output, input, opts):
+        root = opts.rootRank == self._rank
+        sent = input if root else input.clone()
+        return self._enqueue("GATHER", root, lambda: self.gloo.gather_single(output, sent, opts), [output])
 
     def scatter(self, outputs, inputs, opts):
         return self._enqueue("SCATTER", True, lambda: self.gloo.scatter(outputs, inputs, opts), outputs)
@@ -479,7 +484,7 @@ class StrictBackend(_C10dBackend):
         return self._enqueue(
             "REDUCE_SCATTER_TENSOR_COALESCED",
             True,
-            lambda: self.gloo.reduce_scatter_tensor_coalesced(outputs, inputs, opts),
+            lambda: self.gloo.reduce_scatter_single_coalesced(outputs, inputs, opts),
             outputs,
         )
 
@@ -591,6 +596,7 @@ for _api, _op in {  # the names torch 2.14's distributed_c10d calls on a group, 
     "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
     "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
     "recv_anysource": "recv_anysource",
+    "gather_single": "gather_single",
 }.items():
     setattr(StrictGroup, _api, _delegate(_op))
 

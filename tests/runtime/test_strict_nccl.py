@@ -304,7 +304,24 @@ def _megatron_style_groups(rank: int, world: int) -> list[float]:
     ]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
-    return [t.item(), *out.tolist(), rs.item(), *a2a.tolist(), got.item()]
+    # Megatron's DDP buckets: coalesced reduce-scatters / all-gathers / all-reduces
+    rs2 = [torch.zeros(1), torch.zeros(1)]
+    with dist._coalescing_manager(group=mine, async_ops=True) as cm:
+        for i, o in enumerate(rs2):
+            dist.reduce_scatter_tensor(o, torch.tensor([1.0 + i, 2.0 + i]) * (rank + 1), group=mine, async_op=True)
+    cm.wait()
+    ag2 = [torch.zeros(2), torch.zeros(2)]
+    with dist._coalescing_manager(group=mine, async_ops=True) as cm:
+        for i, o in enumerate(ag2):
+            dist.all_gather_into_tensor(o, torch.tensor([float(rank + i)]), group=mine, async_op=True)
+    cm.wait()
+    ar2 = [torch.tensor([1.0 + rank]), torch.tensor([10.0 * (rank + 1)])]
+    with dist._coalescing_manager(group=mine, async_ops=True) as cm:
+        for o in ar2:
+            dist.all_reduce(o, group=mine, async_op=True)
+    cm.wait()
+    coalesced = [x.tolist() for x in rs2 + ag2 + ar2]
+    return [t.item(), *out.tolist(), rs.item(), *a2a.tolist(), got.item(), coalesced]
 
 
 def test_groups_made_in_one_order_carry_every_collective_as_gloo_does():
