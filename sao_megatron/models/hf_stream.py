@@ -34,6 +34,20 @@ the groups it belongs to: the members of a group post its collectives in one ord
 waits only for members that passed every earlier step. A consumer that holds a writer's bucket back
 (the weight sync until its coordinator releases it) must release the buckets in the steps' order:
 ``weight_sync.sync_order`` interleaves the senders of a stage exactly so.
+
+A rank posts a gather it does not receive (a *feed*) no earlier than its writer can consume it: it
+keeps the feeds of at most ``feed_window`` of its steps outstanding, and before posting more waits
+on the host (``Work.wait(timeout)``) until the oldest of those steps' feeds completed, that is until
+their writer took part. Under NCCL a non-root ``dist.gather`` only enqueues, so without the window a
+rank that only feeds would post every gather of the sync at once, and NCCL's watchdog times each
+from its post: the last ones from the sync's start, while the writer reaches them only as its
+consumer (the weight sync's coordinator, paced by the engines) releases its buckets. A sync longer
+than the feed groups' timeout would then take those ranks down (``SIGABRT`` under
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) though every bucket was on time. With the window a feed's
+clock starts at most ``feed_window`` of its rank's steps before its writer joins it, so the feed
+groups' timeout bounds the writer's stall over those steps, not the whole sync. (Giving the feed
+groups a timeout that covers the whole sync was the alternative; it would leave a rank waiting that
+long for a writer that died.) Gloo blocks in every gather anyway: there the window changes nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +77,9 @@ from sao_megatron.models.hf_plan import (  # noqa: F401  (_buckets, _Item: the p
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_INFLIGHT_BYTES = 2 * DEFAULT_BUCKET_BYTES
+FEED_WINDOW = 2
+"""A fan-out rank's steps whose feeds may be outstanding at once (module docstring): one more than
+gloo's lock step, so that the next step's feeds are posted while the writer takes this one."""
 
 
 def _tp(param: torch.Tensor, local_name: str) -> tuple[_TP, tuple[int, ...]]:
@@ -134,7 +151,8 @@ class HFWeightStream:
     ``senders``: per stage at most that many senders gathering by collectives (:class:`_FanOut`; the
     weight sync); :attr:`senders` then lists every stage's, stage by stage, ascending, and
     :meth:`bucket_plan` has one entry per sender (a *lane*). ``feed_groups``: the process groups of
-    earlier streams by member ranks, reused and filled (created with ``feed_timeout_s``).
+    earlier streams by member ranks, reused and filled (created with ``feed_timeout_s``);
+    ``feed_window``: how many of its steps' feeds a rank may have outstanding (module docstring).
     """
 
     def __init__(
@@ -151,7 +169,10 @@ class HFWeightStream:
         senders: int = 0,
         feed_groups: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
         feed_timeout_s: float = 600.0,
+        feed_window: int = FEED_WINDOW,
     ):
+        if feed_window < 1:
+            raise ValueError(f"HFWeightStream: feed_window={feed_window}; use 1 or more")
         if sum((per_stage, spread, senders > 0)) > 1:
             raise ValueError("HFWeightStream: per_stage, spread and senders exclude each other")
         per_stage = per_stage or senders > 0
@@ -187,6 +208,9 @@ class HFWeightStream:
         self._bucket_plans: dict[int, list[list[list[TensorSpec]]]] = {}
         self._steps: dict[int, list[_Step]] = {}
         self._feed_groups = feed_groups if feed_groups is not None else {}
+        self._feed_timeout = timedelta(seconds=feed_timeout_s)
+        self._feed_window = feed_window
+        self._feeds: list[dist.Work] = []  # the feeds of the step being posted (_collect)
         if self.fanout:
             for members in self.fanout.groups():  # every rank creates every group, in one order
                 if members not in self._feed_groups:
@@ -343,8 +367,17 @@ class HFWeightStream:
         or fused set alone; a set the engine fuses on load is never split, :data:`_ENGINE_FUSED`), on
         every other rank an empty list. Every rank of the stream must exhaust it."""
         if self.fanout:
+            open_steps: deque[list[dist.Work]] = deque()  # this rank's steps with feeds outstanding
             for step in self.steps(bucket_bytes):
-                yield self._fan_step(step)
+                if len(open_steps) >= self._feed_window:
+                    self._await_feeds(open_steps.popleft())
+                self._feeds = []
+                bucket = self._fan_step(step)
+                if self._feeds:
+                    open_steps.append(self._feeds)
+                yield bucket
+            while open_steps:
+                self._await_feeds(open_steps.popleft())
             return
         window = _SendWindow(self.inflight_bytes)
         acks: list[tuple[object, torch.Tensor]] = []  # this rank's acknowledgements being sent
@@ -422,12 +455,19 @@ class HFWeightStream:
         name, tp_rank = gather.send_of(self.rank)
         tensor = self._params[(name, tp_rank)].detach().contiguous()
         group = self._feed_groups[gather.group]
-        if self.rank != gather.dst:
-            dist.gather(tensor, None, dst=gather.dst, group=group)
+        if self.rank != gather.dst:  # a feed: posted here, awaited in buckets() (module docstring)
+            self._feeds.append(cast(dist.Work, dist.gather(tensor, None, dst=gather.dst, group=group, async_op=True)))
             return {}
         received = [torch.empty_like(tensor) for _ in gather.group]
         dist.gather(tensor, received, dst=gather.dst, group=group)
         return dict(zip(gather.group, received, strict=True))
+
+    def _await_feeds(self, feeds: list[dist.Work]) -> None:
+        """Block the host until ``feeds`` completed (NCCL: a ``wait`` with a timeout blocks the host;
+        without one it would only order the stream). Their group's watchdog, whose clock started
+        at the post, fires first on a writer that never comes."""
+        for work in feeds:
+            work.wait(timeout=self._feed_timeout)
 
 
 def _concat_tp(shards: list[torch.Tensor], tp: _TP) -> torch.Tensor:
