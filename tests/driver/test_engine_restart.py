@@ -317,7 +317,9 @@ def test_the_engines_of_an_aborted_sync_restart_in_parallel(tmp_path, monkeypatc
         async with s.weights_lock:
             metrics = await s.sync_weights(1)
         outage = time.monotonic() - t0
-        assert 3.0 <= outage < 5.0, f"outage {outage:.1f} s for two 3-s restarts"
+        # serial restarts take 6 s at least; the overlap below is the real check (no upper bound that
+        # a loaded machine could break beyond "less than two restarts")
+        assert 3.0 <= outage < 6.0, f"outage {outage:.1f} s for two 3-s restarts"
         assert max(start for start, _ in windows) < min(end for _, end in windows)  # they overlapped
         assert calls == [["http://e0", "http://e1"], ["http://e0.r1", "http://e1.r1"]]
         assert metrics["sync/recovered"] == 1.0 and s.engine_states.up == [True, True]
