@@ -70,6 +70,10 @@ class EpisodeStats:
     context the engine then computed again (new routes). A position keeps the routes of the KV that
     later tokens attended to, so these earlier tokens replay routes other than those they were
     sampled under (they are at an older version, which DIS already weighs)."""
+    routes_invalid: int = 0
+    """Routing replay: positions whose engine route row named an expert twice or one outside the model
+    in some MoE layer (``routing.RouteShape.decode``); recorded in ``Trajectory.routes_missing``, so
+    the actor's routers route them."""
 
 
 @dataclass
@@ -119,7 +123,8 @@ class Trajectory:
     None when not captured."""
     routes_missing: list[Turn] = field(default_factory=list)
     """Spans of positions (over prompt + response) whose routes are unknown: the last position (never
-    run through the engine), and any the engine did not return. The actor's routers route them."""
+    run through the engine), any the engine did not return, and rows unfit to replay (a repeated or
+    out-of-range expert id, counted in ``EpisodeStats.routes_invalid``). The actor's routers route them."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

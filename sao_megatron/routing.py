@@ -9,7 +9,8 @@ when that KV was computed. Only MoE layers are kept (DeepSeek-V3's leading dense
 
 Storage: ``[positions, moe layers, top-k]`` uint8 for up to 256 experts, int16 beyond
 (:attr:`RouteShape.dtype`); one array per trajectory (``Trajectory.routes``) plus the spans of
-positions whose routes are unknown (``Trajectory.routes_missing``), which the actor's routers route
+positions whose routes are unknown (``Trajectory.routes_missing``: not returned, or a row naming an
+expert twice or one outside the model, :meth:`RouteShape.decode`), which the actor's routers route
 themselves. Bytes per token: MoE layers x top-k x width (:meth:`RouteShape.bytes_per_token`).
 """
 
@@ -50,8 +51,14 @@ class RouteShape:
         """Bytes one position's routes take (all MoE layers)."""
         return len(self.moe_layers) * self.topk * self.dtype.itemsize
 
-    def decode(self, encoded: str) -> np.ndarray:
-        """SGLang's ``meta_info.routed_experts`` -> ``[positions, moe layers, top-k]`` of :attr:`dtype`."""
+    def decode(self, encoded: str) -> tuple[np.ndarray, np.ndarray]:
+        """SGLang's ``meta_info.routed_experts`` -> ``(rows, bad)``: ``rows`` ``[positions, moe layers,
+        top-k]`` of :attr:`dtype`, and ``bad`` ``[positions]`` bool, the rows unfit to replay (zeros in
+        ``rows``; the caller records them as missing). A row is unfit when one of its MoE layers names an
+        expert twice or one outside ``[0, num_experts)``: Megatron's dispatcher assumes k distinct
+        in-range experts per token and fails inside the step on such a row (``split_with_sizes``), so
+        the router routes those positions itself. A payload of the wrong size is another model shape
+        and raises ``ValueError``."""
         flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
         per_row = self.hidden_layers * self.topk
         if flat.size % per_row:
@@ -59,10 +66,11 @@ class RouteShape:
                 f"routed_experts holds {flat.size} ids, not a multiple of {self.hidden_layers} layers x "
                 f"top-{self.topk}: the engine serves another model shape"
             )
-        rows = flat.reshape(-1, self.hidden_layers, self.topk)[:, list(self.moe_layers)]
-        if rows.size and (rows.min() < 0 or rows.max() >= self.num_experts):
-            raise ValueError(f"routed_experts holds expert ids outside [0, {self.num_experts})")
-        return rows.astype(self.dtype)
+        rows = flat.reshape(-1, self.hidden_layers, self.topk)[:, list(self.moe_layers)]  # [n, L, k] int32
+        ordered = np.sort(rows, axis=-1)
+        bad = ((ordered[..., 0] < 0) | (ordered[..., -1] >= self.num_experts)).any(axis=-1)
+        bad |= (ordered[..., 1:] == ordered[..., :-1]).any(axis=(-2, -1))
+        return np.where(bad[:, None, None], 0, rows).astype(self.dtype), bad
 
     def empty(self, n: int) -> np.ndarray:
         """``n`` positions of unknown routes (zeros; their span is recorded as missing)."""

@@ -75,17 +75,26 @@ def test_a_dense_model_has_no_route_shape():
         RouteShape.of(dataclasses.replace(tiny(), num_experts=0))
 
 
+def distinct_rows(positions: int, experts: int = 256) -> np.ndarray:
+    """``[positions, 8, 8]`` int: SGLang rows of :func:`deepseek_like` whose values encode (position,
+    layer, slot), distinct within each layer's top-8; the dense layers hold -1."""
+    p, layer, slot = np.meshgrid(np.arange(positions), np.arange(8), np.arange(8), indexing="ij")
+    rows = (p * 64 + layer * 8 + slot) % experts
+    rows[:, :3] = -1  # dense layers: whatever the engine leaves there is not read
+    return rows
+
+
 @pytest.mark.parametrize("experts", [256, 384])
 def test_decode_keeps_the_moe_layers_in_order(experts):
     """Row values encode (position, layer, slot), so a dropped, reordered or shifted layer shows."""
     shape = RouteShape.of(deepseek_like(experts))
-    p, layer, slot = np.meshgrid(np.arange(3), np.arange(8), np.arange(8), indexing="ij")
-    rows = (p * 64 + layer * 8 + slot) % experts  # [3, 8, 8] int
-    rows[:, :3] = -1  # dense layers: whatever the engine leaves there is not read
-    out = shape.decode(sglang_routes(rows))
+    rows = distinct_rows(3, experts)
+    out, bad = shape.decode(sglang_routes(rows))
     assert out.dtype == shape.dtype and out.shape == (3, 5, 8)
     np.testing.assert_array_equal(out, rows[:, 3:])
-    assert shape.decode(sglang_routes(np.zeros((0, 8, 8)))).shape == (0, 5, 8)  # no new positions
+    assert bad.dtype == np.bool_ and not bad.any() and bad.shape == (3,)
+    empty, none = shape.decode(sglang_routes(np.zeros((0, 8, 8))))  # no new positions
+    assert empty.shape == (0, 5, 8) and none.shape == (0,)
 
 
 def test_decode_refuses_another_model_shape():
@@ -94,13 +103,25 @@ def test_decode_refuses_another_model_shape():
         shape.decode(sglang_routes(np.zeros(65)))
 
 
-@pytest.mark.parametrize("bad", [-1, 256, 300])
-def test_decode_refuses_expert_ids_outside_the_model(bad):
+@pytest.mark.parametrize("fault", ["repeat", -1, 256, 300])
+def test_decode_marks_a_row_naming_an_expert_twice_or_outside_the_model(fault):
+    """Megatron's dispatcher needs k distinct experts in range per token (a repeat crashed the step in
+    ``split_with_sizes``; an id >= 256 would also wrap in uint8): such a row comes back zeroed and
+    marked, its neighbours intact. The dense layers' entries are never read, so their -1s mark nothing."""
     shape = RouteShape.of(deepseek_like())
-    rows = np.zeros((2, 8, 8))
-    rows[1, 6, 3] = bad
-    with pytest.raises(ValueError, match=r"expert ids outside \[0, 256\)"):
-        shape.decode(sglang_routes(rows))
+    rows = distinct_rows(4)
+    rows[1, 6, 3] = rows[1, 6, 0] if fault == "repeat" else fault
+    rows[3, 1, 2] = rows[3, 1, 5]  # a repeat in a dense layer: not read
+    out, bad = shape.decode(sglang_routes(rows))
+    assert bad.tolist() == [False, True, False, False]
+    assert not out[1].any()
+    np.testing.assert_array_equal(out[[0, 2, 3]], rows[[0, 2, 3], 3:])
+
+
+def test_decode_never_marks_top1_rows():
+    shape = RouteShape(hidden_layers=2, moe_layers=(0, 1), topk=1, num_experts=4)
+    out, bad = shape.decode(sglang_routes(np.array([[[3], [3]], [[0], [1]]])))
+    assert not bad.any() and out[:, :, 0].tolist() == [[3, 3], [0, 1]]
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int16])

@@ -84,7 +84,9 @@ def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     Weight syncs (``rollout.update_policy``): ``stale_kv_tokens`` (share of the action tokens sampled
     on stale KV), and, summed over the batch (with one sync per step, about one sync's worth),
     ``prefill_recomputed`` (context tokens the engines prefilled again) and ``resubmitted``
-    (aborted generations resubmitted as continuations)."""
+    (aborted generations resubmitted as continuations). Routing replay: ``routes_invalid``, positions
+    of the batch whose engine route row was unfit to replay (a repeated or out-of-range expert id),
+    recorded as missing (the routers routed them)."""
     n = len(trajectories)
     turns = max(1, sum(t.num_turns for t in trajectories))
     out = {
@@ -100,6 +102,7 @@ def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         / max(1, sum(t.num_action_tokens for t in trajectories)),
         "rollout/prefill_recomputed": float(sum(t.stats.prefill_recomputed for t in trajectories)),
         "rollout/resubmitted": float(sum(t.stats.resubmitted for t in trajectories)),
+        "rollout/routes_invalid": float(sum(t.stats.routes_invalid for t in trajectories)),
     }
     for cause in END_CAUSES:
         ended = [t.num_turns for t in trajectories if t.stats.end == cause]

@@ -112,13 +112,20 @@ class _Episode:
     routed: int = 0
     routes_missing: list[Turn] = field(default_factory=list)
     routes_recomputed: int = 0
+    routes_invalid: int = 0
 
-    def add_routes(self, shape: RouteShape, end: int, rows: np.ndarray | None) -> None:
-        """Rows of positions ``[routed, end)``; None or a wrong count: recorded as missing."""
+    def add_routes(self, shape: RouteShape, end: int, rows: np.ndarray | None, bad: np.ndarray | None = None) -> None:
+        """Rows of positions ``[routed, end)``; None or a wrong count: recorded as missing. ``bad``
+        ``[end - routed]`` bool (:meth:`RouteShape.decode`): rows unfit to replay, each run of them
+        recorded as missing and counted in ``routes_invalid``."""
         n = end - self.routed
         if rows is None or len(rows) != n:
             self.routes_missing.append(Turn(self.routed, end))
             rows = shape.empty(n)
+        elif bad is not None and bad.any():
+            self.routes_invalid += int(bad.sum())
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], bad.astype(np.int8), [0]])))  # run starts, ends
+            self.routes_missing += [Turn(self.routed + int(a), self.routed + int(b)) for a, b in edges.reshape(-1, 2)]
         self.routes.append(rows)
         self.routed = end
 
@@ -142,6 +149,7 @@ class _Episode:
             resubmitted=self.resubmitted,
             prefill_recomputed=self.prefill_recomputed,
             routes_recomputed=self.routes_recomputed,
+            routes_invalid=self.routes_invalid,
         )
 
     def add_action(self, action: _Action) -> None:
@@ -472,13 +480,22 @@ class AgentLoop:
         if self.update_policy == "retract":
             earlier += next((i for i in range(len(versions) - 1, 0, -1) if versions[i] != versions[i - 1]), 0)
         ep.routes_recomputed += earlier
-        rows = None
+        rows = bad = None
         if gen.routes is not None:
             try:
-                rows = self.routes.decode(gen.routes)
+                rows, bad = self.routes.decode(gen.routes)
             except ValueError as err:
                 log.warning("engine %s: %s; positions %d-%d recorded as missing", self.engine_name, err, ep.routed, end)
-        ep.add_routes(self.routes, end, rows)
+        if bad is not None and bad.any():
+            log.warning(
+                "engine %s: %d of positions %d-%d route an expert twice or outside [0, %d); recorded as missing",
+                self.engine_name,
+                int(bad.sum()),
+                ep.routed,
+                end,
+                self.routes.num_experts,
+            )
+        ep.add_routes(self.routes, end, rows, bad)
 
     def _count_recomputed(self, ep: _Episode, context_tokens: int, versions: list[int]) -> None:
         """Under ``retract``, a version change inside a generation is a sync that retracted the request

@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from sao_megatron.config import AgentLoopConfig
+from sao_megatron.driver.observer import episode_metrics
 from sao_megatron.envs.base import Env, RewardResult, Sample, StepResult
 from sao_megatron.records import Trajectory, Turn
 from sao_megatron.rollout.agent_loop import AgentLoop
@@ -29,13 +30,14 @@ from tests.rollout.fakes import CountingTask, ScriptedClient
 SHAPE = RouteShape(hidden_layers=3, moe_layers=(1, 2), topk=2, num_experts=256)
 """Layer 0 dense: the engine's rows hold it, the trajectory's do not."""
 
-RouteReply = Literal["rows", "none", "short", "bad"]
+RouteReply = Literal["rows", "none", "short", "bad", "repeat"]
 
 
 @dataclass(frozen=True)
 class Answer:
     """One scripted ``/generate`` answer: tokens, their versions, finish reason, and what comes back as
-    routes: the rows SGLang would send, none, one row short, or an expert id outside the model."""
+    routes: the rows SGLang would send, none, one row short, an expert id outside the model in the last
+    row, or an expert named twice in the first two rows."""
 
     ids: list[int]
     versions: list[str] | None = None  # default: "0" for every token
@@ -83,6 +85,8 @@ class RoutingEngine:
                 rows = rows[1:]
             if a.routes == "bad":
                 rows[-1, 2, 1] = SHAPE.num_experts
+            if a.routes == "repeat":
+                rows[:2, 1, 1] = rows[:2, 1, 0]
             routes = base64.b64encode(rows.tobytes()).decode("ascii")
         return Generation(
             output_ids=list(a.ids),
@@ -167,11 +171,10 @@ def test_a_trailing_observation_is_missing():
     assert not traj.routes[last:].any()
 
 
-@pytest.mark.parametrize("reply", ["none", "short", "bad"])
+@pytest.mark.parametrize("reply", ["none", "short"])
 def test_a_request_without_usable_routes_is_a_missing_span(reply: RouteReply):
-    """No routes, a wrong row count, or an expert outside the model: that request's positions are
-    zeros recorded as missing; the next request still asks from where the last rows ended and its
-    rows come through."""
+    """No routes or a wrong row count: that request's positions are zeros recorded as missing; the next
+    request still asks from where the last rows ended and its rows come through."""
     traj, engine = run([Answer([40, 41]), Answer([42, 43, 44], routes=reply), Answer([45])], turns=3)
     a, b, n = engine.routes_from[1], engine.routes_from[2], traj.num_context_tokens
     assert a is not None and b is not None and a < b
@@ -181,6 +184,23 @@ def test_a_request_without_usable_routes_is_a_missing_span(reply: RouteReply):
     np.testing.assert_array_equal(traj.routes[:a], kept(0, 0, a))
     assert not traj.routes[a:b].any()
     np.testing.assert_array_equal(traj.routes[b : n - 1], kept(2, b, n - 1))
+
+
+@pytest.mark.parametrize("reply", ["bad", "repeat"])
+def test_a_row_naming_an_expert_twice_or_outside_the_model_is_a_counted_missing_span(reply: RouteReply):
+    """The replay cannot use such a row (Megatron's dispatcher fails on it inside the step): only its
+    positions are recorded as missing (zeros, the routers route them) and counted per episode and in
+    the batch's ``rollout/routes_invalid``; the request's other rows come through."""
+    traj, engine = run([Answer([40, 41]), Answer([42, 43, 44], routes=reply), Answer([45])], turns=3)
+    a, b, n = engine.routes_from[1], engine.routes_from[2], traj.num_context_tokens
+    assert a is not None and b is not None and traj.routes is not None
+    lo, hi = (b - 1, b) if reply == "bad" else (a, a + 2)  # the rows RoutingEngine spoils
+    assert traj.routes_missing == [Turn(lo, hi), Turn(n - 1, n)]
+    assert traj.stats.routes_invalid == hi - lo and traj.num_routed_positions == n - 1 - (hi - lo)
+    expected = np.concatenate([kept(0, 0, a), kept(1, a, b), kept(2, b, n - 1)])
+    expected[lo:hi] = 0
+    np.testing.assert_array_equal(traj.routes[: n - 1], expected)
+    assert episode_metrics([traj, traj])["rollout/routes_invalid"] == 2 * (hi - lo)
 
 
 def test_an_aborted_piece_gives_way_to_its_continuation():
@@ -318,4 +338,4 @@ def test_the_client_asks_for_routes_only_when_told_and_passes_them_on():
     assert seen[0]["return_routed_experts"] is True and seen[0]["routed_experts_start_len"] == 3
     assert "return_routed_experts" not in seen[1] and "routed_experts_start_len" not in seen[1]
     assert routed.routes is not None and plain.routes is None
-    np.testing.assert_array_equal(SHAPE.decode(routed.routes), kept(0, 3, 5))
+    np.testing.assert_array_equal(SHAPE.decode(routed.routes)[0], kept(0, 3, 5))
