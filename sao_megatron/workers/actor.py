@@ -51,7 +51,6 @@ class ActorWorker:
                 self.role.module,
                 list(RouteShape.of(cfg.model).moe_layers),
                 replay=cfg.routing_replay == "on",
-                recompute=cfg.actor.parallel.recompute_activations,
             )
         self.broadcast = BroadcastSync(
             self.role.module,

@@ -219,3 +219,88 @@ def case_layouts(rank, world, layouts: dict[str, tuple[dict, bool]]) -> dict[str
         name: case_ragged(rank, world, overrides, long_row, refs[long_row])
         for name, (overrides, long_row) in layouts.items()
     }
+
+
+def spoiled_routes(batch: TrainBatch) -> tuple[TrainBatch, TrainBatch]:
+    """``batch`` with two known positions' routes unfit to replay in both MoE layers (row 1, position 3
+    and row 2, position 1: one layer names an expert twice, the other expert ``num_experts``, outside
+    the model), as routes stored before the rollout checked them would hold; and ``batch`` with those
+    two positions masked instead (what the rollout records now). The router falls back per layer, so
+    spoiling every layer of a position makes the two equal."""
+    assert batch.routes is not None and batch.route_mask is not None
+    routes, mask = batch.routes.clone(), batch.route_mask.clone()
+    assert mask[1, 3] and mask[2, 1]
+    assert len(SHAPE.moe_layers) == 2
+    routes[1, 3, 0, 1], routes[1, 3, 1, 0] = routes[1, 3, 0, 0], SHAPE.num_experts
+    routes[2, 1, 0, 0], routes[2, 1, 1, 1] = SHAPE.num_experts, routes[2, 1, 1, 0]
+    mask[1, 3] = mask[2, 1] = False
+    return replace(batch, routes=routes), replace(batch, route_mask=mask)
+
+
+def case_replay_guards(rank, world) -> dict:
+    """The replaying actor at EP2 (DP2), each run from the same weights: on :func:`spoiled_routes`'
+    rows given as known (a repeat crashed Megatron's dispatcher here), and on the same rows masked;
+    then the masked batch with selective recompute of the whole MoE layer (``recompute_modules``
+    ``moe``, as ``builder.recompute_kwargs`` could choose), whose backward runs the routers again."""
+    import contextlib
+    from unittest import mock
+
+    from megatron.core import parallel_state as ps
+
+    from sao_megatron.models import builder
+
+    batch = build_batch(ragged_trajectories())
+    spoiled, masked = spoiled_routes(batch)
+    adv = torch.where(
+        batch.action_mask > 0,
+        torch.linspace(-1, 1, batch.tokens.shape[1]).expand_as(batch.action_mask),
+        torch.zeros(()),
+    )
+    cfg = config(world, **COMMON, **{"actor.parallel.expert_parallel": 2})
+
+    def run(b: TrainBatch, start: dict | None, recompute_moe: bool = False) -> dict:
+        moe = dict(recompute_granularity="selective", recompute_modules=["moe"])
+        with (
+            mock.patch.object(builder, "recompute_kwargs", lambda *_, **__: moe)
+            if recompute_moe
+            else contextlib.nullcontext()
+        ):
+            actor = ActorWorker(ActorRankConfig.of(cfg))
+        if start is not None:
+            layout.load_full(actor.role.module, start)
+        weights = _copy(layout.gather_full(actor.role.module))
+        shard = _shard(b, reference=False)
+        rows, routing = actor.routed_logprobs(shard, replay=True)
+        own, _ = actor.routed_logprobs(shard, replay=False)
+        m = actor.update(shard, shard.take(adv), 2)
+        out = {
+            "weights": weights,
+            "recompute": actor.role.module.config.recompute_granularity,
+            "logprobs": _gathered_rows(rows, b),
+            "own_logprobs": _gathered_rows(own, b),
+            "routing": routing,
+            "metrics": m,
+            "grads": _grads(actor.role),
+        }
+        ps.destroy_model_parallel()
+        return out
+
+    plain = run(masked, None)
+    bad = run(spoiled, plain["weights"])
+    recomputed = run(masked, plain["weights"], recompute_moe=True)
+
+    def logprob_diff(a: dict, b: dict, key: str = "logprobs") -> float:
+        return ((a[key] - b[key]) * batch.action_mask).abs().max().item()
+
+    return {
+        "unfit_logprobs": logprob_diff(bad, plain),
+        "unfit_grads": _max_diff(bad["grads"], plain["grads"]),
+        "unfit_routing": [bad["routing"].get("routing/invalid"), plain["routing"].get("routing/invalid")],
+        "unfit_update": [bad["metrics"].get("routing/invalid"), bad["metrics"]["loss"], bad["metrics"]["grad_norm"]],
+        "known_tokens": int(batch.route_mask.sum()),
+        "recompute": recomputed["recompute"],
+        "recompute_logprobs": logprob_diff(recomputed, plain),
+        "recompute_grads": _max_diff(recomputed["grads"], plain["grads"]),
+        "replay_effect": logprob_diff(plain, plain | {"logprobs": plain["own_logprobs"]}),
+        "grad_scale": max(v.abs().max().item() for v in plain["grads"].values()),
+    }
