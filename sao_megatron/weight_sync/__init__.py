@@ -46,7 +46,10 @@ a sender enqueues a bucket's broadcasts and waits on each ``Work`` for at most
 ``rollout.weight_sync_timeout_s``. An engine that dies mid-broadcast or refuses a bucket without
 receiving it makes that wait raise (gloo: at once when a peer's connection closes; NCCL: a broadcast
 only enqueues, so at the timeout); the sender then aborts its group (:meth:`WeightSync.abort`) and
-the sync raises :class:`SyncAborted` on rank 0. The groups are built with NCCL's async error
+the sync raises :class:`SyncAborted` on rank 0. The coordinator waits for the engines' answers
+to a bucket for at most that timeout plus ``broadcast.ANSWER_MARGIN_S`` (an engine that received a
+bucket and never answers fails the sync naming it), and stops at once when a sender says through
+the gate that it gave up a released bucket (:meth:`SyncGate.gave_up`). The groups are built with NCCL's async error
 handling off (:func:`new_group`), so torch's watchdog never takes a trainer rank down for them.
 Engines of an aborted group may still hold its collective, so the driver restarts all of them and
 syncs again (``Session.sync_weights``; the run's ``sync/recovered`` counts those recoveries).

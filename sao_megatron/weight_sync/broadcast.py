@@ -4,6 +4,7 @@ trainer world calls :meth:`BroadcastSync.sync` together. The protocol: :mod:`sao
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
@@ -27,6 +28,16 @@ from sao_megatron.weight_sync.transport import (
 
 if TYPE_CHECKING:  # imported by sync() when it runs: Megatron stays out of the package's import
     from sao_megatron.models.hf_weights import HFWeightStream
+
+
+ANSWER_MARGIN_S = 10.0
+"""What the coordinator adds to ``rollout.weight_sync_timeout_s`` when it waits for the engines'
+answers to one bucket. The sender's wait for the broadcast (that timeout) starts at the bucket's
+release, just before the requests are posted; an engine answers after its part of the broadcast and
+its load of the bucket, so an answer may come a little after a broadcast that completed in time.
+The margin covers that load and the answer over HTTP, a few seconds at most on a loaded host."""
+GIVEN_UP_POLL_S = 0.1
+"""How often the coordinator looks for a sender's word that it gave up a bucket (a store read)."""
 
 
 def sync_backend(world_backend: str) -> str:
@@ -54,7 +65,8 @@ class BroadcastSync:
     requests (``rollout.update_policy``, :class:`~sao_megatron.weight_sync.EngineControl`);
     ``bucket_timeout_s``: how long a sender waits for one bucket's broadcast before it aborts its
     group (``rollout.weight_sync_timeout_s``, :meth:`WeightSync.send
-    <sao_megatron.weight_sync.WeightSync.send>`); ``senders``: senders per pipeline stage, at most
+    <sao_megatron.weight_sync.WeightSync.send>`), and, plus :data:`ANSWER_MARGIN_S`, how long the
+    coordinator waits for the engines' answers to one bucket; ``senders``: senders per pipeline stage, at most
     (``rollout.weight_sync_senders`` over the stages; ``HFWeightStream(senders=...)``)."""
 
     def __init__(
@@ -231,8 +243,19 @@ class BroadcastSync:
         until its sender holds it, release and post it (while sending its own stage's); end, flush
         the caches and resume. ``(bytes, tensors, error, aborted, paused_s, caches_kept)`` (``aborted``:
         this rank's group). On an error the senders are stopped at their next bucket and the engines
-        resumed before this rank's own sending is awaited."""
-        control = EngineControl(engine_urls, self.policy)
+        resumed before this rank's own sending is awaited.
+
+        A bucket's answers are awaited for at most ``bucket_timeout_s`` plus :data:`ANSWER_MARGIN_S`,
+        and only until a sender says it gave up a released bucket (:meth:`SyncGate.gave_up`): an
+        engine whose sender aborted its group would never answer, and the HTTP client's own timeout
+        is 600 s."""
+        control = EngineControl(
+            engine_urls,
+            self.policy,
+            answer_timeout_s=self.bucket_timeout_s + ANSWER_MARGIN_S,
+            answer_timeout_why=f"rollout.weight_sync_timeout_s={self.bucket_timeout_s:g} plus "
+            f"{ANSWER_MARGIN_S:g} s for the engines' load and answer",
+        )
         try:
             plan = [[BucketSpec.planned(b, self.flat) for b in lane] for lane in stream.bucket_plan(self.bucket_bytes)]
             names = [self._group_name(stream.lane_label(lane)) for lane in range(len(plan))]
@@ -243,6 +266,7 @@ class BroadcastSync:
             return 0, 0, error, False, control.paused_s, 0
         gate.start()
         sending = asyncio.ensure_future(asyncio.to_thread(self._data_plane, stream, gate))
+        gave_up = asyncio.ensure_future(_given_up(gate))
         released = [0] * len(plan)  # per stage: buckets released so far
         error = None
         try:
@@ -251,7 +275,7 @@ class BroadcastSync:
                     raise RuntimeError(reason)
                 gate.release(s, k)
                 released[s] = k + 1
-                await control.load(names[s], plan[s][k], version)
+                await control.load(names[s], plan[s][k], version, abandon=gave_up)
         except Exception as err:
             error = f"{type(err).__name__}: {err}"
             gate.stop((s, k) for s, k in enumerate(released) if k < len(plan[s]))
@@ -267,6 +291,10 @@ class BroadcastSync:
                 await control.__aexit__(RuntimeError if error else None, None, None)
             except Exception as err:
                 error = error or f"{type(err).__name__}: {err}"
+        finally:
+            gave_up.cancel()
+            if gave_up.done() and not gave_up.cancelled():
+                gave_up.exception()  # a store error there is the final all-gather's to report
         return sent[0], sent[1], error, sent[3], control.paused_s, control.caches_kept
 
     def _group_name(self, label: str) -> str:
@@ -328,7 +356,12 @@ class BroadcastSync:
                     if not gate.wait(lane, k):
                         stopped = True  # the coordinator reports why
                         continue
-                    nbytes += cast(WeightSync, self.sender).send(bucket)
+                    try:
+                        nbytes += cast(WeightSync, self.sender).send(bucket)
+                    except Exception as err:  # the engines' requests for it will never be answered
+                        with contextlib.suppress(Exception):  # the store is gone with rank 0: fail() says so
+                            gate.gave_up(lane, k, f"trainer rank {rank} (stage {stream.stage}): {type(err).__name__}")
+                        raise
                     tensors += len(bucket)
                 except Exception as err:  # a broadcast failed or timed out (SyncAborted), or the store is gone
                     aborted = aborted or isinstance(err, SyncAborted)
@@ -337,3 +370,11 @@ class BroadcastSync:
             if error is None:
                 fail(f"{type(err).__name__}: {err}")
         return nbytes, tensors, error, aborted
+
+
+async def _given_up(gate: SyncGate) -> str:
+    """A sender's word that it gave up a released bucket, once there is one (polled: a blocking read
+    in a thread could not be cancelled when the update ends without one)."""
+    while (word := await asyncio.to_thread(gate.given_up)) is None:
+        await asyncio.sleep(GIVEN_UP_POLL_S)
+    return word

@@ -24,19 +24,23 @@ class SyncGate:
       bucket, and the coordinator posts only a bucket whose sender holds it, so neither the
       engines nor a sender wait in a broadcast the other side never joins (short of an engine
       dying or refusing mid-broadcast: the sender's wait ends at ``rollout.weight_sync_timeout_s``
-      and it aborts its group). On an error the coordinator :meth:`stop` s every sender at its
-      next bucket.
+      and it aborts its group). A sender whose broadcast of a released bucket failed says so at
+      once (:meth:`gave_up`): the engines' requests for that bucket will never be answered, and
+      the coordinator, which watches for that word while it waits for them (:meth:`given_up`),
+      stops there. On an error the coordinator :meth:`stop` s every sender at its next bucket.
     - The coordinator says :meth:`done` after the engines resumed; the others wait for it
       (:meth:`wait_done`) before the final all-gather of every rank's result.
 
     Keys live under one prefix per update (:meth:`next_update`). A blocking get holds its store
     connection until the key is set, so the calls that never block, the sender's waits (a thread
-    of its own on rank 0) and the coordinator's waits use three connections."""
+    of its own on rank 0), the coordinator's waits and its watch for :meth:`given_up` use four
+    connections."""
 
     WAIT_S = 3600.0
 
     def __init__(self, store: Store):
         self._calls, self._waits, self._coordinator = store.clone(), store.clone(), store.clone()
+        self._watch = store.clone()
         for connection in (self._waits, self._coordinator):
             connection.set_timeout(timedelta(seconds=self.WAIT_S))
         self._prefix = "sao_weight_sync/0/"
@@ -79,6 +83,16 @@ class SyncGate:
         word = self._coordinator.get(key).decode()
         self._coordinator.delete_key(key)
         return word or None
+
+    def gave_up(self, sender: int, bucket: int, reason: str) -> None:
+        """The sender will not complete the broadcast of ``bucket``, which was released (it aborted
+        its group, or the send raised); the first sender's word stays."""
+        self._calls.compare_set(self._prefix + "gave_up", "", f"sender {sender}, bucket {bucket}: {reason}")
+
+    def given_up(self) -> str | None:
+        """Never blocks: a sender's :meth:`gave_up` word in this update, or None."""
+        key = self._prefix + "gave_up"
+        return self._watch.get(key).decode() if self._watch.check([key]) else None
 
     def release(self, sender: int, bucket: int) -> None:
         self._calls.set(f"{self._prefix}go/{sender}/{bucket}", "go")

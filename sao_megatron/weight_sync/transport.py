@@ -11,7 +11,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import cast
@@ -196,13 +196,25 @@ class EngineControl:
     queue and are prefilled again after the flush), ``in_place`` (they stay in the batch with their
     KV and continue under the new weights; the engine refuses the flush while its batch holds
     requests: :attr:`caches_kept` counts those engines) or ``abort`` (the engine returns them with
-    their partial output; the pause answers once none is left, and the agent loop resubmits them)."""
+    their partial output; the pause answers once none is left, and the agent loop resubmits them).
 
-    def __init__(self, engine_urls: Sequence[str], policy: str = "retract"):
+    ``answer_timeout_s`` (None: the HTTP client's own, 600 s): how long every engine has to answer
+    one bucket's request (:meth:`load`), and each request of the exit after an error and of the
+    resume (an engine that does not answer is logged and left to the caller's check);
+    ``answer_timeout_why`` says in the timeout's message where that bound comes from."""
+
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        policy: str = "retract",
+        answer_timeout_s: float | None = None,
+        answer_timeout_why: str = "",
+    ):
         if policy not in UPDATE_POLICIES:
             raise ValueError(f"update policy {policy!r}: use one of {', '.join(UPDATE_POLICIES)}")
         self.clients = [EngineClient(u) for u in engine_urls]
         self.policy = policy
+        self.answer_timeout_s, self.answer_timeout_why = answer_timeout_s, answer_timeout_why
         self.paused_s = 0.0
         self.caches_kept = 0
         self._t0 = 0.0
@@ -224,16 +236,44 @@ class EngineControl:
             raise
         return self
 
-    async def load(self, group_name: str, spec: BucketSpec, version: int) -> None:
-        """Every engine receives one bucket over ``group_name`` (its sender broadcasts meanwhile)."""
-        await asyncio.gather(
-            *(
+    async def load(
+        self, group_name: str, spec: BucketSpec, version: int, abandon: asyncio.Future[str] | None = None
+    ) -> None:
+        """Every engine receives one bucket over ``group_name`` (its sender broadcasts meanwhile).
+
+        The engines' answers are awaited for at most ``answer_timeout_s`` (then TimeoutError naming
+        the bucket and the engines that did not answer) and only until ``abandon`` completes (then
+        RuntimeError with its result: why the answers will never come, e.g. the sender aborted its
+        group). Either way the requests are given up here; an engine may still be inside its load."""
+        requests = [
+            asyncio.ensure_future(
                 c.update_weights_from_distributed(
                     spec.names, spec.dtypes, spec.shapes, group_name, str(version), flush_cache=False, flat=spec.flat
                 )
-                for c in self.clients
             )
-        )
+            for c in self.clients
+        ]
+        answered = asyncio.gather(*requests)  # raises the first engine's error at once
+        try:
+            done, _ = await asyncio.wait(
+                [answered] if abandon is None else [answered, abandon],
+                timeout=self.answer_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        except BaseException:  # cancelled (WeightSync.update): so are the requests
+            answered.cancel()
+            raise
+        if answered not in done:
+            silent = [c.url for c, r in zip(self.clients, requests, strict=True) if not r.done()]
+            answered.cancel()  # and every request not answered yet
+            where = f"bucket {spec.names[0]}... ({len(spec.names)} tensors) over group {group_name}"
+            if abandon is not None and abandon in done:
+                raise RuntimeError(f"{where}: the engines' answers were given up: {abandon.result()}")
+            raise TimeoutError(
+                f"{where}: engine(s) {' '.join(silent)} did not answer within {self.answer_timeout_s:g} s "
+                f"({self.answer_timeout_why})"
+            )
+        answered.result()
         kill_point("weight_sync:bucket")  # engines hold a partly updated model
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -242,12 +282,15 @@ class EngineControl:
         while one is open), and the engines resume with a partly updated model until the next update
         (which the driver retries)."""
         failed = exc_type is not None
+        bound = self._bounded if failed else _unbounded  # after an error an engine may never answer
         try:
-            ended = await asyncio.gather(*(c.end_weight_update() for c in self.clients), return_exceptions=failed)
+            ended = await asyncio.gather(
+                *(bound(c.end_weight_update()) for c in self.clients), return_exceptions=failed
+            )
             for url, result in zip((c.url for c in self.clients), ended, strict=True):
                 if isinstance(result, BaseException):
                     log.info("engine %s: ending a failed weight update: %s", url, result)
-            flushed = await asyncio.gather(*(self._flush(c) for c in self.clients), return_exceptions=failed)
+            flushed = await asyncio.gather(*(bound(self._flush(c)) for c in self.clients), return_exceptions=failed)
             for url, result in zip((c.url for c in self.clients), flushed, strict=True):
                 if isinstance(result, BaseException):
                     log.info("engine %s: flushing the cache after a failed weight update: %s", url, result)
@@ -266,11 +309,22 @@ class EngineControl:
                 raise
             self.caches_kept += 1
 
+    async def _bounded[T](self, call: Awaitable[T]) -> T:
+        """``call`` within ``answer_timeout_s`` (None: the client's own timeout)."""
+        return await asyncio.wait_for(call, self.answer_timeout_s)
+
     async def _resume(self) -> None:
-        await asyncio.gather(*(c.resume() for c in self.clients), return_exceptions=True)
+        resumed = await asyncio.gather(*(self._bounded(c.resume()) for c in self.clients), return_exceptions=True)
+        for c, result in zip(self.clients, resumed, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("engine %s: resuming after a weight update: %s: %s", c.url, type(result).__name__, result)
         self.paused_s = time.perf_counter() - self._t0
         for c in self.clients:
             await c.close()
+
+
+async def _unbounded[T](call: Awaitable[T]) -> T:
+    return await call
 
 
 class WeightSync:

@@ -63,6 +63,15 @@ class Faults:
     """``(group_name, first tensor name)``: answer that bucket with success false without receiving
     it (once). Its sender's broadcast stays pending (as under NCCL for a dead engine) until the
     sender's wait times out (``rollout.weight_sync_timeout_s``) and it aborts its group."""
+    silent_update: tuple[str, str] | None = None
+    """``(group_name, first tensor name)``: receive that bucket, then never answer it (once): the
+    engine holds the weights but its answer is lost. Its sender's broadcast completes; only the
+    trainer's bound on the engines' answers ends the wait."""
+    hang_update: tuple[str, str] | None = None
+    """``(group_name, first tensor name)``: neither receive that bucket nor answer it (once), as a hung
+    engine. Its sender's broadcast stays pending until the sender's wait times out
+    (``rollout.weight_sync_timeout_s``) and it aborts its group. A request left unanswered is
+    answered (success false) at the next ``/reset``; the engine serves other requests meanwhile."""
     message: str = "cannot load"
 
 
@@ -76,6 +85,7 @@ class FakeEngine:
         self.log: list[dict[str, Any]] = []
         self.begin_calls = 0
         self.loading = asyncio.Lock()  # one update at a time, as SGLang's scheduler
+        self.unanswered = asyncio.Event()  # set at /reset: the hung requests answer then
 
     def _record(self, endpoint: str, **fields: Any) -> dict[str, Any]:
         entry = {"endpoint": endpoint, **fields}
@@ -165,20 +175,32 @@ class FakeEngine:
             load_format=body["load_format"],
             overlapped=self.loading.locked(),
         )
+        bucket = (name, names[0])
         async with self.loading:
             if not self.session:
                 return self._answer(entry, False, "update_weights_from_distributed must run inside a session")
-            if self.faults.refuse_update == (name, names[0]):
+            if self.faults.refuse_update == bucket:
                 self.faults.refuse_update = None
                 return self._answer(entry, False, self.faults.message)
-            group = self.groups.get(name)
-            if group is None or body["load_format"] is not None:
-                return self._answer(entry, False, f"unknown group {name} or format {body['load_format']}")
-            entry["bad"] = await asyncio.to_thread(self._receive, group, names, body["dtypes"], body["shapes"])
-            if self.faults.fail_update == (name, names[0]):
-                self.faults.fail_update = None
-                return self._answer(entry, False, self.faults.message)
-            return self._answer(entry, True)
+            hang = self.faults.hang_update == bucket
+            if hang:
+                self.faults.hang_update = None
+            else:
+                group = self.groups.get(name)
+                if group is None or body["load_format"] is not None:
+                    return self._answer(entry, False, f"unknown group {name} or format {body['load_format']}")
+                entry["bad"] = await asyncio.to_thread(self._receive, group, names, body["dtypes"], body["shapes"])
+                if self.faults.fail_update == bucket:
+                    self.faults.fail_update = None
+                    return self._answer(entry, False, self.faults.message)
+                hang = self.faults.silent_update == bucket
+                if hang:
+                    self.faults.silent_update = None
+        if hang:  # not holding the lock: the engine serves the next requests
+            entry["unanswered"] = True
+            await self.unanswered.wait()
+            return self._answer(entry, False, "never answered (fault injection)")
+        return self._answer(entry, True)
 
     @staticmethod
     def _receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[str]:
@@ -201,6 +223,8 @@ class FakeEngine:
         for group in self.groups.values():
             await asyncio.to_thread(dist.destroy_process_group, group)
         self.groups.clear()
+        self.unanswered.set()
+        self.unanswered = asyncio.Event()
         self.log.clear()
         self.session = False
         self.begin_calls = 0

@@ -192,12 +192,16 @@ def engines(backend: str) -> Iterator[list[EngineProcess]]:
 
 
 def _run(
-    engines: list[EngineProcess], faults: list[Faults], versions: list[int], broken: tuple[int, int] | None = None
+    engines: list[EngineProcess],
+    faults: list[Faults],
+    versions: list[int],
+    broken: tuple[int, int] | None = None,
+    timeout_s: float = WORLD_TIMEOUT_S,
 ) -> tuple[list, list]:
     """The trainer world's per-rank outcomes and each engine's call log."""
     for engine, f in zip(engines, faults, strict=True):
         engine.reset(f)
-    ranks = run_distributed(_trainer, 2, [e.url for e in engines], versions, broken, timeout_s=WORLD_TIMEOUT_S)
+    ranks = run_distributed(_trainer, 2, [e.url for e in engines], versions, broken, timeout_s=timeout_s)
     return ranks, [e.log() for e in engines]
 
 
@@ -423,3 +427,76 @@ def test_a_bucket_an_engine_never_receives_aborts_its_group_at_the_timeout_and_t
             assert log[len(first) - 4]["success"] is False  # refused, never received
         assert brief[-2 - len(_session("sao_weight_sync_2", 2)) : -2] == _session("sao_weight_sync_2", 2)
         assert all(x["success"] for x in log[-2 - len(_session("sao_weight_sync_2", 2)) :]), log
+
+
+def _first_session(released: list[tuple[int, int]]) -> list[tuple]:
+    """The first call's log up to its resume: the groups formed, then the session up to the released buckets."""
+    return [*_groups("/init_weights_update_group", "sao_weight_sync"), *_session("sao_weight_sync", 1, released)]
+
+
+def test_an_engine_that_never_answers_a_bucket_fails_the_sync_at_the_bucket_timeout(
+    engines: list[EngineProcess],
+) -> None:
+    """Engine 1 receives stage 1's first bucket and never answers it. Its sender's broadcast completed,
+    so nothing but rank 0's bound on the engines' answers (``rollout.weight_sync_timeout_s`` plus
+    ``ANSWER_MARGIN_S``, not the HTTP client's 600 s) ends the wait: rank 0 raises naming the key,
+    the bucket and the silent engine (not :class:`SyncAborted`: no group was aborted), posts nothing
+    after that bucket, and the engines end the session and resume. The next call succeeds."""
+    from sao_megatron.weight_sync.broadcast import ANSWER_MARGIN_S
+
+    silent = ("sao_weight_sync_pp1", weight_name(1, 0, 0))
+    ranks, logs = _run(engines, [Faults(), Faults(silent_update=silent)], [1, 2], timeout_s=2 * WORLD_TIMEOUT_S)
+    zero, one = ranks[0][0], ranks[1][0]
+    assert zero["result"] is None and not zero["aborted"], zero
+    bound = f"did not answer within {SYNC_TIMEOUT_S + ANSWER_MARGIN_S:g} s"
+    assert f"trainer rank 0: TimeoutError: bucket {weight_name(1, 0, 0)}... (1 tensors) over group" in zero["error"]
+    assert (
+        f"engine(s) {engines[1].url} {bound} (rollout.weight_sync_timeout_s={SYNC_TIMEOUT_S:g} plus" in (zero["error"])
+    ), zero["error"]
+    assert "trainer rank 1" not in zero["error"]  # its sender sent every released bucket
+    assert zero["seconds"] >= SYNC_TIMEOUT_S + ANSWER_MARGIN_S  # the bound, not an earlier give-up
+    assert one["result"] == {} and one["error"] is None
+    released = ORDER[: ORDER.index((1, 0)) + 1]
+    assert zero["sent"] == _sent("sao_weight_sync", 0, released)
+    assert one["sent"] == _sent("sao_weight_sync", 1, released)
+    _assert_synced([ranks[0][1], ranks[1][1]], "sao_weight_sync_2")
+    for e, log in enumerate(logs):
+        brief = [_brief(x) for x in log]
+        first = _first_session(released)
+        assert brief[: len(first)] == first  # end, flush and continue after the silent bucket
+        assert all(x["success"] for x in log[len(first) - 3 : len(first)]), log
+        hung = log[len(first) - 4]
+        assert hung.get("unanswered", False) is (e == 1) and hung["bad"] == [], hung  # received, unanswered
+        second = _session("sao_weight_sync_2", 2)
+        assert brief[-2 - len(second) : -2] == second
+        assert all(x["success"] for x in log[-2 - len(second) :]), log
+
+
+def test_a_sender_that_aborts_its_group_stops_the_coordinator_at_once(engines: list[EngineProcess]) -> None:
+    """Engine 1 hangs on stage 1's first bucket: it neither joins its broadcast nor answers. The
+    sender's wait ends at ``rollout.weight_sync_timeout_s``, it aborts its group and says so through
+    the gate; rank 0, waiting for the engines' answers to that bucket, stops on that word (its own
+    error is the gate's word, not its answer timeout, which comes ``ANSWER_MARGIN_S`` later) and
+    raises :class:`SyncAborted`. The engines end the session and resume; the next call succeeds."""
+    hung = ("sao_weight_sync_pp1", weight_name(1, 0, 0))
+    ranks, logs = _run(engines, [Faults(), Faults(hang_update=hung)], [1, 2], timeout_s=2 * WORLD_TIMEOUT_S)
+    zero, one = ranks[0][0], ranks[1][0]
+    assert zero["result"] is None and zero["aborted"], zero
+    gave_up = "the engines' answers were given up: sender 1, bucket 0: trainer rank 1 (stage 1): SyncAborted"
+    assert f"trainer rank 0: RuntimeError: bucket {weight_name(1, 0, 0)}... (1 tensors) over group" in zero["error"]
+    assert gave_up in zero["error"], zero["error"]
+    assert "did not answer within" not in zero["error"], zero["error"]
+    assert f"trainer rank 1: SyncAborted: {world_backend()} group sao_weight_sync_pp1: " in zero["error"]
+    assert one["result"] == {} and one["error"] is None
+    released = ORDER[: ORDER.index((1, 0)) + 1]
+    assert one["sent"] == _sent("sao_weight_sync", 1, released)
+    _assert_synced([ranks[0][1], ranks[1][1]], "sao_weight_sync_2")
+    for e, log in enumerate(logs):
+        brief = [_brief(x) for x in log]
+        first = _first_session(released)
+        assert brief[: len(first)] == first
+        assert all(x["success"] for x in log[len(first) - 3 : len(first)]), log
+        assert log[len(first) - 4].get("unanswered", False) is (e == 1)
+        second = _session("sao_weight_sync_2", 2)
+        assert brief[-2 - len(second) : -2] == second
+        assert all(x["success"] for x in log[-2 - len(second) :]), log
