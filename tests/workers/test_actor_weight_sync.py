@@ -6,7 +6,8 @@ Covered: the control plane rank 0 runs (pause in retract mode, begin, every buck
 with its values; a sender broadcasts only the buckets released to it), the groups' reuse and
 re-formation, and the error paths (an engine failing a bucket, an engine refusing the session, an
 engine refusing a bucket without receiving it, which leaves its sender's broadcast pending as NCCL
-does for a dead engine): rank 0 raises with the engine's message, the other rank returns ``{}``,
+does for a dead engine, an engine that receives a bucket and never answers, one that hangs on it,
+whose sender aborts its group and tells rank 0 through the gate): rank 0 raises with the engine's message, the other rank returns ``{}``,
 the engines end the session and resume, nothing waits for the 300 s group timeout, and the next
 call succeeds. The store gate alone: ``tests/test_weight_sync.py``.
 
