@@ -338,8 +338,8 @@ def test_routes_of_a_multi_turn_episode_equal_a_prefill_of_its_ids(engine):
     assert fresh.cached_tokens == 0 and cached.cached_tokens > 0
     for prefill in (fresh, cached):
         assert prefill.routes is not None
-        rows = shape.decode(prefill.routes)
-        assert rows.shape[0] == n  # positions [0, n + 1 - 1)
+        rows, bad = shape.decode(prefill.routes)
+        assert rows.shape[0] == n and not bad.any()  # positions [0, n + 1 - 1), each naming k distinct experts
         np.testing.assert_array_equal(np.sort(traj.routes[: n - 1], -1), np.sort(rows[: n - 1], -1))
 
 
