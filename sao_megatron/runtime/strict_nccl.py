@@ -14,14 +14,16 @@ torch 2.14.1's ``ProcessGroupNCCL`` and ``distributed_c10d`` have them:
   the result is what syncs it on a GPU); an op that only reads this rank's tensors (send, a
   non-root gather or reduce, the root of a broadcast or scatter) returns at once, its inputs
   copied at the call (the stream would have ordered later writes after it).
-  ``Work.wait(timeout)`` blocks until done or the timeout, then aborts the group and raises
-  ``DistBackendError`` (``WorkNCCL::synchronizeInternal``: a user timeout blocks the host).
+  ``Work.wait(timeout)`` blocks until done or the timeout (measured from the enqueue), then aborts
+  the group and raises ``DistBackendError`` (``WorkNCCL::synchronizeInternal``: a user timeout
+  blocks the host); the group's other pending ops then complete without an error, and every later
+  op on it raises at its call.
 - **A peer that dies hangs the op** (NCCL does not see a closed socket as an error of the op): a
   failure gloo reports is held until the group's timeout, then handled as a timeout.
 - **A watchdog per group** (``ProcessGroupNCCL::watchdogHandler``): an op not completed within
   the group's timeout is handled as ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says, read from the
   environment when the group is built (torch reads it per group, in the constructor): 0 logs and
-  keeps waiting, 2 aborts the group (its works raise), 1 and 3 (the default) take the process down
+  keeps waiting, 2 aborts the group (later ops raise), 1 and 3 (the default) take the process down
   with ``SIGABRT`` (``std::abort``) after a line naming the group, op, sequence number and
   timeout. ``TORCH_NCCL_BLOCKING_WAIT=1`` makes every ``wait()`` block and raise at the timeout
   instead.
@@ -74,10 +76,12 @@ SPLIT_WAIT_ENV = "SAO_STRICT_SPLIT_WAIT_S"
 
 
 def split_wait_s() -> float:
-    """How long a split waits for every parent rank (and a new group for all its members) before it
-    reports where NCCL would hang (``SAO_STRICT_SPLIT_WAIT_S``, default 20: ranks of a test reach a
-    split within seconds of each other)."""
-    return float(os.environ.get(SPLIT_WAIT_ENV, "20"))
+    """How long a split waits for every parent rank before it reports where NCCL would hang
+    (``SAO_STRICT_SPLIT_WAIT_S``, default 60). NCCL itself would wait on; the bound is where a test
+    says so instead. Ranks of one world reach a split within seconds of each other (each split
+    waits for the whole parent, so they move in step), and 60 s leaves room for a loaded machine;
+    a new group's members are waited for up to its timeout, as ``ncclCommInitRank`` waits."""
+    return float(os.environ.get(SPLIT_WAIT_ENV, "60"))
 
 
 class NcclWouldHang(RuntimeError):
@@ -178,9 +182,14 @@ class StrictWork(dist.Work):
         if not user_timeout and not self.backend.blocking_wait and not self.reads_result:
             return True  # NCCL orders the stream only; nothing of this rank waits for the op
         if user_timeout or self.backend.blocking_wait:
+            # WorkNCCL::checkTimeout measures from the op's enqueue (workStartTime_), not from the wait
             limit = timeout.total_seconds() if user_timeout else self.backend.timeout.total_seconds()  # type: ignore[union-attr]
-            if not self.done.wait(limit):
-                message = f"{self.describe()} timed out in blocking wait after {limit:g} s"
+            if not self.done.wait(max(0.0, limit - (time.monotonic() - self.started))):
+                ran = int((time.monotonic() - self.started) * 1000)
+                message = (
+                    f"Watchdog caught collective operation timeout: {self.describe()} ran for {ran} milliseconds "
+                    "before timing out."
+                )
                 self.backend.abort(reason=message)
                 raise dist.DistBackendError(message)
         else:
@@ -212,12 +221,12 @@ class StrictBackend(_C10dBackend):
         self.parent = parent
         if rank == 0:  # one id for the communicator on every rank (NCCL: its unique id, from rank 0)
             store.set("strict/uid", uuid.uuid4().hex)
-        try:
-            store.wait(["strict/uid"], timedelta(seconds=min(split_wait_s(), timeout.total_seconds())))
+        try:  # NCCL's ncclCommInitRank waits for every member (slow starters included) up to the timeout
+            store.wait(["strict/uid"], timeout)
         except Exception:
             raise NcclWouldHang(
-                f"group {group_name}: its rank 0 never joined within {split_wait_s():g} s (NCCL would hang here, "
-                f"in ncclCommInitRank); created at {_call_site()}"
+                f"group {group_name}: its rank 0 never joined within the group's timeout "
+                f"({timeout.total_seconds():g} s; NCCL would hang here, in ncclCommInitRank); created at {_call_site()}"
             ) from None
         self.uid = store.get("strict/uid").decode()
         self.error_handling = int(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"))
@@ -250,12 +259,13 @@ class StrictBackend(_C10dBackend):
         self.store.set(f"strict/member/{self._rank}", json.dumps(me))
         keys = [f"strict/member/{r}" for r in range(self._size)]
         try:
-            self.store.wait(keys, timedelta(seconds=min(split_wait_s(), self.timeout.total_seconds())))
+            self.store.wait(keys, self.timeout)
         except Exception:
             missing = [r for r in range(self._size) if not self.store.check([f"strict/member/{r}"])]
             raise NcclWouldHang(
-                f"group {self.group_name}: ranks {missing} of {self._size} never joined within "
-                f"{split_wait_s():g} s (NCCL would hang here, in ncclCommInitRank); created at {_call_site()}"
+                f"group {self.group_name}: ranks {missing} of {self._size} never joined within the group's timeout "
+                f"({self.timeout.total_seconds():g} s; NCCL would hang here, in ncclCommInitRank); created at "
+                f"{_call_site()}"
             ) from None
         members = [json.loads(self.store.get(k)) for k in keys]
         parents = {m["parent"] for m in members}
@@ -292,9 +302,19 @@ class StrictBackend(_C10dBackend):
         self.splits += 1
         entry = {"group": group_name, "ranks": ranks or [], "at": _call_site()}
         self.store.set(f"strict/split/{seq}/{self._rank}", json.dumps(entry))
-        if group_name is None:
-            return  # a non-member does not wait (ncclCommSplit with NCCL_SPLIT_NOCOLOR returns)
         keys = [f"strict/split/{seq}/{r}" for r in range(self._size)]
+        if group_name is None:  # ncclCommSplit(NCCL_SPLIT_NOCOLOR) is blocking (performNocolorSplit):
+            # a non-member waits for the whole parent as a member does
+            try:
+                self.store.wait(keys, timedelta(seconds=split_wait_s()))
+            except Exception:
+                missing = [r for r in range(self._size) if not self.store.check([f"strict/split/{seq}/{r}"])]
+                raise NcclWouldHang(
+                    f"split #{seq} of {self.group_name} (this rank not a member of the new group): parent ranks "
+                    f"{missing} of {self._size} never took part within {split_wait_s():g} s: ncclCommSplit is a "
+                    f"collective of the whole parent, so NCCL would hang here. At {_call_site()}"
+                ) from None
+            return
         try:
             self.store.wait(keys, timedelta(seconds=split_wait_s()))
         except Exception:
@@ -367,7 +387,7 @@ class StrictBackend(_C10dBackend):
         if work is None:
             return
         if self.aborted is not None:
-            work._finish(RuntimeError(f"{work.describe()}: the communicator was aborted ({self.aborted})"))
+            work._finish(None)  # see abort()
         elif time.monotonic() - work.started > self.timeout.total_seconds():
             self._timed_out(work, work.held)
 
@@ -391,13 +411,16 @@ class StrictBackend(_C10dBackend):
             work._logged = True  # type: ignore[attr-defined]
 
     def abort(self, reason: str = "abort requested") -> None:
-        """NCCL's ``ncclCommAbort``: every pending op of the group ends with an error, now."""
+        """NCCL's ``ncclCommAbort``: the group's pending ops end now, and every later op on it raises
+        at its call. An op pending at the abort completes without an error and its output is left as
+        it was (``WorkNCCL::isCompleted`` skips the error check on an aborted communicator; its end
+        event fires when the kernels exit): only the waiter whose timeout aborted it raises."""
         if self.aborted is None:
             self.aborted = reason
         with self._lock:
             pending = list(self._pending)
         for work in pending:
-            work._finish(RuntimeError(f"{work.describe()}: the communicator was aborted ({reason})"))
+            work._finish(None)
 
     def shutdown(self) -> None:
         self.abort("shut down")
