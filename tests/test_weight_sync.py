@@ -303,3 +303,14 @@ def test_disk_sync_asks_no_engine_to_load_when_the_export_fails(tmp_path):
     with pytest.raises(OSError, match="No space left"):
         asyncio.run(sync_from_disk(export, tmp_path, [_DiskEngine("engine0", log)], 1))  # type: ignore[arg-type]
     assert log == []
+
+
+def test_a_sync_groups_watchdog_never_sees_a_bucket_late_under_nccl():
+    """Under NCCL the group's timeout is past the sender's wait (both count from the enqueue), so the
+    wait aborts first and the watchdog raises no process-wide dump signal (transport._UNWATCHED);
+    under gloo it is the bucket's own."""
+    from sao_megatron.weight_sync.transport import group_timeout_s
+
+    for backend in ("nccl", "strict_nccl"):
+        assert group_timeout_s(120.0, backend) == 300.0 and group_timeout_s(5.0, backend) > 2 * 5.0
+    assert group_timeout_s(120.0, "gloo") == 120.0

@@ -268,7 +268,7 @@ class BroadcastSync:
         sending = asyncio.ensure_future(asyncio.to_thread(self._data_plane, stream, gate))
         gave_up = asyncio.ensure_future(_given_up(gate))
         released = [0] * len(plan)  # per stage: buckets released so far
-        error = None
+        error, silent = None, False
         try:
             for s, k in sync_order([len(p) for p in plan]):
                 if (reason := await asyncio.to_thread(gate.wait_ready, s, k)) is not None:
@@ -278,6 +278,10 @@ class BroadcastSync:
                 await control.load(names[s], plan[s][k], version, abandon=gave_up)
         except Exception as err:
             error = f"{type(err).__name__}: {err}"
+            # an engine that never answered a bucket (EngineControl.load's TimeoutError) leaves the group
+            # in an unknown state (inside its load, or in a receive that never completes): the group
+            # counts as aborted, so the driver restarts every engine of it, as after a sender's abort
+            silent = isinstance(err, TimeoutError)
             gate.stop((s, k) for s, k in enumerate(released) if k < len(plan[s]))
             await control.__aexit__(type(err), err, None)  # resumes
             sent = await sending
@@ -295,7 +299,7 @@ class BroadcastSync:
             gave_up.cancel()
             if gave_up.done() and not gave_up.cancelled():
                 gave_up.exception()  # a store error there is the final all-gather's to report
-        return sent[0], sent[1], error, sent[3], control.paused_s, control.caches_kept
+        return sent[0], sent[1], error, sent[3] or silent, control.paused_s, control.caches_kept
 
     def _group_name(self, label: str) -> str:
         """``sao_weight_sync``, then the formation count from the second on, then the lane's label."""

@@ -53,8 +53,26 @@ class SyncAborted(RuntimeError):
 _UNWATCHED = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 """What a weight-sync group's ``ProcessGroupNCCL`` reads from the environment when it is built: no
 async error handling (its watchdog does not take the process down on a timeout or an error, which
-the sender handles: :meth:`WeightSync.send`) and no flight-recorder dump signal (which the default
-group's heartbeat monitor would act on). Other groups, built before or after, keep the defaults."""
+the sender handles: :meth:`WeightSync.send`) and no dump of its own. Other groups, built before or
+after, keep the defaults.
+
+That is not all a timeout would do: on a timeout or an error any group's watchdog raises the
+process-wide dump signal, and the first group's (the trainer world's) heartbeat monitor acts on
+it, ending the process after ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` unless monitoring is off (read in
+a recent ``ProcessGroupNCCL.cpp``: ``Watchdog::runLoop``, ``HeartbeatMonitor::runLoop``; not run on a
+GPU). So the group's own timeout is :func:`group_timeout_s`, well past the sender's wait: the wait
+aborts the communicator first and the watchdog finds the op ended, not timed out. An error NCCL
+reports on the group itself (a remote error) would still raise the signal."""
+
+
+def group_timeout_s(bucket_timeout_s: float, backend: str) -> float:
+    """A weight-sync group's timeout for a sender that waits ``bucket_timeout_s`` for a bucket:
+    NCCL-like backends ``2 x + 60`` s, so the sender's ``Work.wait`` (timed from the same enqueue)
+    always ends an op before the group's watchdog would see it late (:data:`_UNWATCHED`); gloo the
+    bucket's own (its collective timeout frees the worker thread, which an abort's destructor joins)."""
+    return 2 * bucket_timeout_s + 60 if is_nccl_like(backend) else bucket_timeout_s
+
+
 _env_lock = threading.Lock()
 
 
@@ -74,7 +92,15 @@ def new_group(
     (``ncclCommSplit``), a collective of the whole world whose other ranks never join it and whose
     engine members are not in it: the first sync hung there. The default group is unbound while
     this group is made (NeMo-RL does the same around its side group), so NCCL makes it from the
-    store (``ncclCommInitRank``) with exactly its own members.
+    store (``ncclCommInitRank``) with exactly its own members. Meanwhile no other thread of this
+    process may make a group or run a barrier on the world (torch reads the binding there): the
+    senders form their groups in ``WeightSync.connect`` while their rank does nothing else with
+    ``torch.distributed``.
+
+    Unbound, NCCL makes the group's communicator at its first op (a lazy ``ncclCommInitRank``), so a
+    sender's first broadcast blocks until every engine rank has joined, with no timeout: an engine
+    that dies between joining and the first bucket would hold that sender's thread (a GPU risk,
+    noted in docs/training.md; not reproduced by ``strict_nccl``, which connects at once).
     """
     from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
 
@@ -372,10 +398,10 @@ class WeightSync:
         self.master_port = store.port
         loop = asyncio.get_running_loop()
         # The group's own timeout (gloo: its connection set-up and each collective's; NCCL: the
-        # watchdog's) is the bucket's: a timed-out gloo collective frees its worker thread, which the
-        # group's destructor joins after an abort.
+        # watchdog's): group_timeout_s
+        timeout_s = group_timeout_s(self.timeout_s, self.backend)
         local = loop.run_in_executor(
-            None, lambda: new_group(self.backend, store, self.world_size, 0, self.group_name, self.timeout_s)
+            None, lambda: new_group(self.backend, store, self.world_size, 0, self.group_name, timeout_s)
         )
 
         async def join(i: int, url: str):
