@@ -290,5 +290,6 @@ class ArithToolEnv(ToolEnv):
                 )
         turns: list[Turn] = []
         for call, result in steps:
-            turns += [("assistant", self.call_text(call)), ("tool", result)]
+            turns.append(("assistant", self.call_text(call)))
+            turns.append(("tool", result))
         return [*turns, ("assistant", self.answer_text(sample.answer))]

@@ -240,7 +240,8 @@ class StrictBackend(_C10dBackend):
         if parent is not None:
             parent.join_split(group_name, size, ranks_in_parent)
         # gloo carries the data; its own timeout is far past the group's, so the watchdog decides
-        self.gloo = ProcessGroupGloo(store, rank, size, timeout * 4 + timedelta(seconds=60))
+        # typed Any: torch's stubs do not declare the collectives the binding has
+        self.gloo: Any = ProcessGroupGloo(store, rank, size, timeout * 4 + timedelta(seconds=60))
         self._worker = threading.Thread(target=self._run, name=f"strict-nccl-{group_name}", daemon=True)
         self._worker.start()
         _watched.add(self)
@@ -567,7 +568,7 @@ class StrictGroup(dist.ProcessGroup):
     which a CPU machine has none of), and ``_get_backend`` hands torch the backend to split from."""
 
     def __init__(self, backend: StrictBackend):
-        super().__init__(backend._rank, backend._size)
+        super().__init__(backend._rank, backend._size)  # pyright: ignore[reportCallIssue]  # (rank, size) at runtime
         self.backend = backend
 
     def _get_backend(self, device=None) -> StrictBackend:  # pyright: ignore[reportIncompatibleMethodOverride]
