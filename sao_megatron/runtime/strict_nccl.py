@@ -233,6 +233,7 @@ class StrictBackend(_C10dBackend):
         self.blocking_wait = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") in ("1", "true", "True")
         self.splits = 0  # splits of this communicator joined so far (this rank)
         self.aborted: str | None = None
+        self.closed = False
         self.seq = 0
         self._lock = threading.Condition()
         self._pending: deque[StrictWork] = deque()
@@ -368,8 +369,10 @@ class StrictBackend(_C10dBackend):
         pending, as an NCCL op with a dead peer does, until the watchdog's timeout."""
         while True:
             with self._lock:
-                while not self._pending:
+                while not self._pending and not self.closed:
                     self._lock.wait()
+                if not self._pending:  # shut down (destroy_process_group): the thread ends with the group
+                    return
                 work = self._pending[0]
             try:
                 work.inner.wait()
@@ -424,7 +427,12 @@ class StrictBackend(_C10dBackend):
             work._finish(None)
 
     def shutdown(self) -> None:
+        """``destroy_process_group``: pending ops end (an abort) and the worker thread exits."""
         self.abort("shut down")
+        with self._lock:
+            self.closed = True
+            self._lock.notify_all()
+        _watched.discard(self)
 
     # --- ops ------------------------------------------------------------------------------------
     def _enqueue(self, op: str, reads_result: bool, issue: Callable[[], Any], results=()) -> StrictWork:

@@ -334,3 +334,27 @@ def test_groups_made_in_one_order_carry_every_collective_as_gloo_does():
     got = run_world(_megatron_style_groups, 2, backend=STRICT, timeout_s=120)
     ref = run_world(_megatron_style_groups, 2, backend="gloo", timeout_s=120)
     assert got == ref
+
+
+def _groups_leave_no_threads(rank: int, world: int) -> list[int]:
+    import threading
+
+    def workers() -> int:
+        return sum(t.name.startswith("strict-nccl-") and t.is_alive() for t in threading.enumerate())
+
+    before = workers()
+    for _ in range(5):
+        group = dist.new_group([0, 1])
+        dist.all_reduce(torch.ones(1), group=group)
+        dist.destroy_process_group(group)
+    deadline = time.monotonic() + 30
+    while workers() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [before, workers()]
+
+
+def test_a_destroyed_group_ends_its_worker_thread():
+    """A world that changes layout many times (the tests' reused worlds) must not grow by a thread
+    per group it made."""
+    for before, after in run_world(_groups_leave_no_threads, 2, backend=STRICT, timeout_s=120):
+        assert after == before, (before, after)
