@@ -53,7 +53,10 @@ def test_a_miniature_sweep_shares_its_start_and_compares(tmp_path, capsys):
         assert state["initial_eval"] == {k: v for k, v in initial.items() if k.startswith("eval/")}
         assert state["step"] == 2 and state["final_eval"] is not None
     assert "| eval/accuracy | grpo_dis | 1 |" in table and "| eval/accuracy gain | grpo_dis | 1 |" in table
-    assert "| eval/mean_accuracy@1 | grpo_dis | 1 |" in table and "_start" not in table
+    assert "| eval/mean_accuracy@1 | grpo_dis | 1 |" in table
+    metric_rows = [line for line in table.splitlines() if line.startswith("| eval/")]
+    assert all(line.split("|")[2].strip() != "_start" for line in metric_rows)  # the start is no arm
+    assert "| _start | 1 of 1 |" in table  # its provenance is printed, as each arm's
     assert (out / "compare_mini" / "eval_accuracy.png").stat().st_size > 0
 
     assert main(["compare", str(out), "--metric", "rollout/reward", "--out", str(tmp_path / "cmp")]) == 0

@@ -89,5 +89,7 @@ def test_with_every_feed_posted_at_once_the_watchdog_kills_the_feeding_rank(stri
     """The same world with rank 1's gathers all posted at the start (a window as long as the sync:
     the stream before the window): the strict watchdog times the last ones from the start and takes
     rank 1 down with SIGABRT (its line, naming the gather, goes to the ranks' stderr)."""
-    with pytest.raises(WorldFailed, match="process 1 terminated with signal SIGABRT"):
+    # the feeding rank dies first; the writer's gathers then lose their peer and its watchdog may take
+    # it down too before the world reports, so either process may be the one named
+    with pytest.raises(WorldFailed, match="process [01] terminated with signal SIGABRT"):
         run_distributed(_slow_writer, 2, 1 << 20, timeout_s=WORLD_TIMEOUT_S)
