@@ -221,12 +221,16 @@ class StrictBackend(_C10dBackend):
         self.parent = parent
         if rank == 0:  # one id for the communicator on every rank (NCCL: its unique id, from rank 0)
             store.set("strict/uid", uuid.uuid4().hex)
-        try:  # NCCL's ncclCommInitRank waits for every member (slow starters included) up to the timeout
-            store.wait(["strict/uid"], timeout)
+        # NCCL's ncclCommInitRank waits for every member (slow starters included): here up to the
+        # group's timeout, and never less than the split bound (a group with a short op timeout is
+        # still made among processes that start seconds apart)
+        self.join_timeout = max(timeout, timedelta(seconds=split_wait_s()))
+        try:
+            store.wait(["strict/uid"], self.join_timeout)
         except Exception:
             raise NcclWouldHang(
-                f"group {group_name}: its rank 0 never joined within the group's timeout "
-                f"({timeout.total_seconds():g} s; NCCL would hang here, in ncclCommInitRank); created at {_call_site()}"
+                f"group {group_name}: its rank 0 never joined within {self.join_timeout.total_seconds():g} s "
+                f"(NCCL would hang here, in ncclCommInitRank); created at {_call_site()}"
             ) from None
         self.uid = store.get("strict/uid").decode()
         self.error_handling = int(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"))
@@ -261,12 +265,12 @@ class StrictBackend(_C10dBackend):
         self.store.set(f"strict/member/{self._rank}", json.dumps(me))
         keys = [f"strict/member/{r}" for r in range(self._size)]
         try:
-            self.store.wait(keys, self.timeout)
+            self.store.wait(keys, self.join_timeout)
         except Exception:
             missing = [r for r in range(self._size) if not self.store.check([f"strict/member/{r}"])]
             raise NcclWouldHang(
-                f"group {self.group_name}: ranks {missing} of {self._size} never joined within the group's timeout "
-                f"({self.timeout.total_seconds():g} s; NCCL would hang here, in ncclCommInitRank); created at "
+                f"group {self.group_name}: ranks {missing} of {self._size} never joined within "
+                f"{self.join_timeout.total_seconds():g} s (NCCL would hang here, in ncclCommInitRank); created at "
                 f"{_call_site()}"
             ) from None
         members = [json.loads(self.store.get(k)) for k in keys]
@@ -305,27 +309,20 @@ class StrictBackend(_C10dBackend):
         entry = {"group": group_name, "ranks": ranks or [], "at": _call_site()}
         self.store.set(f"strict/split/{seq}/{self._rank}", json.dumps(entry))
         keys = [f"strict/split/{seq}/{r}" for r in range(self._size)]
-        if group_name is None:  # ncclCommSplit(NCCL_SPLIT_NOCOLOR) is blocking (performNocolorSplit):
-            # a non-member waits for the whole parent as a member does
-            try:
-                self.store.wait(keys, timedelta(seconds=split_wait_s()))
-            except Exception:
-                missing = [r for r in range(self._size) if not self.store.check([f"strict/split/{seq}/{r}"])]
-                raise NcclWouldHang(
-                    f"split #{seq} of {self.group_name} (this rank not a member of the new group): parent ranks "
-                    f"{missing} of {self._size} never took part within {split_wait_s():g} s: ncclCommSplit is a "
-                    f"collective of the whole parent, so NCCL would hang here. At {_call_site()}"
-                ) from None
-            return
+        # ncclCommSplit is a collective of the whole parent, blocking for members and non-members
+        # (NCCL_SPLIT_NOCOLOR, performNocolorSplit) alike
         try:
             self.store.wait(keys, timedelta(seconds=split_wait_s()))
         except Exception:
-            missing = [r for r in range(self._size) if not self.store.check([f"strict/split/{seq}/{r}"])]
+            missing = [r for r in range(self._size) if not self.store.check([keys[r]])]
+            made = "this rank is not a member of the new group" if group_name is None else f"making group {group_name}"
             raise NcclWouldHang(
-                f"group {group_name} is split from {self.group_name} (split #{seq}), but parent ranks "
-                f"{missing} of {self._size} never took part within {split_wait_s():g} s: ncclCommSplit is a "
-                f"collective of the whole parent, so NCCL would hang here. Created at {_call_site()}"
+                f"split #{seq} of {self.group_name} ({made}): parent ranks {missing} of {self._size} never took "
+                f"part within {split_wait_s():g} s: ncclCommSplit is a collective of the whole parent, so NCCL "
+                f"would hang here. At {_call_site()}"
             ) from None
+        if group_name is None:
+            return
         entries = [json.loads(self.store.get(k)) for k in keys]
         mine = (group_name, entry["ranks"])
         other = [(r, e) for r, e in enumerate(entries) if e["group"] is not None and (e["group"], e["ranks"]) != mine]
